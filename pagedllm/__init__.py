@@ -1,0 +1,7 @@
+"""pagedllm: a paged-KV-cache LLM engine, an OpenAI-compatible server and a PyTorch-native trainer."""
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob"]

@@ -1,0 +1,270 @@
+"""Engine and model configuration, built once at the entry point and passed down.
+
+`ModelConfig` is read from a Hugging Face `config.json` (both the transformers ≥ 5 spelling,
+`rope_parameters`, and the older `rope_theta` + `rope_scaling`). `EngineConfig` holds the engine
+arguments users pass to `LLM(...)` / `pagedllm serve`, validated here so that a bad value fails
+with the argument's name before anything is allocated.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class ModelLoadError(ValueError):
+    """A model folder that is missing, incomplete, corrupt or of an unsupported architecture."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The subset of a transformers config that the model code and the KV cache need."""
+
+    path: str
+    model_type: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]
+    config_dtype: str | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        folder = Path(path)
+        if not folder.is_dir():
+            raise ModelLoadError(f"model folder {str(path)!r} does not exist or is not a directory")
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise ModelLoadError(f"model folder {str(path)!r} has no config.json")
+        try:
+            raw = json.loads(config_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{config_file} is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{config_file} must hold a JSON object")
+        return cls.from_dict(raw, str(folder))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], path: str = "") -> "ModelConfig":
+        architecture = _architecture(raw)
+        model_type = SUPPORTED_ARCHITECTURES[architecture]
+        try:
+            hidden = int(raw["hidden_size"])
+            num_heads = int(raw["num_attention_heads"])
+            num_layers = int(raw["num_hidden_layers"])
+            intermediate = int(raw["intermediate_size"])
+            vocab = int(raw["vocab_size"])
+        except KeyError as exc:
+            raise ModelLoadError(f"config.json is missing {exc.args[0]!r}") from exc
+        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"hidden_act={act!r} is not supported (only 'silu')")
+        rope_theta, rope_scaling = _rope(raw)
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            path=path,
+            model_type=model_type,
+            architecture=architecture,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            intermediate_size=intermediate,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            o_bias=model_type == "llama" and bool(raw.get("attention_bias", False)),
+            mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_windows=_sliding_windows(raw, model_type, num_layers),
+            config_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+        )
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+    if not archs and raw.get("model_type") in by_type:
+        return by_type[raw["model_type"]]
+    named = archs or [raw.get("model_type")]
+    raise ModelLoadError(
+        f"unknown architecture {named!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Normalise transformers ≥ 5 `rope_parameters` and the older `rope_theta`/`rope_scaling`."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {}) or None
+    theta = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = params
+    if scaling is not None:
+        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ModelLoadError(f"rope_type={rope_type!r} is not supported (default, linear, llama3)")
+        scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+    return theta, scaling
+
+
+def _sliding_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
+    window = raw.get("sliding_window")
+    if model_type == "mistral":
+        return (int(window) if window else None,) * num_layers
+    if model_type in ("qwen2", "qwen3") and raw.get("use_sliding_window") and window:
+        kinds = raw.get("layer_types") or ["sliding_attention"] * num_layers
+        return tuple(int(window) if k == "sliding_attention" else None for k in kinds)
+    return (None,) * num_layers
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (free pages alone undercount reclaimable cache)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class EngineConfig:
+    """Engine arguments (vLLM's names). Sizes the KV pool and bounds each scheduler step."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    preemption_policy: str = "fcfs"
+    swap_space: int = 1 << 30
+    seed: int = 0
+    kv_cache_memory_fraction: float = 0.25
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.extra:
+            raise ValueError(f"unknown engine argument(s): {sorted(self.extra)}")
+        _positive("block_size", self.block_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        for name in ("num_kv_blocks", "kv_cache_memory", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(name, value)
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
+        if self.dtype not in (*_DTYPES, "auto"):
+            raise ValueError(f"dtype must be one of {[*_DTYPES, 'auto']}, got {self.dtype!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.preemption_policy not in ("fcfs", "priority", "shortest_remaining"):
+            raise ValueError(
+                "preemption_policy must be 'fcfs', 'priority' or 'shortest_remaining', "
+                f"got {self.preemption_policy!r}"
+            )
+        if not 0 < self.kv_cache_memory_fraction <= 0.9:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 0.9]")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
+        known = {f.name for f in fields(cls)} - {"extra", "model"}
+        extra = {k: v for k, v in kwargs.items() if k not in known}
+        return cls(model=model, extra=extra, **{k: v for k, v in kwargs.items() if k in known})
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        """fp32 on CPU unless asked: CPUs without bf16 units run bf16 matmuls ~3.5x slower."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.torch_device().type == "cpu":
+            return torch.float32
+        return _DTYPES.get(str(model_config.config_dtype), torch.float16)
+
+    def resolve_max_model_len(self, model_config: ModelConfig) -> int:
+        limit = model_config.max_position_embeddings
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}"
+            )
+        return self.max_model_len
+
+    def resolve_max_num_batched_tokens(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                    f"max_model_len={max_model_len}; without chunked prefill a long prompt could "
+                    "never be scheduled (enable_chunked_prefill=True or raise the budget)"
+                )
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,64 @@
+"""Incremental detokenization and stop strings.
+
+Decoding each new token alone loses leading spaces (SentencePiece) and splits multi-byte
+characters (byte-level BPE), so each step decodes a short window that starts a few tokens back
+and emits only the text that window adds — holding back while it ends in an incomplete
+character. Stop strings are searched only where the new text could complete one, and text that
+could still turn into a stop string is held back from unfinished outputs, so a stop string
+never reaches a client, not even for a moment while streaming.
+"""
+from __future__ import annotations
+
+from pagedllm.engine.sequence import Sequence
+
+_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for spacing
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def start(self, seq: Sequence) -> None:
+        seq.detok_read_offset = seq.num_prompt_tokens
+        seq.detok_prefix_offset = max(0, seq.num_prompt_tokens - _CONTEXT_TOKENS)
+
+    def decode_new(self, seq: Sequence) -> str:
+        """The text the latest token adds (possibly empty until a character completes)."""
+        if self.tokenizer is None:
+            return ""
+        skip = seq.request.params.skip_special_tokens
+        ids = seq.token_ids
+        prefix = self.tokenizer.decode(ids[seq.detok_prefix_offset : seq.detok_read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[seq.detok_prefix_offset :], skip_special_tokens=skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        seq.detok_prefix_offset = seq.detok_read_offset
+        seq.detok_read_offset = len(ids)
+        return full[len(prefix) :]
+
+    def decode_token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token_id])
+
+
+def find_stop(text: str, num_new_chars: int, stops: list[str]) -> tuple[int, str] | None:
+    """Earliest stop string that the last `num_new_chars` characters complete: (index, stop)."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        start = max(0, len(text) - num_new_chars - len(stop) + 1)
+        index = text.find(stop, start)
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
+    return best
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest

@@ -1,0 +1,128 @@
+"""Request and sequence state (seed 001, "Sequence State" and the request lifecycle).
+
+A `Request` is what a user submitted; it owns one `Sequence` per sample (n / best_of). Only the
+first sequence is prefilled: the others are forked from it once its prompt is computed, sharing
+its KV blocks. Scheduling works on sequences, so each sample can be preempted on its own.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.outputs import PromptLogprobs, RequestMetrics, SampleLogprobs
+from pagedllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
+
+# Seed 001's state diagram, plus RUNNING -> WAITING for recompute preemption.
+_TRANSITIONS = {
+    SequenceStatus.WAITING: {SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_LENGTH},
+    SequenceStatus.RUNNING: {SequenceStatus.SWAPPED, SequenceStatus.WAITING, *_FINISHED},
+    SequenceStatus.SWAPPED: {SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED},
+}
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample's tokens, KV progress and stop state. `token_ids` is prompt + output."""
+
+    request: "Request"
+    index: int
+    token_ids: list[int]
+    generator: torch.Generator | None
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: SampleLogprobs = field(default_factory=list)
+    output_text: str = ""
+    stop_reason: int | str | None = None
+    detok_prefix_offset: int = 0
+    detok_read_offset: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def set_status(self, status: SequenceStatus) -> None:
+        assert status in _TRANSITIONS.get(self.status, ()), f"illegal transition {self.status} -> {status}"
+        self.status = status
+
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+
+@dataclass(eq=False)
+class Request:
+    """A user's request: the prompt, its sampling parameters and its samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+    seqs: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+    forked: bool = False
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def finished(self) -> bool:
+        # Before the fork only the first sample exists, and the fork happens before its first
+        # token is sampled, so "all samples finished" holds at every point of the lifecycle.
+        return all(s.finished for s in self.seqs)
+
+    def new_generator(self, index: int, device: torch.device) -> torch.Generator | None:
+        """Per-sample RNG: a seeded request samples the same tokens whatever shares its batch."""
+        if self.params.seed is None:
+            return None
+        generator = torch.Generator(device=device)
+        generator.manual_seed((self.params.seed * 1_000_003 + index) % (1 << 63))
+        return generator

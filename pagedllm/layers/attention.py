@@ -1,0 +1,115 @@
+"""Paged attention in plain PyTorch, arranged to be fast on CPU.
+
+The KV pool of a layer is `[num_blocks, block_size, num_kv_heads, head_dim]` (seed 001's layout).
+A step's batch puts its decode tokens first, then its prefill chunks:
+
+- decodes are attended in one batched SDPA call: their block tables, padded to the longest,
+  are gathered with one `index_select` over whole blocks (several times faster on CPU than
+  advanced indexing) and positions past each context are masked;
+- a prefill chunk with no cached prefix attends causally to its own fresh K/V, never touching
+  the pool (SDPA's causal fast path);
+- a prefill chunk that follows a cached prefix (prefix-cache hit, later chunk of a chunked
+  prefill, recompute) gathers its context from the pool and uses a bottom-right causal mask.
+
+GQA is handled by SDPA's `enable_gqa`, so K/V are never repeated per query head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prefill chunk: queries [q_start, q_start+q_len) of the batch, whose
+    context (cached prefix + the chunk itself) is ctx_len tokens long."""
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    block_ids: torch.Tensor | None = None  # blocks holding the context, when there is a prefix
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a forward pass needs about the batch layout; built once per step."""
+
+    slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each token
+    num_decodes: int
+    decode_block_ids: torch.Tensor | None  # [B * max_blocks] padded block tables, flattened
+    decode_max_blocks: int
+    decode_masks: dict[int | None, torch.Tensor]  # window -> additive mask [B, 1, 1, L]
+    prefills: list[PrefillChunk]
+
+
+def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) visibility: key j is visible from query i when j <= i and
+    i - j < window, as transformers' masks define it."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= (q_pos[:, None] - k_pos[None, :]) < window
+    return allowed
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.sliding_window = sliding_window
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] for the batch's new tokens. Returns [T, H, D]."""
+        kv_shape = (-1, self.num_kv_heads, self.head_dim)
+        self.k_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, k)
+        self.v_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], meta)
+        for chunk in meta.prefills:
+            end = chunk.q_start + chunk.q_len
+            out[chunk.q_start : end] = self._prefill(q[chunk.q_start : end], k[chunk.q_start : end], v[chunk.q_start : end], chunk)
+        return out
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        batch = q.shape[0]
+        length = meta.decode_max_blocks * self.k_cache.shape[1]
+        k = torch.index_select(self.k_cache, 0, meta.decode_block_ids).view(batch, length, self.num_kv_heads, self.head_dim)
+        v = torch.index_select(self.v_cache, 0, meta.decode_block_ids).view(batch, length, self.num_kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=meta.decode_masks[self.sliding_window],
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+        if chunk.block_ids is not None:
+            k = torch.index_select(self.k_cache, 0, chunk.block_ids).view(-1, self.num_kv_heads, self.head_dim)[: chunk.ctx_len]
+            v = torch.index_select(self.v_cache, 0, chunk.block_ids).view(-1, self.num_kv_heads, self.head_dim)[: chunk.ctx_len]
+        mask = chunk.masks.get(self.sliding_window)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=True,
+        )
+        return out.squeeze(0).transpose(0, 1)

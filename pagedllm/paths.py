@@ -1,0 +1,5 @@
+"""Where the repository's embedded default model lives."""
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO_ROOT / "models" / "pagedllm-py-tiny"
