@@ -318,6 +318,7 @@ class LLMEngine:
         requests_in = lambda queue: len({s.request.request_id for s in queue})  # noqa: E731
         return {
             "num_preemptions": sched.num_preemptions,
+            "num_swap_outs": sched.num_swap_outs,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_free_blocks": bm.num_free_blocks,

@@ -69,6 +69,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swap_outs = 0
 
     # ---- queues ------------------------------------------------------------------------------
     @staticmethod
@@ -209,6 +210,7 @@ class Scheduler:
         if self.config.preemption_mode == "swap":
             pairs = self.block_manager.swap_out(seq.seq_id)
             if pairs is not None:
+                self.num_swap_outs += 1
                 out.blocks_to_swap_out.extend(pairs)
                 seq.set_status(SequenceStatus.SWAPPED)
                 self.swapped.append(seq)

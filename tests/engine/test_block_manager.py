@@ -1,0 +1,210 @@
+"""Block manager: property-based tests over random allocate / append / fork / CoW / free / swap /
+prefix-hit sequences, plus a few targeted cases.
+
+Besides the bookkeeping invariants, the state machine simulates the KV pool's *contents*: each
+slot written holds the token prefix its KV depends on, copy-on-write and swaps move that data as the model
+runner would. After every step each sequence must read back exactly its own tokens through its
+block table — which catches a wrong prefix-cache hit, a missed copy-on-write or a bad swap map.
+"""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
+
+from pagedllm.engine.block_manager import BlockManager
+
+TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=24)  # small alphabet: many prefix hits
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    seqs = Bundle("seqs")
+
+    @initialize(
+        num_blocks=st.integers(4, 24),
+        block_size=st.sampled_from([1, 2, 4]),
+        num_cpu_blocks=st.integers(0, 16),
+        caching=st.booleans(),
+    )
+    def setup(self, num_blocks, block_size, num_cpu_blocks, caching):
+        self.bm = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching=caching)
+        self.next_id = 0
+        self.tokens: dict[int, list[int]] = {}  # seq -> tokens with KV computed
+        self.swapped: set[int] = set()
+        self.device: dict[int, list] = {b: [None] * block_size for b in range(num_blocks)}
+        self.host: dict[int, list] = {b: [None] * block_size for b in range(num_cpu_blocks)}
+
+    # ---- helpers: what the model runner would do ---------------------------------------------
+    def _write(self, seq: int, start: int, new: list[int]) -> None:
+        """A slot's KV depends on its token and every token before it: store that prefix."""
+        table, bs = self.bm.tables[seq], self.bm.block_size
+        context = self.tokens[seq] + new
+        for position in range(start, start + len(new)):
+            self.device[table[position // bs]][position % bs] = tuple(context[: position + 1])
+
+    def _copy(self, pairs, src_pool, dst_pool) -> None:
+        for src, dst in pairs:
+            dst_pool[dst] = list(src_pool[src])
+
+    def _compute(self, seq: int, new: list[int]) -> bool:
+        start = len(self.tokens[seq])
+        copies = self.bm.allocate_slots(seq, start, len(new))
+        if copies is None:
+            return False
+        self._copy(copies, self.device, self.device)
+        self._write(seq, start, new)
+        self.tokens[seq] = self.tokens[seq] + new
+        self.bm.cache_full_blocks(seq, self.tokens[seq], len(self.tokens[seq]))
+        return True
+
+    # ---- rules -------------------------------------------------------------------------------
+    @rule(target=seqs, prompt=TOKENS)
+    def add(self, prompt):
+        seq = self.next_id
+        self.next_id += 1
+        cached = self.bm.allocate_prefix(seq, prompt)
+        assert cached < len(prompt) and cached % self.bm.block_size == 0
+        self.tokens[seq] = prompt[:cached]
+        if not self._compute(seq, prompt[cached:]):
+            self.bm.free(seq)
+            del self.tokens[seq]
+        return seq
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 3), min_size=1, max_size=6))
+    def append(self, data, new):
+        running = sorted(set(self.tokens) - self.swapped)
+        if running:
+            self._compute(data.draw(st.sampled_from(running)), new)
+
+    @precondition(lambda self: self.tokens)
+    @rule(target=seqs, data=st.data())
+    def fork(self, data):
+        running = sorted(set(self.tokens) - self.swapped)
+        if not running:
+            return -1
+        parent = data.draw(st.sampled_from(running))
+        child = self.next_id
+        self.next_id += 1
+        self.bm.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        return child
+
+    @rule(seq=consumes(seqs))
+    def free(self, seq):
+        if seq in self.tokens:
+            self.bm.free(seq)
+            del self.tokens[seq]
+            self.swapped.discard(seq)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        running = sorted(set(self.tokens) - self.swapped)
+        if not running:
+            return
+        seq = data.draw(st.sampled_from(running))
+        pairs = self.bm.swap_out(seq)
+        if pairs is not None:
+            self._copy(pairs, self.device, self.host)
+            self.swapped.add(seq)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.swapped)))
+        if self.bm.can_swap_in(seq):
+            self._copy(self.bm.swap_in(seq), self.host, self.device)
+            self.swapped.discard(seq)
+            self.bm.cache_full_blocks(seq, self.tokens[seq], len(self.tokens[seq]))
+
+    # ---- invariants --------------------------------------------------------------------------
+    @invariant()
+    def bookkeeping(self):
+        self.bm.check_invariants()
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self):
+        bs = self.bm.block_size
+        for seq, tokens in self.tokens.items():
+            if seq in self.swapped:
+                table, pool = self.bm.cpu_tables[seq], self.host
+            else:
+                table, pool = self.bm.tables[seq], self.device
+            assert len(table) >= -(-len(tokens) // bs)
+            for p in range(len(tokens)):
+                read = pool[table[p // bs]][p % bs]
+                assert read == tuple(tokens[: p + 1]), f"seq {seq} position {p} reads KV of {read}, expected {tokens[: p + 1]}"
+
+    def teardown(self):
+        if not hasattr(self, "bm"):
+            return
+        for seq in list(self.tokens):
+            self.bm.free(seq)
+        self.bm.check_invariants()
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert self.bm.num_free_cpu_blocks == self.bm.num_cpu_blocks
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestBlockManagerProperties = BlockManagerMachine.TestCase
+
+
+def test_prefix_hit_reuses_blocks_and_never_the_last_token():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(10))
+    assert bm.allocate_prefix(1, tokens) == 0
+    assert bm.allocate_slots(1, 0, 10) == []
+    bm.cache_full_blocks(1, tokens, 10)
+    # Same 8-token prefix: two full blocks are shared, counted as hits.
+    assert bm.allocate_prefix(2, tokens[:8] + [99, 98]) == 8
+    assert bm.tables[2] == bm.tables[1][:2]
+    assert [bm.ref_counts[b] for b in bm.tables[1]] == [2, 2, 1]
+    # A prompt that is exactly two cached blocks reuses only one: the last token must be computed.
+    assert bm.allocate_prefix(3, tokens[:8]) == 4
+    bm.check_invariants()
+
+
+def test_cached_blocks_survive_free_and_are_evicted_last():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.allocate_prefix(1, [5, 6, 7])
+    bm.allocate_slots(1, 0, 3)
+    bm.cache_full_blocks(1, [5, 6, 7], 3)
+    bm.free(1)
+    assert bm.num_free_blocks == 4
+    # The uncached free blocks are used before the cached one is evicted...
+    bm.allocate_prefix(2, [1, 2, 3, 4, 9])
+    bm.allocate_slots(2, 0, 5)
+    assert bm.allocate_prefix(3, [5, 6, 7]) == 2  # ...so [5, 6] is still a hit
+    bm.free(2)
+    bm.free(3)
+    bm.check_invariants()
+
+
+def test_copy_on_write_when_a_forked_partial_block_is_written():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    bm.allocate_prefix(1, [1, 2, 3, 4, 5, 6])
+    bm.allocate_slots(1, 0, 6)
+    bm.fork(1, 2)
+    shared_tail = bm.tables[1][1]
+    copies = bm.allocate_slots(2, 6, 1)
+    assert copies == [(shared_tail, bm.tables[2][1])] and bm.tables[2][1] != shared_tail
+    assert bm.allocate_slots(1, 6, 1) == []  # the last holder writes in place
+    assert bm.tables[1][0] == bm.tables[2][0] and bm.ref_counts[bm.tables[1][0]] == 2
+    bm.check_invariants()
+
+
+def test_failed_allocation_changes_nothing():
+    bm = BlockManager(num_blocks=2, block_size=2)
+    bm.allocate_prefix(1, [1])
+    assert bm.allocate_slots(1, 0, 5) is None
+    assert bm.tables[1] == [] and bm.num_free_blocks == 2
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_pool_must_have_blocks(bad):
+    with pytest.raises(ValueError, match="at least one block"):
+        BlockManager(num_blocks=bad, block_size=16)
