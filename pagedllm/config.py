@@ -152,7 +152,8 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type not in ("default", "linear", "llama3"):
             raise ModelLoadError(f"rope_type={rope_type!r} is not supported (default, linear, llama3)")
-        scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+        drop = {"rope_theta", "type"}
+        scaling = None if rope_type == "default" else {**{k: v for k, v in scaling.items() if k not in drop}, "rope_type": rope_type}
     return theta, scaling
 
 

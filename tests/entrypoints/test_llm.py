@@ -1,0 +1,29 @@
+"""The offline `LLM` API: vLLM's shapes for prompts, params, outputs, metrics and stats."""
+from __future__ import annotations
+
+from pagedllm import LLM, CompletionOutput, RequestOutput, SamplingParams
+
+
+def test_prompt_forms_params_and_output_shape(model_dir, capsys):
+    llm = LLM(str(model_dir("llama")))
+    tok = llm.get_tokenizer()
+    text = "for i in range(10):\n    total += values[i] * weights[i]\n" * 2
+    ids = tok.encode(text)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate([text, ids, {"prompt_token_ids": ids}], [greedy, greedy, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)])
+    assert [type(o) for o in outs] == [RequestOutput] * 3
+    assert outs[0].prompt == text and outs[0].prompt_token_ids == ids and outs[1].prompt is None
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids + outs[0].outputs[0].token_ids[3:]
+    first = outs[0].outputs[0]
+    assert isinstance(first, CompletionOutput) and first.index == 0 and first.finish_reason == "length"
+    assert first.text == tok.decode(first.token_ids)
+    assert isinstance(first.cumulative_logprob, float) and first.logprobs is None and outs[0].finished
+    m = outs[0].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert "Processed prompts" in capsys.readouterr().err  # the tqdm progress bar
+    single = llm.generate(text, greedy, use_tqdm=False)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == first.token_ids
+    stats = llm.get_stats()
+    for key in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_swapped"):
+        assert key in stats
+    assert len(ids) > 17 and stats["prefix_cache_hits"] > 0  # the same prompt, over a block long, again
