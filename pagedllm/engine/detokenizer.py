@@ -22,15 +22,18 @@ class Detokenizer:
         seq.detok_read_offset = seq.num_prompt_tokens
         seq.detok_prefix_offset = max(0, seq.num_prompt_tokens - _CONTEXT_TOKENS)
 
-    def decode_new(self, seq: Sequence) -> str:
-        """The text the latest token adds (possibly empty until a character completes)."""
+    def decode_new(self, seq: Sequence, flush: bool = False) -> str:
+        """The text the latest token adds (possibly empty until a character completes).
+
+        `flush` emits whatever is pending even if it ends in an incomplete character, for the
+        end of a sequence."""
         if self.tokenizer is None:
             return ""
         skip = seq.request.params.skip_special_tokens
         ids = seq.token_ids
         prefix = self.tokenizer.decode(ids[seq.detok_prefix_offset : seq.detok_read_offset], skip_special_tokens=skip)
         full = self.tokenizer.decode(ids[seq.detok_prefix_offset :], skip_special_tokens=skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not flush):
             return ""
         seq.detok_prefix_offset = seq.detok_read_offset
         seq.detok_read_offset = len(ids)

@@ -270,9 +270,9 @@ class LLMEngine:
                 seq.output_text = seq.output_text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
                 seq.stop_reason = stop
                 return SequenceStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.max_model_len:
+        out_of_tokens = params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
+        if out_of_tokens or seq.num_tokens >= self.max_model_len:
+            seq.output_text += self.detokenizer.decode_new(seq, flush=True)
             return SequenceStatus.FINISHED_LENGTH
         return None
 
