@@ -1,0 +1,63 @@
+"""The FastAPI application factory: the platform's one HTTP front door.
+
+`create_app(settings)` assembles components, each = an APIRouter plus (optionally) a *service*
+with `async start()` / `async stop()` run by the app's lifespan (started in order before the
+first request, stopped in reverse at shutdown). Today: the model registry (OpenAI routes, model
+management, tokenization) and the ops routes (/health, /metrics). To add a component — e.g. the
+training job service — build its service from `settings`, append it to `services`, include its
+router, and put its state on `app.state`. Errors, the API key and OpenAPI apply to it unchanged.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import AsyncIterator, Protocol
+
+from fastapi import FastAPI
+
+from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
+from pagedllm.entrypoints.openai.errors import install_error_handlers
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.models import ModelRegistry
+from pagedllm.entrypoints.openai.routes import inference_router, ops_router
+from pagedllm.entrypoints.openai.settings import ServerSettings
+
+logger = logging.getLogger("pagedllm.server")
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def create_app(settings: ServerSettings) -> FastAPI:
+    metrics = ServerMetrics()
+    registry = ModelRegistry(settings, metrics)
+    metrics.collect_engine_stats(registry.snapshots)
+    services: list[Service] = [registry]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            for service in services:
+                await service.start()
+                stack.push_async_callback(service.stop)
+            yield
+
+    app = FastAPI(
+        title="pagedllm",
+        summary="OpenAI-compatible inference server over a paged-KV-cache engine",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.models = registry
+    app.state.metrics = metrics
+    app.state.services = services
+    install_error_handlers(app)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.include_router(inference_router)
+    app.include_router(ops_router)
+    return app

@@ -1,0 +1,337 @@
+"""The bridge between asyncio and the synchronous `LLMEngine`: one engine thread per model.
+
+The engine is not thread-safe and `step()` blocks for a whole forward pass, so each engine lives
+on its own thread and nothing else touches it. HTTP handlers send it commands (add, abort, stop)
+through a thread-safe queue; the thread applies them between steps, so requests from many
+clients join the running batch at the next step (continuous batching), and it hands each step's
+outputs back to the event loop with one `call_soon_threadsafe` per step.
+
+Outputs are cumulative (the full text so far), so a consumer needs only the newest one per
+request: a slow client never makes outputs pile up, it just receives bigger deltas.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.server")
+
+StepObserver = Callable[[list[RequestOutput]], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop raised; its requests were failed and the model must be reloaded."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The model was unloaded (or is being unloaded)."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue already holds `max_waiting_requests` requests."""
+
+
+class Disconnected(Exception):
+    """The consumer's cancellation check fired (its HTTP client went away)."""
+
+
+@dataclass
+class _Add:
+    group: "RequestGroup"
+    prompts: list[tuple[str, PromptType]]
+    params: SamplingParams
+    arrival_time: float
+    priority: int
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+_STOP = object()
+
+
+class RequestGroup:
+    """The engine requests of one API call (one per prompt), as seen from the event loop.
+
+    All methods run on the event loop; the engine thread reaches them via call_soon_threadsafe."""
+
+    def __init__(self, request_ids: list[str], loop: asyncio.AbstractEventLoop):
+        self.request_ids = request_ids
+        self.accepted: asyncio.Future[None] = loop.create_future()
+        self.accepted.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
+        self.outputs: dict[str, RequestOutput] = {}
+        self._changed: dict[str, RequestOutput] = {}
+        self._open = set(request_ids)
+        self._wakeup = asyncio.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return not self._open or self._error is not None
+
+    def _accept(self) -> None:
+        if not self.accepted.done():
+            self.accepted.set_result(None)
+
+    def _update(self, output: RequestOutput) -> None:
+        self.outputs[output.request_id] = output
+        self._changed[output.request_id] = output
+        if output.finished:
+            self._open.discard(output.request_id)
+        self._wakeup.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        if not self.accepted.done():
+            self.accepted.set_exception(exc)
+        self._wakeup.set()
+
+    async def updates(
+        self, is_cancelled: Callable[[], Awaitable[bool]] | None = None, poll_interval: float = 0.5
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """Yield the outputs that changed since the last yield, until every request finished.
+
+        `is_cancelled` is checked at least every `poll_interval` seconds, also while tokens flow,
+        so a vanished client is noticed even if nothing is ever written to it."""
+        last_check = time.monotonic()
+        while True:
+            if self._changed:
+                changed = list(self._changed.values())
+                self._changed.clear()
+                yield changed
+            elif self._error is not None:
+                raise self._error
+            elif not self._open:
+                return
+            else:
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), poll_interval)
+                except asyncio.TimeoutError:
+                    pass
+            if is_cancelled is not None and time.monotonic() - last_check >= poll_interval:
+                last_check = time.monotonic()
+                if await is_cancelled():
+                    raise Disconnected()
+
+
+class AsyncEngine:
+    """Runs `engine` on a daemon thread; `submit()` is the only way requests reach it."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        name: str = "engine",
+        max_waiting_requests: int | None = None,
+        on_step: StepObserver | None = None,
+    ):
+        self.engine = engine
+        self.name = name
+        self.max_waiting_requests = max_waiting_requests
+        self._on_step = on_step
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._groups: dict[str, RequestGroup] = {}  # engine thread only
+        self._stopping = False  # engine thread only
+        self._closing = False  # event loop only: no new submissions once unloading began
+        self._ended = threading.Event()
+        self.stats: dict[str, Any] = engine.get_stats()
+        self.error: BaseException | None = None
+
+    # ---- event-loop side ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and not self._ended.is_set()
+
+    @asynccontextmanager
+    async def submit(
+        self,
+        prompts: list[tuple[str, PromptType]],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestGroup]:
+        """Add one request per (request_id, prompt), all or none; yields their RequestGroup.
+
+        Raises the engine's ValueError (bad input), QueueFullError, EngineDeadError or
+        EngineStoppedError before anything runs. Leaving the block — normally, by an exception,
+        or by cancellation — aborts whatever has not finished, freeing its KV blocks."""
+        if self._closing:
+            raise EngineStoppedError(f"model {self.name!r} is being unloaded")
+        if self.error is not None:
+            raise EngineDeadError(f"the engine of model {self.name!r} stopped: {self.error!r}")
+        assert self._loop is not None, "AsyncEngine.start() was not called"
+        group = RequestGroup([request_id for request_id, _ in prompts], self._loop)
+        self._send(_Add(group, prompts, params, arrival_time or time.time(), priority))
+        try:
+            await group.accepted
+            yield group
+        finally:
+            if not group.finished:
+                self._send(_Abort(group.request_ids))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._send(_Abort(request_ids))
+
+    async def shutdown(self) -> None:
+        """Abort every request (each ends with finish_reason "abort") and stop the thread."""
+        self._closing = True
+        self._commands.put(_STOP)
+        if self._thread is not None:
+            await asyncio.to_thread(self._ended.wait)
+            await asyncio.sleep(0)  # let the final deliveries queued on the loop run
+
+    def _send(self, command: Any) -> None:
+        self._commands.put(command)
+        if self._ended.is_set():  # the thread is gone and may have drained the queue already
+            self._reject(command, self._end_error())
+
+    def _end_error(self) -> Exception:
+        if self.error is not None:
+            return EngineDeadError(f"the engine of model {self.name!r} stopped: {self.error!r}")
+        return EngineStoppedError(f"model {self.name!r} was unloaded")
+
+    @staticmethod
+    def _reject(command: Any, exc: Exception) -> None:
+        if isinstance(command, _Add):
+            command.group._fail(exc)
+
+    # ---- engine-thread side -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                for command in self._next_commands():
+                    self._apply(command)
+                if self._stopping:
+                    self._abort_all()
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._publish(self.engine.step())
+                self.stats = self.engine.get_stats()
+        except BaseException as exc:  # a bug in the engine: fail its requests, report unhealthy
+            logger.exception("engine loop of model %r died", self.name)
+            self.error = exc
+            dead = EngineDeadError(f"the engine of model {self.name!r} stopped: {exc!r}")
+            self._post(_fail_groups, set(self._groups.values()), dead)
+            self._groups.clear()
+        finally:
+            self._ended.set()
+            self._drain_rejecting()
+
+    def _next_commands(self) -> list[Any]:
+        commands = []
+        if not self.engine.has_unfinished_requests():
+            commands.append(self._commands.get())  # idle: sleep until there is work
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: Any) -> None:
+        if command is _STOP:
+            self._stopping = True
+        elif isinstance(command, _Abort):
+            for request_id in command.request_ids:
+                if request_id in self._groups:
+                    self.engine.abort_request(request_id)
+        elif self._stopping:
+            self._post(command.group._fail, EngineStoppedError(f"model {self.name!r} was unloaded"))
+        else:
+            self._add(command)
+
+    def _add(self, command: _Add) -> None:
+        added: list[str] = []
+        try:
+            for index, (request_id, prompt) in enumerate(command.prompts):
+                self._check_queue()
+                try:
+                    self.engine.add_request(
+                        request_id, prompt, command.params, arrival_time=command.arrival_time, priority=command.priority
+                    )
+                except ValueError as exc:
+                    raise ValueError(f"prompt {index}: {exc}" if len(command.prompts) > 1 else str(exc)) from exc
+                added.append(request_id)
+        except Exception as exc:  # add_request validates before queueing: the engine is intact
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            self._post(command.group._fail, exc)
+            return
+        for request_id in added:
+            self._groups[request_id] = command.group
+        self._post(command.group._accept)
+
+    def _check_queue(self) -> None:
+        limit = self.max_waiting_requests
+        if limit is not None and self.engine.get_stats()["num_waiting"] >= limit:
+            raise QueueFullError(f"the waiting queue of model {self.name!r} is full ({limit} requests); retry later")
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if self._on_step is not None:
+            try:
+                self._on_step(outputs)
+            except Exception:  # metrics must never take the engine down
+                logger.exception("step observer failed")
+        deliveries = []
+        for output in outputs:
+            group = self._groups.get(output.request_id)
+            if group is None:
+                continue  # a rejected group's abort echo, or a request already failed
+            if output.finished:
+                del self._groups[output.request_id]
+            deliveries.append((group, output))
+        if deliveries:
+            self._post(_deliver, deliveries)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._groups):
+            self.engine.abort_request(request_id)
+        while self.engine.has_unfinished_requests():
+            self._publish(self.engine.step())
+        self.stats = self.engine.get_stats()
+
+    def _drain_rejecting(self) -> None:
+        exc = self._end_error()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                self._post(command.group._fail, exc)
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: the server is exiting
+            pass
+
+
+def _deliver(deliveries: list[tuple[RequestGroup, RequestOutput]]) -> None:
+    for group, output in deliveries:
+        group._update(output)
+
+
+def _fail_groups(groups: set[RequestGroup], exc: BaseException) -> None:
+    for group in groups:
+        group._fail(exc)

@@ -1,0 +1,155 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+Clients (the `openai` package, lm-evaluation-harness, curl scripts) parse this one shape, so
+every way a request can fail — a pydantic validation error, undecodable JSON, an unknown route,
+a bad API key, a full queue, or a bug of ours — is answered in it. FastAPI's default 422 for
+validation errors becomes OpenAI's 400.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.entrypoints.openai.async_engine import Disconnected
+
+logger = logging.getLogger("pagedllm.server")
+
+
+class APIError(Exception):
+    """An error a client caused (or must be told about), answered with `status_code`."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.default_code
+
+
+class BadRequestError(APIError):
+    pass
+
+
+class AuthenticationError(APIError):
+    status_code = 401
+    default_code = "invalid_api_key"
+
+
+class NotFoundError(APIError):
+    status_code = 404
+    default_code = "not_found"
+
+
+class ModelNotFoundError(NotFoundError):
+    default_code = "model_not_found"
+
+    def __init__(self, message: str):
+        super().__init__(message, param="model")
+
+
+class ConflictError(APIError):
+    status_code = 409
+    default_code = "conflict"
+
+
+class ServiceUnavailableError(APIError):
+    status_code = 503
+    error_type = "server_error"
+    default_code = "service_unavailable"
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code), status_code=exc.status_code)
+
+
+def param_from_message(message: str, fields: Sequence[str]) -> str | None:
+    """The request field a validation message is about, when it starts with one (our engine's
+    messages start with the argument's name: "temperature must be >= 0, got -1")."""
+    match = re.match(r"[A-Za-z_]+", message)
+    return match.group(0) if match and match.group(0) in fields else None
+
+
+def _loc_to_param(loc: Sequence[Any]) -> str | None:
+    """("body", "messages", 0, "role") -> "messages[0].role"."""
+    parts = [p for p in loc if p not in ("body", "query", "path")]
+    text = ""
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif isinstance(part, str) and not part.startswith(("function-", "list[", "str", "int", "json-")):
+            text += f".{part}" if text else part
+    return text or None
+
+
+def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | None]:
+    """One readable sentence from pydantic's error list, and the first offending field."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return f"the request body is not valid JSON: {ctx.get('error', 'parse error')}", None
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return "the request body must be a JSON object", None
+    pieces = []
+    for err in errors[:5]:
+        param = _loc_to_param(err.get("loc", ()))
+        msg = err.get("msg", "invalid value")
+        if err.get("type") == "extra_forbidden":
+            msg = "unrecognized request argument"
+        pieces.append(f"{param}: {msg}" if param else msg)
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "; ".join(pieces) + more, _loc_to_param(first.get("loc", ()))
+
+
+async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+async def _validation_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    message, param = validation_message(exc.errors())
+    return error_response(BadRequestError(message, param))
+
+
+async def _http_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    body = error_body(str(exc.detail), error_type, None, codes.get(exc.status_code))
+    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _disconnected_handler(request: Request, exc: Exception) -> JSONResponse:
+    # Nobody is listening any more; 499 is nginx's "client closed request" for the access log.
+    return JSONResponse(error_body("client disconnected", "invalid_request_error"), status_code=499)
+
+
+async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
+    """A bug of ours: log it, answer 500 in OpenAI's shape, keep serving (the engine loops run on
+    their own threads and never see this exception)."""
+    logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    body = error_body(f"internal server error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
+    return JSONResponse(body, status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error_handler)
+    app.add_exception_handler(RequestValidationError, _validation_handler)
+    app.add_exception_handler(StarletteHTTPException, _http_handler)
+    app.add_exception_handler(Disconnected, _disconnected_handler)
+    app.add_exception_handler(Exception, _unexpected_handler)

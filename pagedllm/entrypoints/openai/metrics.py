@@ -1,0 +1,123 @@
+"""Prometheus metrics: vLLM's names under the `pagedllm_` prefix, each labelled `model_name`.
+
+Two sources, each read where it is exact:
+- queue sizes, KV usage and the engine's token/preemption/prefix-cache counters are read from
+  each engine's stats snapshot at scrape time (a custom collector, so an unloaded model's
+  series disappear with it);
+- per-request latencies and finish reasons are observed on the engine thread from every step's
+  outputs, which — unlike the coalesced stream a client sees — include every token.
+
+Every app owns its CollectorRegistry, so two servers in one process (tests) never mix numbers.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pagedllm.outputs import RequestOutput
+
+PREFIX = "pagedllm_"
+LABEL = "model_name"
+
+# (metric name, engine stats key, help) — gauges, then counters (exposed with a _total suffix).
+GAUGES = [
+    ("num_requests_running", "num_running", "Requests in the running batch."),
+    ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled (new or preempted by recompute)."),
+    ("num_requests_swapped", "num_swapped", "Requests whose KV blocks are swapped out to host memory."),
+    ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV blocks in use (0-1); cached free blocks count as free."),
+]
+COUNTERS = [
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("num_preemptions", "num_preemptions", "Sequences preempted (recompute or swap)."),
+    ("prompt_tokens", "prompt_tokens_total", "Prompt tokens of admitted requests."),
+    ("generation_tokens", "generation_tokens_total", "Generated tokens."),
+]
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class EngineStatsCollector(Collector):
+    """Reads `(model name, stats dict)` pairs at scrape time."""
+
+    def __init__(self, snapshots: Callable[[], Iterable[tuple[str, dict]]]):
+        self._snapshots = snapshots
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic: names are fixed but label sets come and go with models
+
+    def collect(self) -> Iterator[Metric]:
+        snapshots = list(self._snapshots())
+        for name, key, doc in GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=[LABEL])
+            for model, stats in snapshots:
+                family.add_metric([model], float(stats.get(key, 0)))
+            yield family
+        for name, key, doc in COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=[LABEL])
+            for model, stats in snapshots:
+                family.add_metric([model], float(stats.get(key, 0)))
+            yield family
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first generated token.", [LABEL], registry=r, buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between a request's consecutive engine steps that produced tokens.", [LABEL], registry=r, buckets=_ITL_BUCKETS)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish.", [LABEL], registry=r, buckets=_E2E_BUCKETS)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.", [LABEL], registry=r, buckets=_LATENCY_BUCKETS)
+        self.success = Counter(PREFIX + "request_success", "Finished completions (one per returned choice) by finish reason.", [LABEL, "finished_reason"], registry=r)
+
+    def collect_engine_stats(self, snapshots: Callable[[], Iterable[tuple[str, dict]]]) -> None:
+        """Expose the gauges and engine counters of whatever `snapshots()` returns at scrape time."""
+        self.registry.register(EngineStatsCollector(snapshots))
+
+    def observer(self, model_name: str) -> "RequestObserver":
+        return RequestObserver(self, model_name)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestObserver:
+    """Observes one model's step outputs (called on its engine thread)."""
+
+    def __init__(self, metrics: ServerMetrics, model_name: str):
+        self.m = metrics
+        self.model = model_name
+        self._last: dict[str, tuple[int, float]] = {}  # request id -> (tokens so far, last token time)
+
+    def __call__(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._tokens(output)
+            if output.finished:
+                self._finished(output)
+
+    def _tokens(self, output: RequestOutput) -> None:
+        metrics = output.metrics
+        if metrics is None or metrics.first_token_time is None:
+            return
+        previous = self._last.get(output.request_id)
+        if previous is None:
+            self.m.ttft.labels(self.model).observe(metrics.first_token_time - metrics.arrival_time)
+        elif metrics.num_generation_tokens > previous[0] and metrics.last_token_time is not None:
+            self.m.itl.labels(self.model).observe(metrics.last_token_time - previous[1])
+        self._last[output.request_id] = (metrics.num_generation_tokens, metrics.last_token_time or metrics.first_token_time)
+
+    def _finished(self, output: RequestOutput) -> None:
+        self._last.pop(output.request_id, None)
+        metrics = output.metrics
+        if metrics is not None:
+            if metrics.finished_time is not None:
+                self.m.e2e.labels(self.model).observe(metrics.finished_time - metrics.arrival_time)
+            if metrics.first_scheduled_time is not None:
+                self.m.queue.labels(self.model).observe(metrics.first_scheduled_time - metrics.arrival_time)
+        for completion in output.outputs:
+            self.m.success.labels(self.model, completion.finish_reason or "abort").inc()

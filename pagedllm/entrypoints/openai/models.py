@@ -1,0 +1,166 @@
+"""The model registry: which models are loaded, loading or loadable, and by which name.
+
+Each loaded model has its own `LLMEngine` (so its own KV budget, from the shared engine args)
+on its own engine thread. Models named at start-up are loaded before the server accepts
+connections; sub-folders of `--model-dir` are loaded on demand, by folder name. Loading runs on
+a worker thread, so the models already loaded keep serving meanwhile.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedllm.engine.llm_engine import LLMEngine, load_tokenizer
+from pagedllm.entrypoints.openai.async_engine import AsyncEngine
+from pagedllm.entrypoints.openai.errors import (
+    BadRequestError,
+    ConflictError,
+    ModelNotFoundError,
+    ServiceUnavailableError,
+)
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.protocol import ModelCard
+from pagedllm.entrypoints.openai.settings import ServerSettings
+
+logger = logging.getLogger("pagedllm.server")
+
+
+@dataclass
+class ServedModel:
+    name: str
+    path: str
+    engine: AsyncEngine
+    # The server's own tokenizer copy (chat templates, echo, /tokenize): the engine's tokenizer
+    # belongs to the engine thread, and a fast tokenizer is not safe to share across threads.
+    tokenizer: Any | None
+    created: int
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    def card(self) -> ModelCard:
+        return ModelCard(id=self.name, created=self.created, max_model_len=self.max_model_len)
+
+
+class ModelRegistry:
+    def __init__(self, settings: ServerSettings, metrics: ServerMetrics):
+        self.settings = settings
+        self.metrics = metrics
+        self._startup_paths = {spec.name: spec.path for spec in settings.models}
+        self._ready: dict[str, ServedModel] = {}
+        self._loading: dict[str, asyncio.Task[ServedModel]] = {}
+        self._failed: dict[str, str] = {}
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        for spec in self.settings.models:
+            await self._load(spec.name, spec.path)
+
+    async def stop(self) -> None:
+        for task in list(self._loading.values()):
+            task.cancel()
+        await asyncio.gather(*(m.engine.shutdown() for m in self._ready.values()), return_exceptions=True)
+        self._ready.clear()
+
+    # ---- lookup ------------------------------------------------------------------------------
+    def ready(self) -> list[ServedModel]:
+        return list(self._ready.values())
+
+    def snapshots(self) -> list[tuple[str, dict[str, Any]]]:
+        """(name, engine stats) of every loaded model, for the metrics collector."""
+        return [(served.name, served.engine.stats) for served in self._ready.values()]
+
+    def get(self, name: str | None) -> ServedModel:
+        """The loaded model a request names; with no name, the only loaded model."""
+        if name is None:
+            if len(self._ready) == 1:
+                return next(iter(self._ready.values()))
+            raise BadRequestError(f"model is required: {len(self._ready)} models are loaded", param="model")
+        served = self._ready.get(name)
+        if served is not None:
+            return served
+        if name in self._loading:
+            raise ServiceUnavailableError(f"model {name!r} is still loading; retry shortly", code="model_loading")
+        if self.path_for(name) is not None:
+            raise ModelNotFoundError(f"model {name!r} is not loaded; load it with POST /v1/models/{name}/load")
+        raise ModelNotFoundError(f"the model {name!r} does not exist")
+
+    def card(self, name: str) -> ModelCard:
+        if name in self._ready:
+            return self._ready[name].card()
+        if name in self._loading:
+            return ModelCard(id=name, created=int(time.time()), status="loading")
+        if name in self._failed:
+            return ModelCard(id=name, created=int(time.time()), status="failed", error=self._failed[name])
+        return self.get(name).card()  # raises the right 404
+
+    def path_for(self, name: str) -> str | None:
+        """Where `name` loads from: a start-up model, or a model folder directly in model_dir."""
+        if name in self._startup_paths:
+            return self._startup_paths[name]
+        if not self.settings.model_dir or name in ("", ".", "..") or "/" in name or "\\" in name:
+            return None
+        folder = Path(self.settings.model_dir) / name
+        return str(folder) if (folder / "config.json").is_file() else None
+
+    # ---- load / unload -----------------------------------------------------------------------
+    async def load(self, name: str, wait: bool = False) -> str:
+        """Start loading `name` (no-op when loaded or loading); "ready" or "loading"."""
+        if name in self._ready:
+            return "ready"
+        task = self._loading.get(name)
+        if task is None:
+            path = self.path_for(name)
+            if path is None:
+                where = f" in --model-dir {self.settings.model_dir!r}" if self.settings.model_dir else " (no --model-dir)"
+                raise ModelNotFoundError(f"no model folder named {name!r}{where}")
+            task = asyncio.create_task(self._load(name, path))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures live in _failed
+            self._loading[name] = task
+        if not wait:
+            return "loading"
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise  # this request itself was cancelled
+            raise ConflictError(f"model {name!r} was unloaded while it was loading") from None
+        except ValueError as exc:  # ModelLoadError or a bad engine argument
+            raise BadRequestError(f"model {name!r} failed to load: {exc}", param="model_id") from exc
+        return "ready"
+
+    async def _load(self, name: str, path: str) -> ServedModel:
+        self._failed.pop(name, None)
+        try:
+            engine = await asyncio.to_thread(LLMEngine.from_engine_args, path, **self.settings.engine_args)
+            tokenizer = await asyncio.to_thread(load_tokenizer, engine.config.tokenizer or path)
+        except Exception as exc:
+            logger.error("model %r failed to load from %s: %s", name, path, exc)
+            self._failed[name] = str(exc)
+            raise
+        finally:
+            self._loading.pop(name, None)
+        async_engine = AsyncEngine(engine, name, self.settings.max_waiting_requests, self.metrics.observer(name))
+        async_engine.start()
+        served = ServedModel(name, path, async_engine, tokenizer, int(time.time()))
+        self._ready[name] = served
+        logger.info("model %r ready (%s, max_model_len=%d)", name, path, served.max_model_len)
+        return served
+
+    async def unload(self, name: str) -> None:
+        """Unload `name`; its in-flight requests end with finish_reason "abort"."""
+        task = self._loading.get(name)
+        if task is not None:
+            task.cancel()  # the worker thread finishes its load and the result is dropped
+            return
+        served = self._ready.pop(name, None)
+        if served is None:
+            self.get(name)  # raises the precise 404
+            raise ModelNotFoundError(f"model {name!r} is not loaded")
+        await served.engine.shutdown()
+        logger.info("model %r unloaded", name)

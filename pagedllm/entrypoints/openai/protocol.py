@@ -1,0 +1,284 @@
+"""Request and response bodies with OpenAI's field names (plus vLLM's sampling extensions).
+
+Requests forbid unknown fields, as OpenAI does ("unrecognized request argument"): a typo such
+as `max_token` must not be silently ignored. Ranges are checked once, by `SamplingParams`; the
+models here only fix the types and the few bounds the engine cannot know about.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+# torch.Generator seeds are 64-bit; larger JSON integers are a client error, not a crash.
+Seed = Field(default=None, ge=-(2**63), le=2**64 - 1)
+
+
+class RequestModel(BaseModel):
+    # NaN/Infinity (which Python's JSON parser accepts) would poison sampling: reject them here.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+def _reject_set(values: dict[str, Any], allowed: dict[str, tuple[Any, ...]]) -> None:
+    """OpenAI fields we accept in the schema but cannot honour: only their no-op values pass."""
+    for name, harmless in allowed.items():
+        value = values.get(name)
+        if value is not None and value not in harmless:
+            raise ValueError(f"{name} is not supported by this server")
+
+
+class SamplingFields(RequestModel):
+    """The sampling fields completions and chat share (OpenAI's, then vLLM's extensions)."""
+
+    model: Optional[str] = Field(default=None, description="served model name; optional when one model is loaded")
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: int = 1
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = Seed
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+    # vLLM extensions
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    priority: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "SamplingFields":
+        _reject_set(self.__dict__, {"logit_bias": ({},)})
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+# ---- completions -------------------------------------------------------------------------------
+PromptInput = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    max_tokens: Optional[int] = Field(default=16, ge=0)
+    best_of: Optional[int] = None
+    logprobs: Optional[int] = Field(default=None, ge=0)
+    echo: bool = False
+    suffix: Optional[str] = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _completion_rules(self) -> "CompletionRequest":
+        _reject_set(self.__dict__, {"suffix": ("",)})
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 is only allowed with echo=true (to score the prompt)")
+        return self
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ---- chat --------------------------------------------------------------------------------------
+class TextContentPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextContentPart]]
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0)
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _chat_rules(self) -> "ChatCompletionRequest":
+        _reject_set(self.__dict__, {"tools": ([],), "tool_choice": ("none",)})
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler):  # OpenAI's deltas carry only the keys that changed
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ---- models, tokenization, health ------------------------------------------------------------
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedllm"
+    status: Literal["ready", "loading", "failed"] = "ready"
+    max_model_len: Optional[int] = None
+    error: Optional[str] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ModelStatus(BaseModel):
+    status: Literal["loading", "ready", "unloaded"]
+
+
+class TokenizeRequest(RequestModel):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(RequestModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    model: str
+    tokenizer_class: str
+    eos_token: Optional[str] = None
+    bos_token: Optional[str] = None
+    pad_token: Optional[str] = None
+    unk_token: Optional[str] = None
+    chat_template: Optional[str] = None
+    model_max_length: int
+
+
+class ModelHealth(BaseModel):
+    status: Literal["healthy", "degraded", "unhealthy"]
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    reason: Optional[str] = None
+
+
+class HealthResponse(BaseModel):
+    status: Literal["healthy", "degraded", "unhealthy"]
+    models: dict[str, ModelHealth] = Field(default_factory=dict)

@@ -1,0 +1,114 @@
+"""HTTP routes. Handlers only resolve the model and hand over to the serving modules.
+
+`inference_router`: the OpenAI API, model management and tokenization (behind the API key).
+`ops_router`: /health and /metrics (always open, for probes and scrapers).
+"""
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel
+from starlette.responses import Response
+
+from pagedllm.entrypoints.openai.health import server_health
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.models import ModelRegistry
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    ModelStatus,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfo,
+)
+from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
+from pagedllm.entrypoints.openai.serving_completions import create_completion
+from pagedllm.entrypoints.openai.serving_tokenization import detokenize, tokenize, tokenizer_info
+
+inference_router = APIRouter()
+ops_router = APIRouter()
+
+SSE_DOC = {200: {"description": "JSON, or `text/event-stream` chunks when stream=true"}}
+
+
+def models(request: Request) -> ModelRegistry:
+    return request.app.state.models
+
+
+def json_response(body: BaseModel | Response, status_code: int = 200) -> Response:
+    if isinstance(body, Response):
+        return body
+    return Response(body.model_dump_json(), status_code=status_code, media_type="application/json")
+
+
+# ---- OpenAI API ------------------------------------------------------------------------------
+@inference_router.post("/v1/completions", response_model=CompletionResponse, responses=SSE_DOC)
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return json_response(await create_completion(body, models(request).get(body.model), request))
+
+
+@inference_router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=SSE_DOC)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return json_response(await create_chat_completion(body, models(request).get(body.model), request))
+
+
+@inference_router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request) -> Response:
+    return json_response(ModelList(data=[served.card() for served in models(request).ready()]))
+
+
+@inference_router.get("/v1/models/{model_id:path}", response_model=ModelCard)
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    return json_response(models(request).card(model_id))
+
+
+@inference_router.post("/v1/models/{model_id:path}/load", response_model=ModelStatus)
+async def load_model(
+    model_id: str, request: Request,
+    wait: bool = Query(False, description="answer only once the model is ready (or failed)"),
+) -> Response:
+    status = await models(request).load(model_id, wait=wait)
+    return json_response(ModelStatus(status=status), 200 if status == "ready" else 202)
+
+
+@inference_router.delete("/v1/models/{model_id:path}", response_model=ModelStatus)
+async def unload_model(model_id: str, request: Request) -> Response:
+    await models(request).unload(model_id)
+    return json_response(ModelStatus(status="unloaded"))
+
+
+# ---- tokenization --------------------------------------------------------------------------
+@inference_router.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize_route(body: TokenizeRequest, request: Request) -> Response:
+    return json_response(tokenize(body, models(request).get(body.model)))
+
+
+@inference_router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize_route(body: DetokenizeRequest, request: Request) -> Response:
+    return json_response(detokenize(body, models(request).get(body.model)))
+
+
+@inference_router.get("/tokenizer_info", response_model=TokenizerInfo)
+async def tokenizer_info_route(request: Request, model: str | None = None) -> Response:
+    return json_response(tokenizer_info(models(request).get(model)))
+
+
+# ---- operations ----------------------------------------------------------------------------
+@ops_router.get("/health", response_model=HealthResponse, responses={503: {"description": "an engine loop died"}})
+async def health(request: Request) -> Response:
+    report = server_health(models(request).ready(), request.app.state.settings)
+    return json_response(report, 503 if report.status == "unhealthy" else 200)
+
+
+@ops_router.get("/metrics", response_class=Response)
+async def metrics(request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    server_metrics: ServerMetrics = request.app.state.metrics
+    return Response(server_metrics.render(), media_type=CONTENT_TYPE_LATEST)

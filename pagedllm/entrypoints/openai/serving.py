@@ -1,0 +1,236 @@
+"""What completions and chat share: request → SamplingParams, submission with error mapping,
+waiting for the final outputs, SSE framing, token strings and usage.
+
+The translation is deliberately thin: SamplingParams validates the values, the engine validates
+prompts (and names max_model_len), and this layer only maps their errors to OpenAI's shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagedllm.entrypoints.openai.async_engine import (
+    Disconnected,
+    EngineDeadError,
+    EngineStoppedError,
+    QueueFullError,
+    RequestGroup,
+)
+from pagedllm.entrypoints.openai.errors import (
+    APIError,
+    BadRequestError,
+    ModelNotFoundError,
+    ServiceUnavailableError,
+    error_body,
+    param_from_message,
+)
+from pagedllm.entrypoints.openai.models import ServedModel
+from pagedllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.server")
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+@dataclass
+class EnginePrompt:
+    text: str  # what echo returns ("" when the model has no tokenizer)
+    token_ids: list[int]
+
+    def to_engine(self) -> dict[str, Any]:
+        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# ---- request → engine --------------------------------------------------------------------------
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def sampling_params(req: SamplingFields, served: ServedModel, **fields: Any) -> SamplingParams:
+    """SamplingParams from the shared request fields plus endpoint-specific `fields`
+    (max_tokens, logprobs, prompt_logprobs, best_of); its ValueError becomes a 400."""
+    kwargs = dict(
+        n=req.n,
+        temperature=_or(req.temperature, 1.0),
+        top_p=_or(req.top_p, 1.0),
+        top_k=-1 if req.top_k in (None, 0) else req.top_k,  # vLLM: 0 or -1 disables top-k
+        min_p=_or(req.min_p, 0.0),
+        presence_penalty=_or(req.presence_penalty, 0.0),
+        frequency_penalty=_or(req.frequency_penalty, 0.0),
+        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        **fields,
+    )
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise BadRequestError(str(exc), param_from_message(str(exc), list(kwargs))) from exc
+    limit = served.engine.engine.config.max_num_seqs
+    if params.best_of > limit:
+        param = "best_of" if params.best_of != params.n else "n"
+        raise BadRequestError(f"{param}={params.best_of} exceeds max_num_seqs={limit} of model {served.name!r}", param)
+    return params
+
+
+def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens") -> None:
+    """vLLM's and OpenAI's rule: prompt + requested tokens must fit the context. (A prompt that
+    alone is too long is left to the engine, whose message names the limit.)"""
+    if max_tokens is not None and prompt_len < max_model_len < prompt_len + max_tokens:
+        raise BadRequestError(
+            f"this model's maximum context length is {max_model_len} tokens, but {prompt_len + max_tokens} were "
+            f"requested ({prompt_len} in the prompt, {max_tokens} for the completion); reduce {param} or the prompt",
+            param,
+        )
+
+
+_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def api_error(exc: Exception, prompt_param: str) -> APIError:
+    """The engine side's exceptions in OpenAI's terms."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return ServiceUnavailableError(str(exc), code="queue_full")
+    if isinstance(exc, EngineStoppedError):
+        return ModelNotFoundError(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return ServiceUnavailableError(str(exc), code="engine_dead")
+    if isinstance(exc, ValueError):
+        message = str(exc)
+        return BadRequestError(message, prompt_param if "prompt" in message else param_from_message(message, _PARAMS))
+    raise exc
+
+
+@asynccontextmanager
+async def submitted(
+    served: ServedModel, request_id: str, prompts: list[EnginePrompt], params: SamplingParams,
+    priority: int, prompt_param: str,
+) -> AsyncIterator[RequestGroup]:
+    """`AsyncEngine.submit` with one request per prompt, its rejections as APIErrors."""
+    engine_prompts = [(f"{request_id}-{i}", p.to_engine()) for i, p in enumerate(prompts)]
+    entered = False
+    try:
+        async with served.engine.submit(engine_prompts, params, arrival_time=time.time(), priority=priority) as group:
+            entered = True
+            yield group
+    except Exception as exc:
+        if entered:
+            raise
+        raise api_error(exc, prompt_param) from exc
+
+
+async def final_outputs(group: RequestGroup, raw: Request, prompt_param: str) -> list[RequestOutput]:
+    """Wait until every request of `group` finished; in prompt order. Aborts if the client leaves."""
+    try:
+        async for _ in group.updates(raw.is_disconnected):
+            pass
+    except (EngineDeadError, EngineStoppedError) as exc:
+        raise api_error(exc, prompt_param) from exc
+    return [group.outputs[request_id] for request_id in group.request_ids]
+
+
+# ---- streaming ---------------------------------------------------------------------------------
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump(mode="json")
+        if data.get("usage", 0) is None:
+            del data["usage"]  # OpenAI sends usage only in the final chunk, when asked
+        payload = data
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_events(events: AsyncIterator[BaseModel], prompt_param: str) -> AsyncIterator[str]:
+    """Frame `events` as SSE, then `[DONE]`. Errors after the headers went out can only be
+    reported in-stream: an `{"error": ...}` event, which the openai client raises."""
+    try:
+        async for event in events:
+            yield sse(event)
+    except Disconnected:
+        return
+    except Exception as exc:
+        try:
+            error = api_error(exc, prompt_param)
+            yield sse(error_body(error.message, error.error_type, error.param, error.code))
+        except Exception:
+            logger.exception("error while streaming")
+            yield sse(error_body(f"internal server error: {exc!r}", "server_error", None, "internal_error"))
+    yield SSE_DONE
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """An SSE response that releases its engine requests however it ends — finished, client
+    gone (its KV blocks are freed at once), or failed before the first byte was sent."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[Any]]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+async def stream_response(
+    served: ServedModel, request_id: str, prompts: list[EnginePrompt], params: SamplingParams, priority: int,
+    prompt_param: str, events: Callable[[RequestGroup], AsyncIterator[BaseModel]],
+) -> EngineStreamingResponse:
+    """Submit first (so rejections are plain HTTP errors), then stream `events(group)`."""
+    stack = AsyncExitStack()
+    group = await stack.enter_async_context(submitted(served, request_id, prompts, params, priority, prompt_param))
+    try:
+        return EngineStreamingResponse(sse_events(events(group), prompt_param), stack.aclose)
+    except BaseException:
+        await stack.aclose()
+        raise
+
+
+# ---- outputs → response pieces -----------------------------------------------------------------
+def token_text(served: ServedModel, token_id: int, logprob: Logprob | None = None) -> str:
+    """A token as a string; "token_id:N" (vLLM's convention) when the model has no tokenizer."""
+    if served.tokenizer is None:
+        return f"token_id:{token_id}"
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return served.tokenizer.decode([token_id])
+
+
+def clamp(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def usage(prompts: list[EnginePrompt], completion_tokens: int) -> UsageInfo:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)

@@ -1,0 +1,34 @@
+"""Server settings: built once by `pagedllm serve` (or a test) and handed to `create_app`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model served under `name`, loaded from the Hugging Face folder `path`."""
+
+    name: str
+    path: str
+
+
+@dataclass
+class ServerSettings:
+    models: list[ModelSpec] = field(default_factory=list)  # loaded at start-up
+    model_dir: str | None = None  # its sub-folders can be loaded on demand, by folder name
+    api_key: str | None = None
+    max_waiting_requests: int | None = None  # per model; beyond it requests get 503
+    engine_args: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields, for every model
+    # /health says "degraded" from these on (None: max_waiting_requests * 0.8, else max_num_seqs)
+    degraded_waiting_requests: int | None = None
+    degraded_kv_cache_usage: float = 0.95
+
+    def __post_init__(self) -> None:
+        names = [spec.name for spec in self.models]
+        if len(names) != len(set(names)):
+            raise ValueError(f"served model names must be unique, got {names}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if not 0 < self.degraded_kv_cache_usage <= 1:
+            raise ValueError(f"degraded_kv_cache_usage must be in (0, 1], got {self.degraded_kv_cache_usage}")

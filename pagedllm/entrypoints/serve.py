@@ -1,0 +1,120 @@
+"""`pagedllm serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+    pagedllm serve --model models/pagedllm-py-tiny            # one model, http://127.0.0.1:8000/v1
+    pagedllm serve --model-dir models                          # none loaded; load by folder name
+    pagedllm serve --model DIR --api-key KEY --max-num-seqs 64 --num-kv-blocks 4096
+
+Every engine argument (EngineConfig's fields) is a flag; they apply to each model loaded. A bad
+model folder or engine argument fails here, before the port is bound, with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pagedllm.config import EngineConfig, ModelConfig, ModelLoadError
+
+_NOT_FLAGS = {"model", "extra"}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (--max-num-seqs, --enable-prefix-caching/--no-...);
+    defaults stay None so that only the flags given override the engine's own defaults."""
+    group = parser.add_argument_group("engine arguments (per loaded model)")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _NOT_FLAGS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"default: {default}")
+        else:
+            convert = int if "int" in kind else float if "float" in kind else str
+            group.add_argument(flag, type=convert, default=None, metavar=f.name.upper(), help=f"default: {default}")
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    names = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _NOT_FLAGS]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model folder to load at start-up (Hugging Face layout); optional")
+    parser.add_argument("--served-model-name", help="the 'model' name clients use (default: the folder's name)")
+    parser.add_argument("--model-dir", help="folder whose sub-folders can be loaded on demand: POST /v1/models/<name>/load")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $PAGEDLLM_API_KEY; /health and /metrics stay open)")
+    parser.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="per model: answer 503 while this many requests already wait (default: unlimited)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_arguments(parser)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def build_settings(args: argparse.Namespace):
+    """ServerSettings from the flags; raises ValueError (incl. ModelLoadError) on a bad value."""
+    from pagedllm.entrypoints.openai.settings import ModelSpec, ServerSettings
+
+    engine = engine_args(args)
+    models = []
+    if args.model:
+        ModelConfig.from_pretrained(args.model)  # a missing or broken folder fails here, clearly
+        EngineConfig.from_kwargs(args.model, **engine)  # and so does a bad engine argument
+        name = args.served_model_name or Path(args.model).resolve().name
+        models.append(ModelSpec(name, args.model))
+    elif args.served_model_name:
+        raise ValueError("--served-model-name needs --model")
+    if args.model_dir and not Path(args.model_dir).is_dir():
+        raise ValueError(f"--model-dir {args.model_dir!r} is not a directory")
+    return ServerSettings(
+        models=models,
+        model_dir=args.model_dir,
+        api_key=args.api_key or None,
+        max_waiting_requests=args.max_waiting_requests,
+        engine_args=engine,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = build_settings(args)
+    except (ValueError, ModelLoadError) as exc:
+        print(f"pagedllm serve: error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from pagedllm.entrypoints.openai.app import create_app
+
+    names = ", ".join(spec.name for spec in settings.models) or "no model (load with POST /v1/models/<name>/load)"
+    print(f"pagedllm serve: {names} at http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    config = uvicorn.Config(
+        create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=5,  # then open streams are cancelled and their requests aborted
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedllm serve", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
