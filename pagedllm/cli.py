@@ -13,6 +13,7 @@ import sys
 COMMANDS: list[str] = [
     "pagedllm.entrypoints.generate",
     "pagedllm.bench.cli",
+    "pagedllm.training.cli",
 ]
 
 

@@ -1,0 +1,415 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP) and seed 000's Checkpoint manifest.
+
+Layout of one checkpoint, `<checkpoint_dir>/step-00000042/`:
+
+    manifest.json   the Checkpoint record: id, job, step, status, metadata, shards, RNG states
+    job.json        the resolved TrainingJob (export rebuilds the model from it)
+    model/          DCP: one __<rank>_<n>.distcp file per rank + .metadata   -> manifest "shards"
+    optim/          DCP: optimizer state (and the FP16 grad scaler)          -> "optimizer_states"
+
+Status goes SAVING (written before any shard) -> COMPLETE (after every rank's files are on disk and
+hashed). Resume verifies the sha256 of every file first: a mismatch marks the checkpoint CORRUPT and
+the next newest COMPLETE one is tried. Keeping max_checkpoints_to_keep, older COMPLETE checkpoints
+lose their data and become DELETED (the manifest stays, as a record).
+
+With async_save, DCP stages the state to memory and writes from a background thread over a separate
+gloo group; training goes on, and at each step boundary the ranks agree (one all-reduce) on whether
+every rank's write has finished, and only then hash and mark COMPLETE.
+"""
+from __future__ import annotations
+
+import base64
+import enum
+import hashlib
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from pydantic import BaseModel, Field
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch import nn
+
+log = logging.getLogger("pagedllm.training")
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointStatus(str, enum.Enum):
+    SAVING = "SAVING"
+    COMPLETE = "COMPLETE"
+    CORRUPT = "CORRUPT"
+    DELETED = "DELETED"
+
+
+class CheckpointMetadata(BaseModel):
+    loss: float | None = None
+    learning_rate: float
+    global_step: int
+    consumed_tokens: int
+    elapsed_time_seconds: float
+
+
+class ShardRecord(BaseModel):
+    shard_id: int
+    rank: int
+    file_path: str  # relative to the checkpoint folder
+    file_size_bytes: int
+    checksum: str  # "sha256:<hex>"
+
+
+class OptimizerStateRecord(BaseModel):
+    rank: int
+    file_path: str
+    file_size_bytes: int
+    checksum: str
+
+
+class RngStateRecord(BaseModel):
+    """Each generator's state, pickled where it is not already bytes, then base64."""
+
+    rank: int
+    cuda_rng_state: str | None = None
+    torch_rng_state: str
+    numpy_rng_state: str
+    python_rng_state: str
+
+
+class Checkpoint(BaseModel):
+    """Seed 000's Checkpoint, as written to manifest.json."""
+
+    checkpoint_id: uuid.UUID
+    job_id: uuid.UUID
+    step: int
+    timestamp: datetime
+    status: CheckpointStatus
+    metadata: CheckpointMetadata
+    shards: list[ShardRecord] = Field(default_factory=list)
+    optimizer_states: list[OptimizerStateRecord] = Field(default_factory=list)
+    rng_states: list[RngStateRecord] = Field(default_factory=list)
+    world_size: int = 1
+    status_reason: str | None = None
+
+
+# ---- manifests on disk -------------------------------------------------------------------------
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def read_manifest(step_dir: Path) -> Checkpoint | None:
+    path = step_dir / "manifest.json"
+    if not path.is_file():
+        return None
+    return Checkpoint.model_validate_json(path.read_text())
+
+
+def write_manifest(step_dir: Path, manifest: Checkpoint) -> None:
+    """Atomic replace, so a reader never sees half a manifest."""
+    tmp = step_dir / "manifest.json.tmp"
+    tmp.write_text(manifest.model_dump_json(indent=2))
+    os.replace(tmp, step_dir / "manifest.json")
+
+
+def list_checkpoints(checkpoint_dir: Path) -> list[tuple[Path, Checkpoint]]:
+    """Every checkpoint folder with a manifest, oldest step first."""
+    found = []
+    if checkpoint_dir.is_dir():
+        for child in sorted(checkpoint_dir.iterdir()):
+            if STEP_DIR.match(child.name) and (manifest := read_manifest(child)) is not None:
+                found.append((child, manifest))
+    return sorted(found, key=lambda item: item[1].step)
+
+
+def resolve_checkpoint(ref: str | Path, checkpoint_dir: Path | None = None) -> Path:
+    """A checkpoint folder from: its path, a checkpoint_dir (newest COMPLETE in it) or a checkpoint_id."""
+    path = Path(ref)
+    if (path / "manifest.json").is_file():
+        return path
+    if path.is_dir():
+        complete = [p for p, m in list_checkpoints(path) if m.status is CheckpointStatus.COMPLETE]
+        if not complete:
+            raise FileNotFoundError(f"no COMPLETE checkpoint in {path}")
+        return complete[-1]
+    if checkpoint_dir is not None:
+        for step_dir, manifest in list_checkpoints(checkpoint_dir):
+            if str(manifest.checkpoint_id) == str(ref) or step_dir.name == str(ref):
+                return step_dir
+    raise FileNotFoundError(f"checkpoint not found: {ref}")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+def verify(step_dir: Path, manifest: Checkpoint, files: list[str] | None = None) -> list[str]:
+    """Problems found re-hashing the manifest's files (all, or those named in `files`); [] = intact."""
+    problems = []
+    for record in [*manifest.shards, *manifest.optimizer_states]:
+        if files is not None and record.file_path not in files:
+            continue
+        path = step_dir / record.file_path
+        if not path.is_file():
+            problems.append(f"{record.file_path} is missing")
+        elif path.stat().st_size != record.file_size_bytes:
+            problems.append(f"{record.file_path} has {path.stat().st_size} bytes, manifest says {record.file_size_bytes}")
+        elif (actual := sha256_file(path)) != record.checksum:
+            problems.append(f"{record.file_path} checksum {actual[:19]}... != manifest {record.checksum[:19]}...")
+    return problems
+
+
+def mark(step_dir: Path, status: CheckpointStatus, reason: str | None = None) -> Checkpoint:
+    manifest = read_manifest(step_dir)
+    assert manifest is not None
+    manifest = manifest.model_copy(update={"status": status, "status_reason": reason})
+    write_manifest(step_dir, manifest)
+    return manifest
+
+
+# ---- RNG states --------------------------------------------------------------------------------
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def capture_rng(rank: int) -> RngStateRecord:
+    cuda = _b64(pickle.dumps(torch.cuda.get_rng_state_all())) if torch.cuda.is_available() else None
+    return RngStateRecord(
+        rank=rank,
+        cuda_rng_state=cuda,
+        torch_rng_state=_b64(torch.get_rng_state().numpy().tobytes()),
+        numpy_rng_state=_b64(pickle.dumps(np.random.get_state())),
+        python_rng_state=_b64(pickle.dumps(random.getstate())),
+    )
+
+
+def restore_rng(record: RngStateRecord) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(record.torch_rng_state)), dtype=torch.uint8))
+    np.random.set_state(pickle.loads(base64.b64decode(record.numpy_rng_state)))
+    random.setstate(pickle.loads(base64.b64decode(record.python_rng_state)))
+    if record.cuda_rng_state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(pickle.loads(base64.b64decode(record.cuda_rng_state)))
+
+
+# ---- state dicts of (possibly several) model parts -----------------------------------------------
+
+def model_state(parts: list[nn.Module]) -> dict:
+    state: dict = {}
+    for part in parts:
+        state.update(get_model_state_dict(part))
+    return state
+
+
+def optimizer_state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
+    """Flattened (FQN-keyed) so pipeline stages' states merge into one checkpoint and reshard freely."""
+    state: dict = {}
+    for part, optimizer in zip(parts, optimizers):
+        state.update(get_optimizer_state_dict(part, optimizer, options=FLAT))
+    return state
+
+
+# ---- the manager --------------------------------------------------------------------------------
+
+@dataclass
+class _Pending:
+    step_dir: Path
+    manifest: Checkpoint
+    futures: list = field(default_factory=list)
+    rng: RngStateRecord | None = None
+
+
+class CheckpointManager:
+    """Saves, finalises, prunes and loads checkpoints of one job; every method is collective."""
+
+    def __init__(self, job, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                 extra_state: Callable[[], dict] | None = None,
+                 load_extra_state: Callable[[dict], None] | None = None,
+                 on_event: Callable[..., None] | None = None) -> None:
+        self.job = job
+        self.dir = Path(job.checkpoint.checkpoint_dir)
+        self.parts, self.optimizers = parts, optimizers
+        self.extra_state = extra_state or dict
+        self.load_extra_state = load_extra_state or (lambda state: None)
+        self.on_event = on_event or (lambda *args, **kwargs: None)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # Async writes run collectives from a background thread: give them their own group.
+        self.async_group = dist.new_group(backend="gloo") if job.checkpoint.async_save else None
+        self.pending: _Pending | None = None
+
+    # -- saving --
+
+    def save(self, step: int, metadata: CheckpointMetadata, checkpoint_id: uuid.UUID | None = None,
+             blocking: bool = False) -> uuid.UUID:
+        """Start a checkpoint of the current state; with async_save (and not `blocking`) return at once."""
+        self.wait()
+        step_dir = self.dir / step_dir_name(step)
+        manifest = Checkpoint(checkpoint_id=checkpoint_id or uuid.uuid4(), job_id=self.job.job_id, step=step,
+                              timestamp=datetime.now(timezone.utc), status=CheckpointStatus.SAVING,
+                              metadata=metadata, world_size=self.world)
+        if self.rank == 0:
+            if step_dir.exists():
+                shutil.rmtree(step_dir)
+            step_dir.mkdir(parents=True)
+            (step_dir / "job.json").write_text(self.job.model_dump_json(indent=2))
+            write_manifest(step_dir, manifest)
+            self.on_event("checkpoint", status="SAVING", checkpoint_id=str(manifest.checkpoint_id), step=step, path=str(step_dir))
+        dist.barrier()
+        pending = _Pending(step_dir, manifest, rng=capture_rng(self.rank))
+        optim = {"optimizer": optimizer_state(self.parts, self.optimizers), **self.extra_state()}
+        states = {"model": model_state(self.parts), "optim": optim}
+        for sub, state in states.items():
+            target = str(step_dir / sub)
+            if self.async_group is not None and not blocking:
+                pending.futures.append(dcp.async_save(state, checkpoint_id=target, process_group=self.async_group))
+            else:
+                dcp.save(state, checkpoint_id=target)
+        self.pending = pending
+        if not pending.futures:
+            self._finalize()
+        return manifest.checkpoint_id
+
+    def poll(self) -> None:
+        """At a step boundary: finalise the async save if every rank's write is done (one all-reduce)."""
+        if self.pending is None:
+            return
+        done = torch.tensor([int(all(f.done() for f in self.pending.futures))])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item():
+            self._finalize()
+
+    def wait(self) -> None:
+        """Block until the pending save (if any) is written and marked COMPLETE."""
+        if self.pending is not None:
+            for future in self.pending.futures:
+                future.result()
+            self._finalize()
+
+    def _finalize(self) -> None:
+        pending, self.pending = self.pending, None
+        assert pending is not None
+        for future in pending.futures:
+            future.result()  # re-raise a failed background write here, on every rank
+        local = {"files": self._hash_own_files(pending.step_dir), "rng": pending.rng.model_dump()}
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, local)
+        if self.rank == 0:
+            manifest = self._complete_manifest(pending, gathered)
+            write_manifest(pending.step_dir, manifest)
+            self.on_event("checkpoint", status="COMPLETE", checkpoint_id=str(manifest.checkpoint_id),
+                          step=manifest.step, path=str(pending.step_dir))
+            self._prune()
+        dist.barrier()
+
+    def _hash_own_files(self, step_dir: Path) -> list[dict]:
+        """This rank's DCP files (rank 0 also takes the .metadata files): path, size, sha256."""
+        out = []
+        for sub in ("model", "optim"):
+            for file in sorted((step_dir / sub).iterdir()):
+                match = RANK_FILE.match(file.name)
+                owner = int(match.group(1)) if match else 0
+                if owner == self.rank:
+                    out.append({"file_path": f"{sub}/{file.name}", "file_size_bytes": file.stat().st_size,
+                                "checksum": sha256_file(file), "rank": self.rank})
+        return out
+
+    @staticmethod
+    def _complete_manifest(pending: _Pending, gathered: list[dict]) -> Checkpoint:
+        files = sorted((f for item in gathered for f in item["files"]), key=lambda f: (f["rank"], f["file_path"]))
+        shards = [ShardRecord(shard_id=i, **f) for i, f in enumerate(x for x in files if x["file_path"].startswith("model/"))]
+        optim = [OptimizerStateRecord(**f) for f in files if f["file_path"].startswith("optim/")]
+        rng = [RngStateRecord(**item["rng"]) for item in gathered]
+        return pending.manifest.model_copy(update={
+            "status": CheckpointStatus.COMPLETE, "shards": shards, "optimizer_states": optim, "rng_states": rng})
+
+    def _prune(self) -> None:
+        """Keep the newest max_checkpoints_to_keep COMPLETE checkpoints; older ones become DELETED."""
+        complete = [(p, m) for p, m in list_checkpoints(self.dir) if m.status is CheckpointStatus.COMPLETE]
+        for step_dir, manifest in complete[:-self.job.checkpoint.max_checkpoints_to_keep]:
+            for sub in ("model", "optim"):
+                shutil.rmtree(step_dir / sub, ignore_errors=True)
+            mark(step_dir, CheckpointStatus.DELETED, "pruned: max_checkpoints_to_keep")
+            self.on_event("checkpoint", status="DELETED", checkpoint_id=str(manifest.checkpoint_id), step=manifest.step,
+                          path=str(step_dir))
+
+    # -- loading --
+
+    def candidates(self, resume_from: str | None) -> list[Path]:
+        """Checkpoint folders to try, best first: the named one only, or every COMPLETE one newest first."""
+        if resume_from:
+            return [resolve_checkpoint(resume_from, self.dir)]
+        complete = [p for p, m in list_checkpoints(self.dir) if m.status is CheckpointStatus.COMPLETE]
+        return list(reversed(complete))
+
+    def _verify_everywhere(self, step_dir: Path, manifest: Checkpoint) -> list[str]:
+        """Every rank re-hashes a disjoint share of the files; the problems are gathered on all ranks."""
+        records = sorted(r.file_path for r in [*manifest.shards, *manifest.optimizer_states])
+        mine = records[self.rank::self.world]
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, verify(step_dir, manifest, mine))
+        return [problem for problems in gathered for problem in problems]
+
+    def load(self, resume_from: str | None) -> Checkpoint | None:
+        """Restore the newest intact checkpoint (or `resume_from`); None if there is none to resume."""
+        for step_dir in self.candidates(resume_from):
+            manifest = read_manifest(step_dir)
+            assert manifest is not None
+            if manifest.status is not CheckpointStatus.COMPLETE:
+                if resume_from:
+                    raise ValueError(f"--resume-from: checkpoint {step_dir} is {manifest.status.value}, not COMPLETE")
+                continue
+            problems = self._verify_everywhere(step_dir, manifest)
+            if problems:
+                self._report_corrupt(step_dir, manifest, problems)
+                if resume_from:
+                    raise ValueError(f"--resume-from: checkpoint {step_dir} is corrupt: {'; '.join(problems)}")
+                continue
+            self._load_state(step_dir, manifest)
+            return manifest
+        return None
+
+    def _report_corrupt(self, step_dir: Path, manifest: Checkpoint, problems: list[str]) -> None:
+        reason = "; ".join(problems)
+        if self.rank == 0:
+            log.error("checkpoint %s (step %d) failed verification: %s -- marked CORRUPT, trying the previous one",
+                      step_dir, manifest.step, reason)
+            mark(step_dir, CheckpointStatus.CORRUPT, reason)
+            self.on_event("checkpoint", status="CORRUPT", checkpoint_id=str(manifest.checkpoint_id),
+                          step=manifest.step, path=str(step_dir), reason=reason)
+        dist.barrier()
+
+    def _load_state(self, step_dir: Path, manifest: Checkpoint) -> None:
+        model_sd = model_state(self.parts)
+        dcp.load(model_sd, checkpoint_id=str(step_dir / "model"))
+        for part in self.parts:
+            set_model_state_dict(part, model_sd, options=StateDictOptions(strict=False))
+        optim = {"optimizer": optimizer_state(self.parts, self.optimizers), **self.extra_state()}
+        dcp.load(optim, checkpoint_id=str(step_dir / "optim"))
+        for part, optimizer in zip(self.parts, self.optimizers):
+            set_optimizer_state_dict(part, optimizer, optim["optimizer"], options=FLAT)
+        self.load_extra_state(optim)
+        if manifest.world_size == self.world:
+            restore_rng(next(r for r in manifest.rng_states if r.rank == self.rank))

@@ -1,0 +1,161 @@
+"""`pagedllm train`, `pagedllm export` and `pagedllm tokenizer train`.
+
+`train` validates the job for the world size it is about to launch (nnodes x nproc-per-node) before
+any process starts, writes the job (with its job_id fixed) to <checkpoint_dir>/job.json, then either
+runs one rank in this process or replaces itself with torchrun (`python -m torch.distributed.run`),
+so the pid a supervisor started is torchrun's and its signals reach the workers through torchrun.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from pagedllm.training.config import ConfigError, TrainingJob, apply_overrides, load_job, resolve
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    train = subparsers.add_parser("train", help="train a model from a TrainingJob config (TOML or JSON)")
+    train.add_argument("--config", type=Path, required=True, help="job.toml or job.json (seed 000's TrainingJob)")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                       help="override a config field, e.g. --set optimization_config.total_steps=100")
+    train.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (>1 launches torchrun)")
+    train.add_argument("--nnodes", type=int, default=1, help="machines taking part (torchrun --nnodes)")
+    train.add_argument("--node-rank", type=int, help="this machine's rank (static rendezvous only)")
+    train.add_argument("--rdzv-endpoint", help="host:port of the c10d rendezvous (torchrun --rdzv-endpoint)")
+    train.add_argument("--rdzv-id", help="rendezvous id shared by all nodes (default: the job_id)")
+    from pagedllm.training.worker import add_run_arguments
+
+    add_run_arguments(train)
+    train.set_defaults(func=run_train)
+
+    export = subparsers.add_parser("export", help="write a Hugging Face model folder from a checkpoint")
+    export.add_argument("--checkpoint", required=True, help="a checkpoint folder (step-NNNNNNNN) or a checkpoint_dir")
+    export.add_argument("--out", required=True, type=Path)
+    export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    export.set_defaults(func=run_export)
+
+    tokenizer = subparsers.add_parser("tokenizer", help="tokenizer tools")
+    tok_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
+    tok_train = tok_sub.add_parser("train", help="train a byte-level BPE tokenizer on a corpus")
+    tok_train.add_argument("--input", required=True, help="text file, folder, JSONL with 'text', or @stdlib")
+    tok_train.add_argument("--vocab-size", type=int, required=True)
+    tok_train.add_argument("--out", required=True, type=Path)
+    tok_train.add_argument("--glob", default="**/*", help="files taken from an input folder (e.g. '**/*.py')")
+    tok_train.add_argument("--min-frequency", type=int, default=2)
+    tok_train.set_defaults(func=run_tokenizer_train)
+
+
+def prepare_job(args: argparse.Namespace) -> TrainingJob:
+    """Load, override and validate the job for nnodes x nproc-per-node processes; ConfigError otherwise."""
+    from pagedllm.training.corpus import source_files
+    from pagedllm.training.tokenizer import tokenizer_files
+
+    job = apply_overrides(load_job(args.config), args.set)
+    if args.nproc_per_node < 1 or args.nnodes < 1:
+        raise ConfigError("--nproc-per-node", "needs --nproc-per-node >= 1 and --nnodes >= 1")
+    resolve(job, args.nproc_per_node * args.nnodes)
+    try:
+        source_files(job.data.dataset_path, job.data.file_glob)
+    except FileNotFoundError as exc:
+        raise ConfigError("data_config.dataset_path", str(exc)) from exc
+    try:
+        tokenizer_files(job.data.tokenizer_path)
+    except FileNotFoundError as exc:
+        raise ConfigError("data_config.tokenizer_path", str(exc)) from exc
+    return _keep_job_id(job)
+
+
+def _keep_job_id(job: TrainingJob) -> TrainingJob:
+    """A config without job_id, relaunched on the same checkpoint_dir, continues the same job."""
+    previous = job.checkpoint_dir / "job.json"
+    if "job_id" not in job.model_fields_set and previous.is_file():
+        old = json.loads(previous.read_text()).get("job_id")
+        if old:
+            return job.model_copy(update={"job_id": uuid.UUID(old)})
+    return job
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from pagedllm.training.trainer import EXIT_CONFIG_ERROR
+
+    try:
+        job = prepare_job(args)
+    except ConfigError as exc:
+        print(f"invalid config: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    job.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    config_path = job.checkpoint_dir / "job.json"
+    config_path.write_text(job.model_dump_json(indent=2))
+    worker_args = _worker_arguments(args)
+    if args.nproc_per_node == 1 and args.nnodes == 1:
+        from pagedllm.training.worker import main as worker_main
+
+        return worker_main(["--config", str(config_path), *worker_args])
+    command = torchrun_command(args, job, config_path, worker_args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, command)
+    return 1  # not reached
+
+
+def _worker_arguments(args: argparse.Namespace) -> list[str]:
+    out = []
+    for flag, value in (("--resume-from", args.resume_from), ("--events-file", args.events_file),
+                        ("--stop-at-step", args.stop_at_step), ("--peak-flops", args.peak_flops)):
+        if value is not None:
+            out += [flag, str(value)]
+    return out + (["--no-export"] if args.no_export else [])
+
+
+def torchrun_command(args: argparse.Namespace, job: TrainingJob, config_path: Path, worker_args: list[str]) -> list[str]:
+    """argv for `python -m torch.distributed.run ... -m pagedllm.training.worker ...`."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}"]
+    if args.nnodes == 1 and not args.rdzv_endpoint:
+        command.append("--standalone")  # a free local port: several jobs can run side by side
+    else:
+        command += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-id={args.rdzv_id or job.job_id}"]
+        if args.rdzv_endpoint:
+            command.append(f"--rdzv-endpoint={args.rdzv_endpoint}")
+        if args.node_rank is not None:
+            command.append(f"--node-rank={args.node_rank}")
+    return command + ["-m", "pagedllm.training.worker", "--config", str(config_path), *worker_args]
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from pagedllm.training.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, args.dtype)
+    except FileNotFoundError as exc:
+        print(f"export: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+def run_tokenizer_train(args: argparse.Namespace) -> int:
+    from pagedllm.training.tokenizer import train_tokenizer
+
+    try:
+        path = train_tokenizer(args.input, args.vocab_size, args.out, args.glob, args.min_frequency)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"tokenizer train: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {path} and {path.parent / 'tokenizer_config.json'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The training commands alone: `python -m pagedllm.training.cli train ...` (what tests run)."""
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm training commands")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Hugging Face model folders from a trained model or a DCP checkpoint (`pagedllm export`).
+
+Our parameter names are Hugging Face's, so export is: gather a full state dict, write it with
+safetensors, write config.json for the matching transformers class, copy the tokenizer files.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pagedllm.training.config import ModelConfig, TrainingJob
+from pagedllm.training.tokenizer import special_token_ids, tokenizer_config, tokenizer_files
+
+HF_CLASSES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "moe": ("mixtral", "MixtralForCausalLM"),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hf_config(cfg: ModelConfig, token_ids: dict[str, int | None], dtype: str = "float32") -> dict:
+    """config.json for the transformers class of `cfg.architecture`, with every field our model uses."""
+    model_type, class_name = HF_CLASSES[cfg.architecture]
+    config = {
+        "architectures": [class_name],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": cfg.initializer_range,
+        "bos_token_id": token_ids.get("bos_token"),
+        "eos_token_id": token_ids.get("eos_token"),
+        "pad_token_id": token_ids.get("pad_token"),
+        "use_cache": True,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+    if cfg.architecture in ("mistral", "qwen3", "moe"):
+        config["sliding_window"] = cfg.sliding_window if cfg.architecture == "mistral" else None
+        config["use_sliding_window"] = False
+    if cfg.architecture == "moe":
+        config["num_local_experts"] = cfg.num_experts
+        config["num_experts_per_tok"] = cfg.num_experts_per_token
+        config["router_aux_loss_coef"] = cfg.router_aux_loss_coef
+        config["output_router_logits"] = False
+    return config
+
+
+def write_hf_folder(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer_path: str | Path,
+                    out: str | Path, dtype: str = "float32") -> Path:
+    """Write config.json, model.safetensors, generation_config.json and the tokenizer files to `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to(DTYPES[dtype]).contiguous().clone() for name, t in state_dict.items()}
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # transformers re-ties it from embed_tokens
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    ids = special_token_ids(tokenizer_path)
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, ids, dtype), indent=2) + "\n")
+    generation = {"bos_token_id": ids["bos_token"], "eos_token_id": ids["eos_token"], "pad_token_id": ids["pad_token"]}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    _copy_tokenizer(tokenizer_path, out)
+    return out
+
+
+def _copy_tokenizer(tokenizer_path: str | Path, out: Path) -> None:
+    tokenizer_json, config_json = tokenizer_files(tokenizer_path)
+    shutil.copyfile(tokenizer_json, out / "tokenizer.json")
+    if config_json is not None:
+        shutil.copyfile(config_json, out / "tokenizer_config.json")
+    else:
+        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+
+
+def load_checkpoint_state(checkpoint: str | Path) -> tuple[TrainingJob, dict[str, torch.Tensor]]:
+    """The job config and the full (unsharded) model state dict of a COMPLETE checkpoint, in this process."""
+    import torch.distributed.checkpoint as dcp
+
+    from pagedllm.training.checkpoint import resolve_checkpoint
+    from pagedllm.training.model import CausalLM
+
+    step_dir = resolve_checkpoint(checkpoint)
+    job = TrainingJob.model_validate_json((step_dir / "job.json").read_text())
+    model = CausalLM(job.model)
+    state = model.state_dict()
+    if job.model.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    dcp.load(state, checkpoint_id=str(step_dir / "model"), no_dist=True)
+    return job, state
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "float32") -> Path:
+    job, state = load_checkpoint_state(checkpoint)
+    tokenizer = Path(checkpoint_tokenizer(checkpoint))
+    return write_hf_folder(state, job.model, tokenizer, out, dtype)
+
+
+def checkpoint_tokenizer(checkpoint: str | Path) -> Path:
+    """The tokenizer copy the trainer keeps in the checkpoint folder (so export survives moves)."""
+    from pagedllm.training.checkpoint import resolve_checkpoint
+
+    return resolve_checkpoint(checkpoint).parent / "tokenizer"

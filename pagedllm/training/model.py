@@ -1,0 +1,272 @@
+"""The trainable decoder-only transformer: llama, mistral, qwen3 and a Mixtral-style moe.
+
+Module and parameter names equal Hugging Face's (model.embed_tokens, model.layers.N.self_attn.q_proj,
+..., lm_head; block_sparse_moe.gate / experts.N.w1|w2|w3 for moe), so a state dict -- sharded by DCP or
+gathered for export -- is already a Hugging Face checkpoint. Layers live in a ModuleDict keyed by their
+global index, so a pipeline stage that keeps layers 2..3 still names them model.layers.2/3 and every
+stage's checkpoint shards fit together.
+
+A stage may drop embed_tokens (not first), or norm and lm_head (not last): forward then takes hidden
+states instead of token ids, or returns hidden states instead of logits.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from pagedllm.layers.norm import RMSNorm  # the engine's: fp32 norm, weight after the cast, as transformers
+from pagedllm.layers.rotary import rotate_half
+from pagedllm.training.config import ModelConfig
+
+
+@functools.lru_cache(maxsize=16)
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (seq_len, head_dim) in fp32, half-rotation layout (Hugging Face's rotate_half).
+    Cached: every layer of every step asks for the same table."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, seq, heads, head_dim)."""
+    cos = cos[None, :, None, :].to(x.dtype)
+    sin = sin[None, :, None, :].to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention. Head counts come from the projections' local widths, so the same code
+    runs on a tensor-parallel shard holding heads/tp of the heads."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.resolved_head_dim
+        self.rope_theta = cfg.rope_theta
+        self.kv_groups = cfg.num_attention_heads // cfg.num_kv_heads
+        self.sliding_window = cfg.sliding_window if cfg.architecture == "mistral" else None
+        q_width, kv_width = cfg.num_attention_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_width, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_width, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_width, bias=False)
+        self.o_proj = nn.Linear(q_width, cfg.hidden_size, bias=False)
+        if cfg.architecture == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        cos, sin = rotary_tables(seq, self.head_dim, self.rope_theta, x.device)
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.kv_groups > 1:
+            k = k.repeat_interleave(self.kv_groups, dim=1)
+            v = v.repeat_interleave(self.kv_groups, dim=1)
+        mask = self._window_mask(seq, x.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _window_mask(self, seq: int, device: torch.device) -> torch.Tensor | None:
+        """Mistral's sliding window: query i sees keys j with i - window < j <= i."""
+        if self.sliding_window is None or seq <= self.sliding_window:
+            return None
+        i = torch.arange(seq, device=device)[:, None]
+        j = torch.arange(seq, device=device)[None, :]
+        return (j <= i) & (j > i - self.sliding_window)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Expert(nn.Module):
+    """One Mixtral expert, named w1 (gate), w3 (up), w2 (down) as in Mixtral checkpoints."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, intermediate, bias=False)
+        self.w2 = nn.Linear(intermediate, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, intermediate, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts (Mixtral): softmax router, top-k renormalised weights, and the Switch
+    Transformer load-balancing loss E * sum_e(f_e * P_e) kept in `aux_loss` for the trainer to add.
+
+    Every expert runs on every step, on an empty batch if it got no tokens, so each expert parameter
+    always has a gradient -- FSDP's reduce-scatter then sees the same parameters on every rank."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.num_experts and cfg.num_experts_per_token
+        self.top_k = cfg.num_experts_per_token
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_experts))
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(flat).float(), dim=-1)
+        top_weights, top_index = torch.topk(probs, self.top_k, dim=-1)
+        top_weights = (top_weights / top_weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(top_index == e)
+            y = expert(flat[token_idx]) * top_weights[token_idx, slot, None]
+            out = out.index_add(0, token_idx, y)
+        self.aux_loss = self._balance_loss(probs, top_index)
+        return out.view(shape)
+
+    def _balance_loss(self, probs: torch.Tensor, top_index: torch.Tensor) -> torch.Tensor:
+        num_experts = probs.shape[-1]
+        counts = F.one_hot(top_index, num_experts).float().sum(dim=(0, 1))
+        fraction = counts / top_index.numel()
+        return num_experts * torch.sum(fraction * probs.mean(dim=0))
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective activation checkpointing: keep matmul and attention outputs, recompute the cheap rest."""
+    keep = op in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                  torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                  torch.ops.aten._scaled_dot_product_flash_attention.default)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block. `checkpointing` (None, "FULL" or "SELECTIVE") is set by parallel.py; recomputation
+    wraps the block body here, so parameter names never gain a wrapper prefix."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.architecture == "moe":
+            self.block_sparse_moe = SparseMoE(cfg)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.checkpointing: str | None = None
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing is None or not torch.is_grad_enabled():
+            return self._block(x)
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        kwargs = {"context_fn": context_fn} if self.checkpointing == "SELECTIVE" else {}
+        return checkpoint(self._block, x, use_reentrant=False, **kwargs)
+
+    def _block(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x))
+        return h + self.feed_forward(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """Hugging Face's `model.` prefix: embeddings, the layer stack and the final norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.norm(h) if self.norm is not None else h
+
+
+class CausalLM(nn.Module):
+    """Token ids (or a previous stage's hidden states) in, logits (or hidden states) out."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model(x)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+    def moe_aux_loss(self) -> torch.Tensor | None:
+        """Mean load-balancing loss over this module's MoE layers from the last forward, or None."""
+        losses = [layer.block_sparse_moe.aux_loss for layer in self.model.layers.values()
+                  if hasattr(layer, "block_sparse_moe") and layer.block_sparse_moe.aux_loss is not None]
+        return torch.stack(losses).mean() if losses else None
+
+
+def init_weights(model: nn.Module, std: float, seed: int) -> None:
+    """Deterministic N(0, std) init for linears and embeddings, ones for norms, from `seed` alone: every
+    rank builds the identical full model, so sharding afterwards reproduces the single-process run."""
+    generator = torch.Generator().manual_seed(seed)
+    for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        with torch.no_grad():
+            if param.ndim == 1:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
+def build_model(cfg: ModelConfig, seed: int) -> CausalLM:
+    model = CausalLM(cfg)
+    init_weights(model, cfg.initializer_range, seed)
+    return model
+
+
+def num_params(cfg: ModelConfig, active_only: bool = False) -> int:
+    """Parameter count from the config alone (no model needed); `active_only` counts top-k experts."""
+    hd, h = cfg.resolved_head_dim, cfg.hidden_size
+    attn = h * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_kv_heads)
+    attn += 2 * hd if cfg.architecture == "qwen3" else 0
+    ffn = 3 * h * cfg.intermediate_size
+    if cfg.architecture == "moe":
+        experts = cfg.num_experts_per_token if active_only else cfg.num_experts
+        ffn = ffn * experts + h * cfg.num_experts
+    per_layer = attn + ffn + 2 * h
+    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return cfg.num_layers * per_layer + embeddings + h
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 x active non-embedding-lookup parameters plus
+    the attention score/value matmuls, 12 x layers x heads x head_dim x seq_len (PaLM appendix B)."""
+    dense = num_params(cfg, active_only=True) - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
+    attention = 12 * cfg.num_layers * cfg.num_attention_heads * cfg.resolved_head_dim * seq_len
+    return 6 * dense + attention
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+

@@ -1,0 +1,201 @@
+"""Data, tensor and sequence parallelism, applied in one place and in torchtitan's order:
+tensor parallel -> activation checkpointing -> data parallel (FSDP2 / replicate).
+
+One DeviceMesh with dims ("pp", "dp", "tp") describes the whole job; each step below is a small
+function over its slice of the mesh, using only PyTorch's own APIs:
+
+* TP: `parallelize_module` -- q/k/v/gate/up column-wise, o/down row-wise, the vocabulary sharded in the
+  embedding and lm_head; with `sequence_parallel` the norms run on sequence shards (`SequenceParallel`).
+* ZeRO stage 0: `replicate` (DDP on FSDP2's machinery); 1 and 2: `fully_shard(reshard_after_forward=
+  False)` -- gradients and optimizer state sharded, parameters kept gathered between forward and
+  backward; 3: `fully_shard(reshard_after_forward=True)` -- parameters sharded outside their layer's
+  compute too. Stage 1 differs from 2 in gradient accumulation: it reduces once per step (see
+  `requires_sync_every_microbatch`), stage 2 reduce-scatters every microbatch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from pagedllm.training.config import Precision, TrainingJob
+from pagedllm.training.model import CausalLM, DecoderLayer
+
+LOW_PRECISION = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The job's degrees of parallelism on `world_size` processes (data_parallel_size resolved)."""
+
+    pp: int
+    dp: int
+    tp: int
+
+    @classmethod
+    def from_job(cls, job: TrainingJob) -> "ParallelDims":
+        par = job.parallelism
+        assert par.data_parallel_size is not None, "resolve() the job first"
+        return cls(pp=par.pipeline_parallel_size, dp=par.data_parallel_size, tp=par.tensor_parallel_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+class ReplicateParallel(ParallelStyle):
+    """A module whose parameters are replicated over the TP mesh and whose inputs are already
+    replicated (norms when sequence parallelism is off). Turning its parameters into Replicate DTensors
+    keeps every parameter of a TP model on the TP mesh, which FSDP and gradient clipping require."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=self._to_dtensor, output_fn=self._to_local)
+
+    @staticmethod
+    def _to_dtensor(module, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+    @staticmethod
+    def _to_local(module, output, mesh):
+        return output.to_local() if isinstance(output, DTensor) else output
+
+
+def _norm_style(sequence_parallel: bool) -> ParallelStyle:
+    return SequenceParallel() if sequence_parallel else ReplicateParallel()
+
+
+def apply_tensor_parallel(model: CausalLM, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Megatron-style TP over `tp_mesh`; activations between blocks are sequence shards when
+    `sequence_parallel`, else replicated. Works on pipeline stages too (missing parts are skipped)."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    root_plan: dict[str, ParallelStyle] = {}
+    if model.model.embed_tokens is not None:
+        root_plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.model.norm is not None:
+        root_plan["model.norm"] = _norm_style(sequence_parallel)
+    if model.lm_head is not None:
+        root_plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    parallelize_module(model, tp_mesh, root_plan)
+    for layer in model.model.layers.values():
+        parallelize_module(layer, tp_mesh, _layer_plan(layer, sequence_parallel))
+
+
+def _layer_plan(layer: DecoderLayer, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "input_layernorm": _norm_style(sequence_parallel),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+        "post_attention_layernorm": _norm_style(sequence_parallel),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan["self_attn"] = gather
+        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if layer.self_attn.q_norm is not None:
+        # qwen3's per-head norms see this rank's heads: a shard along the head dim (2) of (b, s, h, d).
+        plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def apply_activation_checkpointing(model: CausalLM, granularity: str) -> None:
+    """FULL recomputes each block in backward; SELECTIVE keeps matmul outputs, recomputes the rest."""
+    for layer in model.model.layers.values():
+        layer.checkpointing = granularity
+
+
+def data_parallel_wrapping(job: TrainingJob, dims: ParallelDims) -> str | None:
+    """'fsdp', 'replicate' or None: ZeRO >= 1 always shards (also on one rank, so cpu_offload and
+    mixed precision behave the same at any scale); stage 0 replicates only when there is a replica."""
+    if job.memory.zero_stage >= 1:
+        return "fsdp"
+    return "replicate" if dims.dp > 1 else None
+
+
+def requires_sync_every_microbatch(job: TrainingJob) -> bool:
+    """ZeRO-2/3 reduce-scatter gradients after every microbatch (gradients stay sharded); ZeRO-0/1
+    accumulate full local gradients and reduce once, on the last microbatch."""
+    return job.memory.zero_stage >= 2
+
+
+def apply_data_parallel(model: CausalLM, job: TrainingJob, dims: ParallelDims, dp_mesh: DeviceMesh) -> None:
+    mem = job.memory
+    mp = MixedPrecisionPolicy()
+    if mem.precision in LOW_PRECISION:
+        mp = MixedPrecisionPolicy(param_dtype=LOW_PRECISION[mem.precision], reduce_dtype=torch.float32)
+    kind = data_parallel_wrapping(job, dims)
+    if kind == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(model, mesh=dp_mesh, mp_policy=mp)
+    elif kind == "fsdp":
+        offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if mem.cpu_offload else OffloadPolicy()
+        options = {"mesh": dp_mesh, "mp_policy": mp, "offload_policy": offload,
+                   "reshard_after_forward": mem.zero_stage == 3}
+        for layer in model.model.layers.values():
+            fully_shard(layer, **options)
+        fully_shard(model, **options)
+
+
+def parallelize(model: CausalLM, job: TrainingJob, dims: ParallelDims, mesh: DeviceMesh) -> CausalLM:
+    """TP -> activation checkpointing -> FSDP/replicate, each only when configured."""
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], job.parallelism.sequence_parallel)
+    if job.memory.gradient_checkpointing:
+        apply_activation_checkpointing(model, job.memory.activation_checkpointing_granularity.value)
+    apply_data_parallel(model, job, dims, mesh["dp"])
+    return model
+
+
+def autocast_dtype(job: TrainingJob, dims: ParallelDims) -> torch.dtype | None:
+    """Low precision without a data-parallel wrapper (whose MixedPrecisionPolicy would do it) uses autocast."""
+    if job.memory.precision in LOW_PRECISION and data_parallel_wrapping(job, dims) is None:
+        return LOW_PRECISION[job.memory.precision]
+    return None
+
+
+def describe_sharding(model: nn.Module) -> dict[str, dict]:
+    """Per parameter: global shape, local shape, mesh dims and placements -- what tests and logs show."""
+    out = {}
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            out[name] = {"shape": list(param.shape), "local_shape": list(param.to_local().shape),
+                         "mesh_dims": list(param.device_mesh.mesh_dim_names or ()),
+                         "placements": [str(p) for p in param.placements]}
+        else:
+            out[name] = {"shape": list(param.shape), "local_shape": list(param.shape), "mesh_dims": [], "placements": []}
+    return out
+
+
+def reshard(parts: list[nn.Module]) -> None:
+    """Free gathered parameters after a forward-only pass. Without a backward, FSDP modules that do not
+    reshard after forward (ZeRO-1/2, replicate) keep the unsharded parameters registered, which the
+    optimizer and the state-dict APIs do not know."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()

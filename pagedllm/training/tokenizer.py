@@ -1,0 +1,99 @@
+"""`pagedllm tokenizer train`: a byte-level BPE tokenizer written as tokenizer.json + tokenizer_config.json.
+
+Byte-level BPE (GPT-2's scheme) never meets an unknown character, and keeps whitespace exactly, which
+matters for code. The special tokens are the end-of-text token (bos = eos, as GPT-2/Qwen) and ChatML's
+<|im_start|>/<|im_end|>, used by the chat template so chat requests have a well-defined prompt format.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from pagedllm.training.corpus import iter_documents
+
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def train_tokenizer(input_path: str, vocab_size: int, out_dir: str | Path, file_glob: str = "**/*",
+                    min_frequency: int = 2) -> Path:
+    """Train on every document under `input_path`; returns the path of the written tokenizer.json."""
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"--vocab-size: must be at least {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens), got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = _texts(input_path, file_glob)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+    return out / "tokenizer.json"
+
+
+def _texts(input_path: str, file_glob: str) -> Iterator[str]:
+    count = 0
+    for document in iter_documents(input_path, file_glob):
+        count += 1
+        yield document.text
+    if not count:
+        raise ValueError(f"--input: no text documents found under {input_path}")
+
+
+def tokenizer_config() -> dict:
+    """What transformers' AutoTokenizer needs to load tokenizer.json with the right special tokens."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1_000_000_000,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def tokenizer_files(tokenizer_path: str | Path) -> tuple[Path, Path | None]:
+    """(tokenizer.json, tokenizer_config.json or None) for a tokenizer.json path or its folder."""
+    path = Path(tokenizer_path).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer not found: {tokenizer_path}")
+    config = path.parent / "tokenizer_config.json"
+    return path, config if config.is_file() else None
+
+
+def special_token_ids(tokenizer_path: str | Path) -> dict[str, int | None]:
+    """bos/eos/pad token ids: from tokenizer_config.json when present, else the end-of-text token."""
+    path, config_path = tokenizer_files(tokenizer_path)
+    tokenizer = Tokenizer.from_file(str(path))
+    config = json.loads(config_path.read_text()) if config_path else {}
+    ids = {}
+    for key in ("bos_token", "eos_token", "pad_token"):
+        token = config.get(key, EOS_TOKEN)
+        if isinstance(token, dict):
+            token = token.get("content")
+        ids[key] = tokenizer.token_to_id(token) if token else None
+    return ids
