@@ -12,6 +12,7 @@ import sys
 
 COMMANDS: list[str] = [
     "pagedllm.entrypoints.generate",
+    "pagedllm.entrypoints.serve",
     "pagedllm.bench.cli",
     "pagedllm.training.cli",
 ]

@@ -7,6 +7,7 @@ import importlib
 BENCHMARKS: dict[str, str] = {
     "offline": "pagedllm.bench.offline",
     "peak": "pagedllm.bench.peak",
+    "serve": "pagedllm.bench.serve",
 }
 
 

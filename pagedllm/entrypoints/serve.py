@@ -13,7 +13,10 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +111,54 @@ def run(args: argparse.Namespace) -> int:
     server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 1
+
+
+@dataclasses.dataclass
+class ServerProcess:
+    """A `pagedllm serve` child process (benchmarks and tests start real servers this way)."""
+
+    proc: subprocess.Popen
+    url: str  # http://127.0.0.1:PORT
+    log: Path
+
+    def stop(self, timeout: float = 15) -> int:
+        """SIGTERM (graceful: streams end, engines stop), SIGKILL after `timeout`; the exit code."""
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(args: list[str], log: Path, timeout: float = 300) -> ServerProcess:
+    """Start `pagedllm serve ARGS` on 127.0.0.1 and a free port; return once /health answers."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", Path(log))
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pagedllm serve exited with {proc.returncode}:\n{Path(log).read_text()[-4000:]}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"pagedllm serve did not start in {timeout}s:\n{Path(log).read_text()[-4000:]}")
+        time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> int:

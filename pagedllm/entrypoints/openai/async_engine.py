@@ -160,7 +160,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and not self._ended.is_set()
+        return self._thread is not None and self.error is None and not self._ended.is_set()
 
     @asynccontextmanager
     async def submit(

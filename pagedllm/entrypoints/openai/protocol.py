@@ -269,6 +269,7 @@ class TokenizerInfo(BaseModel):
     unk_token: Optional[str] = None
     chat_template: Optional[str] = None
     model_max_length: int
+    vocab_size: int  # the tokenizer's, special tokens included
 
 
 class ModelHealth(BaseModel):

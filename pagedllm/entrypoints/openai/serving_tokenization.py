@@ -44,4 +44,5 @@ def tokenizer_info(served: ServedModel) -> TokenizerInfo:
         unk_token=tok.unk_token,
         chat_template=getattr(tok, "chat_template", None),
         model_max_length=served.max_model_len,
+        vocab_size=len(tok),
     )

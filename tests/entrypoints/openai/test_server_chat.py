@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import MAIN
+from server_process import MAIN
 from transformers import AutoTokenizer
 
 MESSAGES = [

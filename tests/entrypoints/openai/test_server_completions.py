@@ -6,7 +6,7 @@ import json
 import httpx
 import pytest
 import torch
-from conftest import MAIN
+from server_process import MAIN
 from tiny_models import load_reference
 from transformers import AutoTokenizer
 

@@ -7,19 +7,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import API_KEY, LONG, MAIN, MAIN_MAX_LEN, start_server
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = None, contains: str = "") -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    error = body["error"]
-    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
-    if param is not None:
-        assert error["param"] == param, error
-    assert contains in error["message"], error
-    return error
+from server_process import API_KEY, LONG, MAIN, MAIN_MAX_LEN, assert_error, start_server
 
 
 COMPLETION = {"model": MAIN, "prompt": "def", "max_tokens": 2}

@@ -7,7 +7,7 @@ import time
 
 import openai
 import pytest
-from conftest import API_KEY, LONG, MAIN, MAIN_MAX_LEN
+from server_process import API_KEY, LONG, MAIN, MAIN_MAX_LEN
 
 
 def wait_ready(http, name: str, timeout: float = 60) -> dict:
