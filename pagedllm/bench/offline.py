@@ -1,0 +1,142 @@
+"""Offline throughput: pagedllm vs transformers' batched generate on the same requests.
+
+A nano-vLLM-style workload sized for a 2-core CPU: N requests with random prompt lengths and
+random output lengths (ignore_eos), on a randomly initialised model with SmolLM2-135M's shape.
+The baseline runs the same requests through transformers' `generate` as one left-padded batch,
+which must run every sequence to the longest output; both are credited only with the tokens
+each request asked for. The share of the machine's fp32 matmul peak (measured in this run) is
+computed from the useful FLOPs: 2 x parameters per token processed (lm_head only where a token
+is sampled) plus attention's 4 x context x hidden per layer.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedllm.bench.peak import measure_matmul_peak
+
+SMOLLM2_135M = dict(
+    hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048,
+    rms_norm_eps=1e-5, rope_theta=100000.0,
+)
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(rng.randint(args.min_prompt, args.max_prompt))] for _ in range(args.num_requests)]
+    if args.fixed_output_len:
+        lens = [args.fixed_output_len] * args.num_requests
+    else:
+        lens = [rng.randint(args.min_output, args.max_output) for _ in range(args.num_requests)]
+    return Workload(prompts, lens)
+
+
+def build_model(folder: Path) -> Path:
+    """A random model with SmolLM2-135M's shape, cached between runs (weights are not the point)."""
+    if (folder / "config.json").is_file():
+        return folder
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M, initializer_range=0.02), dtype=torch.float32)
+    model.save_pretrained(folder)
+    return folder
+
+
+def useful_flops(cfg: dict, workload: Workload) -> float:
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    head_dim = hidden // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * head_dim
+    per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * cfg["intermediate_size"]
+    lm_head = hidden * cfg["vocab_size"]
+    total = 0.0
+    for prompt, out in zip(workload.prompts, workload.output_lens):
+        tokens = len(prompt) + out - 1  # every token but the last sampled one is run through the model
+        total += 2 * per_layer * layers * tokens + 2 * lm_head * out
+        contexts = (len(prompt) * (len(prompt) + 1)) / 2 + sum(len(prompt) + i for i in range(1, out))
+        total += 4 * hidden * layers * contexts
+    return total
+
+
+def run_pagedllm(folder: Path, workload: Workload, engine_args: dict) -> float:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(str(folder), **engine_args)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    llm.generate(workload.prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert produced == workload.output_tokens, (produced, workload.output_tokens)
+    del llm
+    return elapsed
+
+
+def run_transformers(folder: Path, workload: Workload) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    longest = max(len(p) for p in workload.prompts)
+    ids = torch.zeros(len(workload.prompts), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(workload.prompts):  # left padding
+        ids[row, longest - len(prompt):] = torch.tensor(prompt)
+        mask[row, longest - len(prompt):] = 1
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(workload.output_lens), do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--min-prompt", type=int, default=32)
+    parser.add_argument("--max-prompt", type=int, default=160)
+    parser.add_argument("--min-output", type=int, default=64)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--fixed-output-len", type=int, default=None, help="every request asks for this many tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "pagedllm-bench-smollm2-135m-random")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--skip-transformers", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    folder = build_model(args.model_cache)
+    workload = make_workload(args, SMOLLM2_135M["vocab_size"])
+    print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
+          f"{workload.output_tokens} output tokens ({min(workload.output_lens)}-{max(workload.output_lens)} per request), "
+          f"{torch.get_num_threads()} threads")
+    peak = measure_matmul_peak()
+    engine_args = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    ours = run_pagedllm(folder, workload, engine_args)
+    flops = useful_flops(SMOLLM2_135M, workload)
+    print(f"fp32 matmul peak (this run): {peak / 1e9:.1f} GFLOP/s")
+    print(f"pagedllm:     {ours:7.1f} s  {workload.output_tokens / ours:8.1f} output tok/s  "
+          f"{flops / ours / 1e9:6.1f} GFLOP/s useful = {flops / ours / peak:5.1%} of peak")
+    if not args.skip_transformers:
+        theirs = run_transformers(folder, workload)
+        print(f"transformers: {theirs:7.1f} s  {workload.output_tokens / theirs:8.1f} output tok/s  "
+              f"{flops / theirs / 1e9:6.1f} GFLOP/s useful = {flops / theirs / peak:5.1%} of peak")
+        print(f"speed-up: {theirs / ours:.2f}x")
+    return 0
