@@ -3,9 +3,11 @@
 The KV pool of a layer is `[num_blocks, block_size, num_kv_heads, head_dim]` (seed 001's layout).
 A step's batch puts its decode tokens first, then its prefill chunks:
 
-- decodes are attended in one batched SDPA call: their block tables, padded to the longest,
-  are gathered with one `index_select` over whole blocks (several times faster on CPU than
-  advanced indexing) and positions past each context are masked;
+- decodes are attended in batched SDPA calls: their block tables, padded to the longest in
+  the bucket, are gathered with one `index_select` over whole blocks (several times faster on
+  CPU than advanced indexing) and positions past each context are masked. Decodes are sorted by
+  context length and cut into a few buckets so that short contexts are not padded to the
+  longest one in the batch — the gather is the costliest part of a decode step;
 - a prefill chunk with no cached prefix attends causally to its own fresh K/V, never touching
   the pool (SDPA's causal fast path);
 - a prefill chunk that follows a cached prefix (prefix-cache hit, later chunk of a chunked
@@ -35,14 +37,22 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeBucket:
+    """Decode tokens [start, start + count) of the batch, with similar context lengths."""
+
+    start: int
+    count: int
+    block_ids: torch.Tensor  # [count * max_blocks] block tables padded to max_blocks, flattened
+    max_blocks: int
+    masks: dict[int | None, torch.Tensor]  # window -> additive mask [count, 1, 1, L]
+
+
+@dataclass
 class AttentionMetadata:
     """Everything a forward pass needs about the batch layout; built once per step."""
 
     slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each token
-    num_decodes: int
-    decode_block_ids: torch.Tensor | None  # [B * max_blocks] padded block tables, flattened
-    decode_max_blocks: int
-    decode_masks: dict[int | None, torch.Tensor]  # window -> additive mask [B, 1, 1, L]
+    decodes: list[DecodeBucket]
     prefills: list[PrefillChunk]
 
 
@@ -78,23 +88,24 @@ class PagedAttention(nn.Module):
         self.k_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, k)
         self.v_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], meta)
+        for bucket in meta.decodes:
+            end = bucket.start + bucket.count
+            out[bucket.start : end] = self._decode(q[bucket.start : end], bucket)
         for chunk in meta.prefills:
             end = chunk.q_start + chunk.q_len
             out[chunk.q_start : end] = self._prefill(q[chunk.q_start : end], k[chunk.q_start : end], v[chunk.q_start : end], chunk)
         return out
 
-    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, bucket: DecodeBucket) -> torch.Tensor:
         batch = q.shape[0]
-        length = meta.decode_max_blocks * self.k_cache.shape[1]
-        k = torch.index_select(self.k_cache, 0, meta.decode_block_ids).view(batch, length, self.num_kv_heads, self.head_dim)
-        v = torch.index_select(self.v_cache, 0, meta.decode_block_ids).view(batch, length, self.num_kv_heads, self.head_dim)
+        length = bucket.max_blocks * self.k_cache.shape[1]
+        k = torch.index_select(self.k_cache, 0, bucket.block_ids).view(batch, length, self.num_kv_heads, self.head_dim)
+        v = torch.index_select(self.v_cache, 0, bucket.block_ids).view(batch, length, self.num_kv_heads, self.head_dim)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=meta.decode_masks[self.sliding_window],
+            attn_mask=bucket.masks[self.sliding_window],
             enable_gqa=True,
         )
         return out.squeeze(2)

@@ -14,10 +14,13 @@ import torch
 from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
 from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
-from pagedllm.layers.attention import AttentionMetadata, PrefillChunk, additive_mask, allowed_keys
+from pagedllm.layers.attention import AttentionMetadata, DecodeBucket, PrefillChunk, additive_mask, allowed_keys
 from pagedllm.layers.sampler import SampleResult, Sampler, top_logprobs
 from pagedllm.models.loader import load_model
 from pagedllm.worker.kv_cache import KVCache, bytes_per_block
+
+
+MAX_DECODE_BUCKETS = 4
 
 
 @dataclass
@@ -83,7 +86,8 @@ class ModelRunner:
         result = StepResult([], {})
         if not sched.scheduled:
             return result
-        ordered = sorted(sched.scheduled, key=lambda s: s.num_new_tokens > 1)
+        # Decodes first, longest context first (for bucketing), then prefill chunks.
+        ordered = sorted(sched.scheduled, key=lambda s: (s.num_new_tokens > 1, -s.seq.num_computed_tokens))
         input_ids, positions, meta, last_rows = self._prepare(ordered, block_tables)
         hidden = self.model(input_ids, positions, meta)
         if sample_requests:
@@ -117,28 +121,39 @@ class ModelRunner:
                 prefills.append(self._prefill_chunk(q_start, start, end, table))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decodes=len(decodes),
-            decode_block_ids=None,
-            decode_max_blocks=0,
-            decode_masks={},
+            decodes=self._decode_buckets(decodes),
             prefills=prefills,
         )
-        if decodes:
-            self._decode_metadata(meta, decodes)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), meta, last_rows
 
-    def _decode_metadata(self, meta: AttentionMetadata, decodes: list[tuple[int, list[int]]]) -> None:
+    def _decode_buckets(self, decodes: list[tuple[int, list[int]]]) -> list[DecodeBucket]:
+        """Cut decodes (sorted longest first) where padding to the bucket's longest context
+        would more than double the gathered KV, into at most MAX_DECODE_BUCKETS calls."""
+        buckets: list[DecodeBucket] = []
+        start = 0
+        while start < len(decodes):
+            longest = -(-decodes[start][0] // self.block_size)
+            end = start + 1
+            last_bucket = len(buckets) == MAX_DECODE_BUCKETS - 1
+            while end < len(decodes) and (last_bucket or 2 * -(-decodes[end][0] // self.block_size) > longest):
+                end += 1
+            buckets.append(self._decode_bucket(start, decodes[start:end]))
+            start = end
+        return buckets
+
+    def _decode_bucket(self, start: int, decodes: list[tuple[int, list[int]]]) -> DecodeBucket:
         bs = self.block_size
         max_blocks = max(-(-ctx // bs) for ctx, _ in decodes)
         padded = [table[: -(-ctx // bs)] + [0] * (max_blocks - -(-ctx // bs)) for ctx, table in decodes]
-        meta.decode_block_ids = torch.tensor(padded, dtype=torch.long, device=self.device).view(-1)
-        meta.decode_max_blocks = max_blocks
         k_pos = torch.arange(max_blocks * bs, device=self.device)
         q_pos = torch.tensor([ctx - 1 for ctx, _ in decodes], device=self.device)
-        for window in self.windows:
-            allowed = allowed_keys(q_pos, k_pos, window)
-            meta.decode_masks[window] = additive_mask(allowed, self.dtype).to(self.device)[:, None, None, :]
+        masks = {
+            window: additive_mask(allowed_keys(q_pos, k_pos, window), self.dtype).to(self.device)[:, None, None, :]
+            for window in self.windows
+        }
+        block_ids = torch.tensor(padded, dtype=torch.long, device=self.device).view(-1)
+        return DecodeBucket(start, len(decodes), block_ids, max_blocks, masks)
 
     def _prefill_chunk(self, q_start: int, start: int, end: int, table: list[int]) -> PrefillChunk:
         chunk = PrefillChunk(q_start=q_start, q_len=end - start, ctx_len=end)
