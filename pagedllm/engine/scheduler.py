@@ -150,6 +150,10 @@ class Scheduler:
         self.swapped.sort(key=self._keep_key)
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
+            if self._exceeds_pool(seq):
+                self.swapped.pop(0)
+                self._end_for_capacity(seq, out)
+                continue
             extra = self.block_manager.blocks_for(seq.num_tokens) - len(self.block_manager.cpu_tables[seq.seq_id])
             if not self.block_manager.can_swap_in(seq.seq_id, max(extra, 0)):
                 break
@@ -201,6 +205,8 @@ class Scheduler:
     def _end_for_capacity(self, seq: Sequence, out: SchedulerOutput) -> None:
         """A sequence longer than the whole pool can never run: end it rather than loop."""
         self.block_manager.free(seq.seq_id)
+        if seq.status is SequenceStatus.SWAPPED:
+            seq.set_status(SequenceStatus.RUNNING)  # the state diagram ends sequences from RUNNING
         seq.set_status(SequenceStatus.FINISHED_LENGTH)
         out.ended.append(seq)
 

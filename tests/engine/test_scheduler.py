@@ -120,3 +120,21 @@ def test_sequence_longer_than_the_pool_ends_with_length():
     out = scheduler.schedule()
     assert out.ended == [seq] and seq.status is SequenceStatus.FINISHED_LENGTH
     assert scheduler.block_manager.num_free_blocks == 2
+
+
+def test_swapped_sequence_that_outgrew_the_pool_ends_instead_of_blocking():
+    scheduler = make_scheduler(num_blocks=2, block_size=4, budget=100, mode="swap")
+    seq = make_seq("a", 7, max_tokens=100)
+    scheduler.add(seq)
+    run_step(scheduler)  # 8 tokens: exactly the pool
+    scheduler.block_manager.swap_out(seq.seq_id)
+    scheduler.running.remove(seq)
+    seq.set_status(SequenceStatus.SWAPPED)
+    scheduler.swapped.append(seq)
+    seq.token_ids.append(7)  # 9 tokens can never fit in 2 blocks of 4
+    newcomer = make_seq("b", 3, arrival=1)
+    scheduler.add(newcomer)
+    out = run_step(scheduler)
+    assert out.ended == [seq] and seq.status is SequenceStatus.FINISHED_LENGTH
+    assert [s.seq for s in out.scheduled] == [newcomer]
+    scheduler.block_manager.check_invariants()
