@@ -27,8 +27,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--node-rank", type=int, help="this machine's rank (static rendezvous only)")
     train.add_argument("--rdzv-endpoint", help="host:port of the c10d rendezvous (torchrun --rdzv-endpoint)")
     train.add_argument("--rdzv-id", help="rendezvous id shared by all nodes (default: the job_id)")
-    from pagedllm.training.worker import add_run_arguments
-
     add_run_arguments(train)
     train.set_defaults(func=run_train)
 
@@ -47,6 +45,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tok_train.add_argument("--glob", default="**/*", help="files taken from an input folder (e.g. '**/*.py')")
     tok_train.add_argument("--min-frequency", type=int, default=2)
     tok_train.set_defaults(func=run_tokenizer_train)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by `pagedllm train` and the worker it launches."""
+    parser.add_argument("--resume-from", help="checkpoint folder, checkpoint_id or step-NNNNNNNN name "
+                        "(default: newest COMPLETE checkpoint in checkpoint_dir, if any)")
+    parser.add_argument("--events-file", type=Path, help="lifecycle events JSONL (default <checkpoint_dir>/events.jsonl)")
+    parser.add_argument("--stop-at-step", type=int, help="stop (saving a checkpoint) after this step")
+    parser.add_argument("--no-export", action="store_true", help="skip the hf-final export at the end")
+    parser.add_argument("--peak-flops", type=float, help="per-process FLOP/s for MFU (default: measured)")
+
+
+def options_from(args: argparse.Namespace):
+    from pagedllm.training.trainer import RunOptions
+
+    return RunOptions(resume_from=args.resume_from, events_file=args.events_file, stop_at_step=args.stop_at_step,
+                      export_hf=not args.no_export, peak_flops=args.peak_flops)
 
 
 def prepare_job(args: argparse.Namespace) -> TrainingJob:

@@ -249,7 +249,9 @@ def load_job(path: str | Path) -> TrainingJob:
 
 def apply_overrides(job: TrainingJob, overrides: list[str]) -> TrainingJob:
     """`section.field=value` overrides from the command line; values are JSON, else plain strings."""
-    data = job.model_dump(mode="json")
+    if not overrides:
+        return job
+    data = job.model_dump(mode="json", exclude_unset=True)  # keeps "was it given?" (e.g. job_id) intact
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -261,9 +263,9 @@ def apply_overrides(job: TrainingJob, overrides: list[str]) -> TrainingJob:
         *parents, leaf = key.split(".")
         node = data
         for part in parents:
-            if not isinstance(node.get(part), dict):
-                raise ConfigError(key, "no such config section")
-            node = node[part]
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(key, f"{part} is not a config section")
         node[leaf] = value
     return parse_job(data)
 

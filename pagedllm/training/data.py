@@ -1,7 +1,8 @@
 """Storage -> tokenize -> pack -> batch -> distribute (seed 000's training data flow).
 
 Documents are tokenized once with the `tokenizers` library, joined with the end-of-text token and
-stored as a flat token stream in a cache keyed by the corpus files, the tokenizer and the split
+stored as a flat token stream (validation_split holds out whole documents by a stable hash, or the
+stream's tail when there are too few documents for that) in a cache keyed by the corpus files, the tokenizer and the split
 (numpy memmaps: nothing is re-tokenized on resume or by other ranks). Sequence i of the packed data
 is stream[i*L : i*L + L + 1] -- input and next-token labels from one window.
 
@@ -26,7 +27,7 @@ from pagedllm.training.config import DataConfig
 from pagedllm.training.corpus import Document, iter_documents, source_files
 from pagedllm.training.tokenizer import special_token_ids, tokenizer_files
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 # Documents longer than this many characters are encoded in pieces so tokenization stays parallel.
 ENCODE_BATCH = 256
 
@@ -71,10 +72,12 @@ def build_cache(data: DataConfig, cache_dir: Path) -> Path:
             ids = encoding.ids + ([eos] if eos is not None else [])
             splits["val" if is_validation(doc, data.validation_split) else "train"].append(np.asarray(ids))
     dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
+    streams = {name: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype) for name, parts in splits.items()}
+    if data.validation_split > 0 and not (streams["train"].size and streams["val"].size):
+        streams = _tail_split(np.concatenate([streams["train"], streams["val"]]), data.validation_split)
     folder.mkdir(parents=True, exist_ok=True)
     counts = {}
-    for name, parts in splits.items():
-        stream = np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+    for name, stream in streams.items():
         tmp = folder / f"{name}.bin.tmp"
         stream.tofile(tmp)
         tmp.replace(folder / f"{name}.bin")
@@ -84,6 +87,12 @@ def build_cache(data: DataConfig, cache_dir: Path) -> Path:
     (folder / "meta.json.tmp").write_text(json.dumps(meta, indent=2))
     (folder / "meta.json.tmp").replace(folder / "meta.json")
     return folder
+
+
+def _tail_split(stream: np.ndarray, fraction: float) -> dict[str, np.ndarray]:
+    """Too few documents for a per-document split (a single file, say): hold out the stream's tail."""
+    cut = len(stream) - int(len(stream) * fraction)
+    return {"train": stream[:cut], "val": stream[cut:]}
 
 
 class TokenStream:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -104,7 +105,9 @@ def load_checkpoint_state(checkpoint: str | Path) -> tuple[TrainingJob, dict[str
     state = model.state_dict()
     if job.model.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    dcp.load(state, checkpoint_id=str(step_dir / "model"), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(step_dir / "model"), no_dist=True)
     return job, state
 
 

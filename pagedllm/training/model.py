@@ -19,7 +19,6 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from pagedllm.layers.norm import RMSNorm  # the engine's: fp32 norm, weight after the cast, as transformers
-from pagedllm.layers.rotary import rotate_half
 from pagedllm.training.config import ModelConfig
 
 
@@ -31,6 +30,11 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.devic
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

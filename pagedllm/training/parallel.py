@@ -183,7 +183,7 @@ def describe_sharding(model: nn.Module) -> dict[str, dict]:
         if isinstance(param, DTensor):
             out[name] = {"shape": list(param.shape), "local_shape": list(param.to_local().shape),
                          "mesh_dims": list(param.device_mesh.mesh_dim_names or ()),
-                         "placements": [str(p) for p in param.placements]}
+                         "placements": [repr(p) for p in param.placements]}
         else:
             out[name] = {"shape": list(param.shape), "local_shape": list(param.shape), "mesh_dims": [], "placements": []}
     return out

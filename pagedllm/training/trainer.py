@@ -112,7 +112,7 @@ class Trainer:
         data = self.job.data
         cache = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
         if self.rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / "control").mkdir(parents=True, exist_ok=True)
             (self.dir / "job.json").write_text(self.job.model_dump_json(indent=2))
             self._copy_tokenizer()
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:

@@ -16,24 +16,10 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from pagedllm.training.cli import add_run_arguments, options_from
 from pagedllm.training.config import ConfigError, load_job
 from pagedllm.training.progress import EventLog
-from pagedllm.training.trainer import EXIT_CONFIG_ERROR, EXIT_FAILED, RunOptions, run_training
-
-
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by `pagedllm train` and the worker it launches."""
-    parser.add_argument("--resume-from", help="checkpoint folder, checkpoint_id or step-NNNNNNNN name "
-                        "(default: newest COMPLETE checkpoint in checkpoint_dir, if any)")
-    parser.add_argument("--events-file", type=Path, help="lifecycle events JSONL (default <checkpoint_dir>/events.jsonl)")
-    parser.add_argument("--stop-at-step", type=int, help="stop (saving a checkpoint) after this step")
-    parser.add_argument("--no-export", action="store_true", help="skip the hf-final export at the end")
-    parser.add_argument("--peak-flops", type=float, help="per-process FLOP/s for MFU (default: measured)")
-
-
-def options_from(args: argparse.Namespace) -> RunOptions:
-    return RunOptions(resume_from=args.resume_from, events_file=args.events_file, stop_at_step=args.stop_at_step,
-                      export_hf=not args.no_export, peak_flops=args.peak_flops)
+from pagedllm.training.trainer import EXIT_CONFIG_ERROR, RunOptions, run_training
 
 
 def run_worker(config: Path, options: RunOptions) -> int:

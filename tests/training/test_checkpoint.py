@@ -1,0 +1,92 @@
+"""Checkpoint manifests (seed 000's Checkpoint), keep-k pruning, async save, time intervals and the request
+files -- single process, in-process (the multi-rank cases are in test_distributed.py and test_cli.py)."""
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from pagedllm.training.checkpoint import CheckpointStatus, list_checkpoints, resolve_checkpoint, verify
+from pagedllm.training.config import parse_job
+from pagedllm.training.trainer import RunOptions, run_training
+
+from .helpers import tiny_job
+
+FAST = RunOptions(peak_flops=1e10, export_hf=False)
+
+
+def run(paths, ckpt, options: RunOptions = FAST, **sections):
+    return run_training(parse_job(tiny_job(paths, ckpt, **sections)), options)
+
+
+def statuses(ckpt) -> dict[int, str]:
+    return {m.step: m.status.value for _, m in list_checkpoints(ckpt)}
+
+
+def test_manifest_follows_the_seed_and_keep_k_prunes(tiny_paths, tmp_path):
+    ckpt = tmp_path / "run"
+    result = run(tiny_paths, ckpt, checkpoint_config={"checkpoint_interval_steps": 1, "max_checkpoints_to_keep": 2})
+    assert statuses(ckpt) == {1: "DELETED", 2: "DELETED", 3: "DELETED", 4: "DELETED", 5: "COMPLETE", 6: "COMPLETE"}
+    assert not (ckpt / "step-00000001" / "model").exists()
+    step_dir, manifest = list_checkpoints(ckpt)[-1]
+    assert resolve_checkpoint(ckpt) == step_dir == resolve_checkpoint(str(manifest.checkpoint_id), ckpt)
+    job = json.loads((ckpt / "job.json").read_text())
+    assert str(manifest.job_id) == job["job_id"] and manifest.step == 6 and manifest.world_size == 1
+    meta = manifest.metadata
+    assert (meta.global_step, meta.consumed_tokens, meta.loss) == (6, 6 * 8 * 32, result.losses[6])
+    assert meta.learning_rate > 0 and meta.elapsed_time_seconds > 0
+    assert [s.file_path for s in manifest.shards] == ["model/.metadata", "model/__0_0.distcp"]
+    assert [s.file_path for s in manifest.optimizer_states] == ["optim/.metadata", "optim/__0_0.distcp"]
+    assert all(s.checksum.startswith("sha256:") and s.file_size_bytes > 0 for s in manifest.shards)
+    rng = manifest.rng_states[0]
+    assert rng.rank == 0 and rng.torch_rng_state and rng.numpy_rng_state and rng.python_rng_state and rng.cuda_rng_state is None
+    assert verify(step_dir, manifest) == []
+
+
+def test_async_save_completes_and_resumes(tiny_paths, tmp_path):
+    ckpt = tmp_path / "run"
+    whole = run(tiny_paths, ckpt, checkpoint_config={"checkpoint_interval_steps": 2, "async_save": True})
+    assert statuses(ckpt) == {2: "COMPLETE", 4: "COMPLETE", 6: "COMPLETE"}
+    (ckpt / "step-00000006" / "manifest.json").unlink()  # as if the run died before its last checkpoint
+    again = run(tiny_paths, ckpt, checkpoint_config={"async_save": True})
+    assert again.start_step == 4 and again.losses == {5: whole.losses[5], 6: whole.losses[6]}
+
+
+def test_time_interval_checkpoints(tiny_paths, tmp_path):
+    ckpt = tmp_path / "run"
+    run(tiny_paths, ckpt, checkpoint_config={"checkpoint_interval_minutes": 1e-6, "max_checkpoints_to_keep": 10})
+    assert statuses(ckpt) == {s: "COMPLETE" for s in range(1, 7)}
+
+
+def test_checkpoint_request_file_names_the_checkpoint(tiny_paths, tmp_path):
+    ckpt = tmp_path / "run"
+    (ckpt / "control").mkdir(parents=True)
+    wanted = uuid.uuid4()
+    (ckpt / "control" / "checkpoint.request").write_text(json.dumps({"checkpoint_id": str(wanted)}))
+    result = run(tiny_paths, ckpt)
+    assert result.reason == "completed"
+    manifests = {m.step: m for _, m in list_checkpoints(ckpt)}
+    assert manifests[1].checkpoint_id == wanted and manifests[1].status is CheckpointStatus.COMPLETE
+    assert not (ckpt / "control" / "checkpoint.request").exists()
+
+
+def test_stop_file_stops_at_the_step_boundary(tiny_paths, tmp_path):
+    ckpt = tmp_path / "run"
+    (ckpt / "control").mkdir(parents=True)
+    (ckpt / "control" / "stop").write_text(json.dumps({"checkpoint": False}))
+    result = run(tiny_paths, ckpt)
+    assert (result.reason, result.final_step, result.exit_code) == ("stopped", 1, 0)
+    assert statuses(ckpt) == {}
+    events = [json.loads(line) for line in (ckpt / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["started", "step", "stopping", "finished"]
+
+
+def test_resume_from_a_corrupt_named_checkpoint_fails(tiny_paths, tmp_path):
+    ckpt = tmp_path / "run"
+    run(tiny_paths, ckpt)
+    shard = ckpt / "step-00000006" / "optim" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")
+    with pytest.raises(ValueError, match="--resume-from: checkpoint .* is corrupt: optim/__0_0.distcp checksum"):
+        run(tiny_paths, ckpt, RunOptions(peak_flops=1e10, export_hf=False, resume_from="step-00000006"))
+    assert statuses(ckpt) == {6: "CORRUPT"}

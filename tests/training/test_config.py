@@ -1,0 +1,136 @@
+"""Seed 000's TrainingJob: defaults, TOML/JSON loading, overrides, and every validation rule naming its field."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm.training.config import (
+    ConfigError,
+    TrainingJob,
+    apply_overrides,
+    fp8_supported,
+    load_job,
+    parse_job,
+    resolve,
+)
+
+MINIMAL = {"data_config": {"dataset_path": "corpus", "tokenizer_path": "tok"}}
+
+
+def job_with(**sections) -> TrainingJob:
+    data = json.loads(json.dumps(MINIMAL))
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return parse_job(data)
+
+
+def test_seed_field_names_and_defaults():
+    dumped = job_with().model_dump(mode="json")
+    assert {"job_id", "job_name", "status", "created_at", "updated_at", "model_config", "parallelism_config",
+            "optimization_config", "memory_config", "data_config", "checkpoint_config"} <= set(dumped)
+    assert {"architecture", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "intermediate_size",
+            "vocab_size", "max_position_embeddings", "num_experts", "num_experts_per_token"} <= set(dumped["model_config"])
+    assert {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "expert_parallel_size",
+            "sequence_parallel", "context_parallel_size"} <= set(dumped["parallelism_config"])
+    assert {"optimizer", "learning_rate", "weight_decay", "beta1", "beta2", "epsilon", "gradient_clipping",
+            "warmup_steps", "total_steps", "lr_scheduler"} <= set(dumped["optimization_config"])
+    assert {"precision", "zero_stage", "gradient_checkpointing", "cpu_offload", "nvme_offload",
+            "activation_checkpointing_granularity"} <= set(dumped["memory_config"])
+    assert {"checkpoint_dir", "checkpoint_interval_steps", "checkpoint_interval_minutes", "max_checkpoints_to_keep",
+            "async_save"} <= set(dumped["checkpoint_config"])
+    assert dumped["status"] == "PENDING" and dumped["parallelism_config"]["data_parallel_size"] is None
+    assert TrainingJob.model_validate_json(job_with().model_dump_json()).model_dump() is not None
+
+
+def test_toml_and_json_load_the_same_job(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text('job_name = "x"\n[data_config]\ndataset_path = "c"\ntokenizer_path = "t"\n'
+                    '[memory_config]\nzero_stage = 2\nprecision = "BF16"\n')
+    as_json = tmp_path / "job.json"
+    as_json.write_text(json.dumps({"job_name": "x", "data_config": {"dataset_path": "c", "tokenizer_path": "t"},
+                                   "memory_config": {"zero_stage": 2, "precision": "BF16"}}))
+    a, b = load_job(toml), load_job(as_json)
+    assert a.memory.zero_stage == b.memory.zero_stage == 2 and a.memory.precision == b.memory.precision
+    with pytest.raises(ConfigError, match="--config"):
+        load_job(tmp_path / "job.yaml")
+
+
+def test_overrides_parse_json_values():
+    job = apply_overrides(job_with(), ["optimization_config.total_steps=7", 'memory_config.precision="FP16"',
+                                       "job_name=renamed"])
+    assert job.optimization.total_steps == 7 and job.memory.precision.value == "FP16" and job.job_name == "renamed"
+    with pytest.raises(ConfigError, match="nosuch"):  # unknown sections are rejected by name
+        apply_overrides(job_with(), ["nosuch.field=1"])
+
+
+@pytest.mark.parametrize("sections, world, field", [
+    ({"parallelism_config": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2}}, 4,
+     "parallelism_config.data_parallel_size"),
+    ({"parallelism_config": {"tensor_parallel_size": 3}}, 4, "parallelism_config.tensor_parallel_size"),
+    ({"data_config": {"global_batch_size": 10, "micro_batch_size": 2}}, 2, "data_config.global_batch_size"),
+    ({"model_config": {"num_attention_heads": 6, "num_kv_heads": 6, "hidden_size": 384},
+      "parallelism_config": {"tensor_parallel_size": 4}}, 4, "model_config.num_attention_heads"),
+    ({"model_config": {"num_attention_heads": 4, "num_kv_heads": 1}, "parallelism_config": {"tensor_parallel_size": 2}},
+     2, "model_config.num_kv_heads"),
+    ({"model_config": {"num_layers": 2}, "parallelism_config": {"pipeline_parallel_size": 4}}, 4, "model_config.num_layers"),
+    ({"model_config": {"num_layers": 4}, "parallelism_config": {"pipeline_parallel_size": 4,
+     "pipeline_schedule": "INTERLEAVED_1F1B"}}, 4, "model_config.num_layers"),
+    ({"parallelism_config": {"expert_parallel_size": 2}}, 2, "parallelism_config.expert_parallel_size"),
+    ({"parallelism_config": {"context_parallel_size": 2}}, 2, "parallelism_config.context_parallel_size"),
+    ({"memory_config": {"nvme_offload": True}}, 1, "memory_config.nvme_offload"),
+    ({"memory_config": {"precision": "FP8"}}, 1, "memory_config.precision"),
+    ({"memory_config": {"cpu_offload": True, "zero_stage": 0}}, 1, "memory_config.cpu_offload"),
+    ({"model_config": {"architecture": "moe"}}, 1, "model_config.num_experts"),
+    ({"model_config": {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 5}}, 1,
+     "model_config.num_experts_per_token"),
+    ({"data_config": {"sequence_length": 4096}}, 1, "data_config.sequence_length"),
+    ({"data_config": {"global_batch_size": 4, "micro_batch_size": 2}, "parallelism_config": {"pipeline_parallel_size": 4},
+      "model_config": {"num_layers": 4}}, 4, "data_config.global_batch_size"),
+])
+def test_invalid_configs_name_their_field(sections, world, field):
+    with pytest.raises(ConfigError) as info:
+        resolve(job_with(**sections), world)
+    assert info.value.field == field
+    assert str(info.value).startswith(field)
+
+
+def test_fp8_message_says_why():
+    with pytest.raises(ConfigError, match="FP8 needs a GPU" if not fp8_supported() else "not supported yet"):
+        resolve(job_with(memory_config={"precision": "FP8"}), 1)
+
+
+DATA = {"dataset_path": "corpus", "tokenizer_path": "tok"}
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"data_config": DATA, "model_config": {"architecture": "gpt2"}}, "model_config.architecture"),
+    ({"data_config": DATA, "memory_config": {"zero_stage": 4}}, "memory_config.zero_stage"),
+    ({"data_config": DATA, "optimization_config": {"optimizer": "SGD"}}, "optimization_config.optimizer"),
+    ({"data_config": DATA, "model_config": {"hidden_sizes": 3}}, "model_config.hidden_sizes"),
+    ({"data_config": {"dataset_path": "corpus"}}, "data_config.tokenizer_path"),
+])
+def test_field_errors_name_their_field(data, field):
+    with pytest.raises(ConfigError) as info:
+        parse_job(data)
+    assert info.value.field == field
+
+
+def test_data_parallel_size_is_derived():
+    job = resolve(job_with(parallelism_config={"tensor_parallel_size": 2}, data_config={"global_batch_size": 16}), 8)
+    assert job.parallelism.data_parallel_size == 4
+
+
+def test_cli_rejects_invalid_config_before_any_process_starts(tmp_path):
+    """tp x pp x dp != world: exit 2 naming the field, no checkpoint dir, no torchrun."""
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps({"data_config": {"dataset_path": str(tmp_path), "tokenizer_path": str(tmp_path)},
+                                  "parallelism_config": {"tensor_parallel_size": 2, "data_parallel_size": 2},
+                                  "checkpoint_config": {"checkpoint_dir": str(tmp_path / "ck")}}))
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.training.cli", "train", "--config", str(config),
+                           "--nproc-per-node", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "parallelism_config.data_parallel_size" in proc.stderr and "world size 2" in proc.stderr
+    assert not (tmp_path / "ck").exists()

@@ -1,0 +1,221 @@
+"""Acceptance: real multi-process training with gloo (no mocks of torch.distributed).
+
+Each torchrun launch costs ~15 s on 2 cores, so one 2-rank launch runs every 2-rank case in one process
+group (dist_scenarios.py) and one 4-rank launch runs FSDP x TP; the single-process references run
+in-process here. Losses must equal the single-process run on the same global batch (fp32, 1e-4
+relative), parameters must be sharded as the stage says, and resumed runs must reproduce the
+uninterrupted run's losses exactly.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedllm.training.config import parse_job
+from pagedllm.training.progress import read_metrics
+from pagedllm.training.trainer import RunOptions, run_training
+
+from .helpers import tiny_job
+
+HERE = Path(__file__).parent
+FAST = {"peak_flops": 1e10, "export_hf": False}
+QWEN3 = {"architecture": "qwen3", "head_dim": 16}
+
+
+def launch_scenarios(nproc: int, scenarios: list[dict], paths: dict, out: Path) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"paths": {k: str(v) for k, v in paths.items()}, "out": str(out), "scenarios": scenarios}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(HERE / "dist_scenarios.py"), str(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def reference_losses(paths: dict, checkpoint_dir: Path, **sections) -> dict[str, float]:
+    """One process, no parallelism wrappers: the run every distributed case must equal."""
+    sections.setdefault("memory_config", {"zero_stage": 0})
+    result = run_training(parse_job(tiny_job(paths, checkpoint_dir, **sections)), RunOptions(**FAST))
+    return {str(k): v for k, v in result.losses.items()}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_paths, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("references")
+    return {"llama": reference_losses(tiny_paths, root / "llama"),
+            "qwen3": reference_losses(tiny_paths, root / "qwen3", model_config=QWEN3)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
+    root = tmp_path_factory.mktemp("two-ranks")
+
+    def case(name: str, ckpt: str | None = None, options: dict | None = None, **sections) -> dict:
+        return {"name": name, "job": tiny_job(tiny_paths, root / (ckpt or name), **sections),
+                "options": {**FAST, **(options or {})}}
+
+    pp = {"pipeline_parallel_size": 2}
+    scenarios = [
+        case("zero0", memory_config={"zero_stage": 0}),
+        case("zero1", memory_config={"zero_stage": 1}),
+        case("zero2", memory_config={"zero_stage": 2}),
+        case("zero3", "z3", memory_config={"zero_stage": 3}, checkpoint_config={"checkpoint_interval_steps": 2}),
+        {**case("zero3_corrupt", "z3", memory_config={"zero_stage": 3}), "corrupt_newest": True},
+        case("zero3_stop", "z3s", {"stop_at_step": 3}, memory_config={"zero_stage": 3}),
+        case("zero3_resume", "z3s", memory_config={"zero_stage": 3}),
+        case("pp", parallelism_config=pp),
+        case("pp_stop", "pps", {"stop_at_step": 3}, parallelism_config=pp),
+        case("pp_resume", "pps", parallelism_config=pp),
+        case("tp", parallelism_config={"tensor_parallel_size": 2}, memory_config={"zero_stage": 0}),
+        case("tp_qwen3_sp", parallelism_config={"tensor_parallel_size": 2, "sequence_parallel": True},
+             model_config=QWEN3, memory_config={"zero_stage": 0}),
+    ]
+    return launch_scenarios(2, scenarios, tiny_paths, root / "out"), root
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tiny_paths, tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("four-ranks")
+    scenarios = [
+        {"name": "fsdp_tp", "job": tiny_job(tiny_paths, root / "fsdp_tp", parallelism_config={"tensor_parallel_size": 2},
+                                             memory_config={"zero_stage": 3}), "options": FAST},
+        {"name": "fsdp_tp_qwen3_sp", "job": tiny_job(tiny_paths, root / "sp", model_config=QWEN3, memory_config={"zero_stage": 3},
+                                                     parallelism_config={"tensor_parallel_size": 2, "sequence_parallel": True}),
+         "options": FAST},
+    ]
+    return launch_scenarios(4, scenarios, tiny_paths, root / "out")
+
+
+def assert_losses_match(got: dict[str, float], expected: dict[str, float]) -> None:
+    assert list(got) == list(expected)
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-4), f"step {step}: {got[step]} != {loss}"
+
+
+def placements(rank_result: dict, name: str) -> tuple[list[str], list[str], list[int], list[int]]:
+    info = rank_result["sharding"][name]
+    return info["mesh_dims"], info["placements"], info["local_shape"], info["shape"]
+
+
+# ---- ZeRO stages ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stage_losses_equal_single_process(two_ranks, references, stage):
+    ranks, _ = two_ranks
+    for rank in ranks:
+        assert_losses_match(rank[f"zero{stage}"]["losses"], references["llama"])
+
+
+def test_zero0_replicates_parameters(two_ranks):
+    ranks, _ = two_ranks
+    for rank in ranks:
+        dims, places, local, full = placements(rank["zero0"], "model.layers.0.mlp.up_proj.weight")
+        assert dims == ["dp"] and places == ["Replicate()"] and local == full
+        assert rank["zero0"]["exp_avg_local_shapes"]["model.layers.0.mlp.up_proj.weight"] == full
+
+
+@pytest.mark.parametrize("stage, resharded", [(1, False), (2, False), (3, True)])
+def test_zero_stages_shard_as_the_stage_says(two_ranks, stage, resharded):
+    """Parameters, gradients' optimizer state: dim-0 halves on each rank. ZeRO-3 frees the gathered
+    parameters after each layer's forward; ZeRO-1/2 keep them until backward."""
+    ranks, _ = two_ranks
+    for rank in ranks:
+        result = rank[f"zero{stage}"]
+        for name in ("model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
+            dims, places, local, full = placements(result, name)
+            assert dims == ["dp"] and places == ["Shard(dim=0)"]
+            assert local == [full[0] // 2, *full[1:]]
+            assert result["exp_avg_local_shapes"][name] == local
+        assert result["resharded_after_forward"] and set(result["resharded_after_forward"]) == {resharded}
+
+
+# ---- pipeline ------------------------------------------------------------------------------------
+
+def test_pipeline_1f1b_losses_equal_single_process(two_ranks, references):
+    ranks, _ = two_ranks
+    for rank in ranks:
+        assert_losses_match(rank["pp"]["losses"], references["llama"])
+
+
+def test_pipeline_stages_hold_their_layers(two_ranks):
+    ranks, _ = two_ranks
+    first, last = ranks[0]["pp"], ranks[1]["pp"]
+    for result, stage in ((first, 0), (last, 1)):
+        assert result["pipeline"] == {"schedule": "Schedule1F1B", "microbatches": 4, "stages": [stage], "num_stages": 2}
+    assert "model.embed_tokens.weight" in first["sharding"] and "lm_head.weight" not in first["sharding"]
+    assert "lm_head.weight" in last["sharding"] and "model.embed_tokens.weight" not in last["sharding"]
+    assert any(k.startswith("model.layers.0.") for k in first["sharding"])
+    assert not any(k.startswith("model.layers.0.") for k in last["sharding"])
+    assert any(k.startswith("model.layers.1.") for k in last["sharding"])
+
+
+# ---- tensor parallel, FSDP x TP ------------------------------------------------------------------
+
+def test_tensor_parallel_losses_equal_single_process(two_ranks, references):
+    ranks, _ = two_ranks
+    for rank in ranks:
+        assert_losses_match(rank["tp"]["losses"], references["llama"])
+        assert_losses_match(rank["tp_qwen3_sp"]["losses"], references["qwen3"])
+
+
+def test_tensor_parallel_shards_columns_and_rows(two_ranks):
+    ranks, _ = two_ranks
+    for rank in ranks:
+        result = rank["tp"]
+        dims, places, local, full = placements(result, "model.layers.0.self_attn.q_proj.weight")
+        assert dims == ["tp"] and places == ["Shard(dim=0)"] and local == [full[0] // 2, full[1]]
+        dims, places, local, full = placements(result, "model.layers.0.mlp.down_proj.weight")
+        assert places == ["Shard(dim=1)"] and local == [full[0], full[1] // 2]
+        assert placements(result, "model.layers.0.input_layernorm.weight")[1] == ["Replicate()"]
+        assert placements(result, "model.embed_tokens.weight")[1] == ["Shard(dim=0)"]  # vocabulary-parallel
+        assert placements(rank["tp_qwen3_sp"], "model.layers.0.self_attn.q_norm.weight")[1] == ["Replicate()"]
+
+
+def test_fsdp_times_tp_losses_equal_single_process(four_ranks, references):
+    for rank in four_ranks:
+        assert_losses_match(rank["fsdp_tp"]["losses"], references["llama"])
+        assert_losses_match(rank["fsdp_tp_qwen3_sp"]["losses"], references["qwen3"])
+
+
+def test_fsdp_times_tp_uses_a_2d_mesh(four_ranks):
+    for rank in four_ranks:
+        result = rank["fsdp_tp"]
+        # FSDP shards each TP shard again along dim 0 (a strided shard of the global tensor)
+        dims, places, local, full = placements(result, "model.layers.0.self_attn.q_proj.weight")
+        assert dims == ["dp", "tp"] and places == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
+        assert local == [full[0] // 4, full[1]]
+        dims, places, local, full = placements(result, "model.layers.0.self_attn.o_proj.weight")
+        assert places == ["Shard(dim=0)", "Shard(dim=1)"] and local == [full[0] // 2, full[1] // 2]
+        assert set(result["resharded_after_forward"]) == {True}
+
+
+# ---- exact resume and corrupt checkpoints -------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["zero3", "pp"])
+def test_resume_reproduces_the_uninterrupted_run_exactly(two_ranks, kind):
+    ranks, _ = two_ranks
+    for rank in ranks:
+        stopped, resumed, whole = rank[f"{kind}_stop"], rank[f"{kind}_resume"], rank[kind]
+        assert stopped["reason"] == "stopped" and list(stopped["losses"]) == ["1", "2", "3"]
+        assert resumed["start_step"] == 3 and list(resumed["losses"]) == ["4", "5", "6"]
+        for step, loss in resumed["losses"].items():
+            assert loss == whole["losses"][step], f"{kind} step {step}: resumed {loss} != uninterrupted {whole['losses'][step]}"
+
+
+def test_corrupt_shard_is_caught_and_the_previous_checkpoint_used(two_ranks):
+    ranks, root = two_ranks
+    for rank in ranks:
+        result = rank["zero3_corrupt"]
+        assert result["start_step"] == 4  # step-6 was corrupted: back to step-4
+        assert result["losses"] == {k: v for k, v in rank["zero3"]["losses"].items() if int(k) > 4}
+    events = [json.loads(line) for line in (root / "z3" / "events.jsonl").read_text().splitlines()]
+    corrupt = [e for e in events if e["event"] == "checkpoint" and e["status"] == "CORRUPT"]
+    assert len(corrupt) == 1 and corrupt[0]["step"] == 6 and "model/__1_0.distcp checksum" in corrupt[0]["reason"]
+    started = [e for e in events if e["event"] == "started"]
+    assert started[-1]["step"] == 4 and started[-1]["resumed_from"] is not None
+    assert [r["step"] for r in read_metrics(root / "z3" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
