@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.config import EngineConfig, ModelConfig, ModelLoadError
+from pagedllm.paths import DEFAULT_MODEL
 
 _NOT_FLAGS = {"model", "extra"}
 
@@ -91,19 +92,35 @@ def build_settings(args: argparse.Namespace):
     )
 
 
+def banner(settings, args: argparse.Namespace) -> str:
+    """Where the server listens, and a request to paste."""
+    url = f"http://{args.host}:{args.port}"
+    if not settings.models:
+        return f"pagedllm serve: {url}/v1 with no model loaded (POST /v1/models/<name>/load)"
+    name = settings.models[0].name
+    key = " -H 'Authorization: Bearer $PAGEDLLM_API_KEY'" if settings.api_key else ""
+    body = '{"model": "%s", "prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0}' % name
+    return (
+        f"pagedllm serve: {name} at {url}/v1\n"
+        f"  try: curl {url}/v1/completions -H 'Content-Type: application/json'{key} -d '{body}'"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = build_settings(args)
     except (ValueError, ModelLoadError) as exc:
-        print(f"pagedllm serve: error: {exc}", file=sys.stderr)
+        hint = ""
+        if args.model and Path(args.model).resolve() == DEFAULT_MODEL.resolve() and not DEFAULT_MODEL.is_dir():
+            hint = " (the repository's default model has not been built yet)"
+        print(f"pagedllm serve: error: {exc}{hint}", file=sys.stderr)
         return 2
     import uvicorn
 
     from pagedllm.entrypoints.openai.app import create_app
 
-    names = ", ".join(spec.name for spec in settings.models) or "no model (load with POST /v1/models/<name>/load)"
-    print(f"pagedllm serve: {names} at http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    print(banner(settings, args), file=sys.stderr, flush=True)
     config = uvicorn.Config(
         create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=5,  # then open streams are cancelled and their requests aborted

@@ -185,8 +185,8 @@ class CompletionBuilder:
             state.echoed = True
         if logprobs:
             logprobs.add(new_tokens, (completion.logprobs or [])[state.num_tokens : len(token_ids)])
-        if not (delta or finish or logprobs):
-            return None  # a token that completes no character yet
+        # A token that completes no character yet still gets its (empty) chunk, as in vLLM:
+        # clients see progress, and a model without a tokenizer streams at all.
         state.text_len, state.num_tokens, state.done = len(text), len(token_ids), finish is not None
         state.offset += len(delta)
         return CompletionChoice(

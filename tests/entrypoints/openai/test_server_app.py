@@ -3,7 +3,9 @@ an engine loop that dies (unhealthy, 503) and recovers by reloading, and fuzzed 
 that must never produce a 500 or stop the engine."""
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 from fastapi.testclient import TestClient
@@ -53,6 +55,16 @@ def test_dead_engine_is_unhealthy_until_reloaded(app_client, monkeypatch):
     assert app_client.post("/v1/models/tiny/load", params={"wait": True}).json() == {"status": "ready"}
     assert app_client.get("/health").json()["status"] == "healthy"
     assert app_client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_unloading_releases_the_engine(app_client, model_dir):
+    name = model_dir("llama").name  # the same folder, loadable by name from --model-dir
+    assert app_client.post(f"/v1/models/{name}/load", params={"wait": True}).json() == {"status": "ready"}
+    engine = weakref.ref(app_client.app.state.models.get(name).engine.engine)
+    assert app_client.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2}).status_code == 200
+    assert app_client.delete(f"/v1/models/{name}").json() == {"status": "unloaded"}
+    gc.collect()
+    assert engine() is None, "the unloaded engine (weights, KV pool) is still referenced"
 
 
 # ---- fuzzing: any body, never a 500 --------------------------------------------------------

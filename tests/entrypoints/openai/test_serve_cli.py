@@ -1,0 +1,43 @@
+"""`pagedllm serve` flags: engine arguments, and bad folders or values failing before the port is bound."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedllm.entrypoints.serve import build_settings, main, register
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_flags_become_settings(model_dir):
+    folder = model_dir("llama")
+    args = parse("--model", str(folder), "--max-num-seqs", "4", "--no-enable-prefix-caching", "--dtype", "float32",
+                 "--api-key", "k", "--max-waiting-requests", "7", "--kv-cache-memory-fraction", "0.1")
+    settings = build_settings(args)
+    assert [(m.name, m.path) for m in settings.models] == [(folder.name, str(folder))]
+    assert settings.engine_args == {"max_num_seqs": 4, "enable_prefix_caching": False, "dtype": "float32", "kv_cache_memory_fraction": 0.1}
+    assert (settings.api_key, settings.max_waiting_requests) == ("k", 7)
+    assert build_settings(parse("--model", str(folder), "--served-model-name", "x")).models[0].name == "x"
+    assert build_settings(parse()).models == []  # no model: the server still starts (training, --model-dir)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "/nonexistent/model"], "does not exist"),
+        (["--served-model-name", "x"], "needs --model"),
+        (["--model-dir", "/nonexistent"], "not a directory"),
+        (["--block-size", "0"], "block_size must be a positive integer"),
+        (["--dtype", "int3"], "dtype must be one of"),
+    ],
+)
+def test_bad_arguments_exit_2_with_the_reason(model_dir, capsys, argv, message):
+    if argv[0] in ("--block-size", "--dtype"):
+        argv = ["--model", str(model_dir("llama")), *argv]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
