@@ -1,0 +1,83 @@
+"""From a POST body to a job config `pagedllm train` will accept, checked before anything starts.
+
+The checks are the trainer's own: the body is parsed as the training package's TrainingJob (field
+errors), then run through `pagedllm train`'s `prepare_job` for the world size the job will launch
+with (cross-field rules, dataset and tokenizer paths). Every failure is a ConfigError naming the
+field. Paths are made absolute here, because the job may be launched or resumed by a server started
+from another directory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pagedllm.training.cli import prepare_job
+from pagedllm.training.config import ConfigError, TrainingJob, parse_job
+from pagedllm.training.corpus import STDLIB_ALIAS
+
+SERVICE_FIELDS = ("job_id", "status", "created_at", "updated_at")
+NOT_SAVED = {"status", "created_at", "updated_at"}
+
+
+def build_config(body: dict[str, Any], job_id: str, data_dir: Path, slots: int) -> tuple[dict, int]:
+    """(the job's config as JSON-ready dict by alias, its world size); ConfigError if it cannot run."""
+    for name in SERVICE_FIELDS:
+        if name in body:
+            raise ConfigError(name, "is set by the job service; leave it out of the request")
+    job = parse_job({**body, "job_id": job_id})
+    world = job.parallelism.world_size
+    if world > slots:
+        raise ConfigError("parallelism_config",
+                          f"the job needs {world} processes (tensor x pipeline x context x data parallel sizes), "
+                          f"more than the {slots} training slots of this server (--train-slots)")
+    job = _with_absolute_paths(job, job_id, data_dir)
+    config = job.model_dump(mode="json", by_alias=True, exclude=NOT_SAVED)
+    check_runnable(config, world, data_dir)
+    return config, world
+
+
+def _with_absolute_paths(job: TrainingJob, job_id: str, data_dir: Path) -> TrainingJob:
+    """Default checkpoint_dir: <data_dir>/jobs/<id>/checkpoints; a relative one is under the data dir."""
+    ckpt = job.checkpoint
+    if "checkpoint_dir" in ckpt.model_fields_set:
+        checkpoint_dir = data_dir / Path(ckpt.checkpoint_dir).expanduser()  # an absolute path stays as it is
+    else:
+        checkpoint_dir = data_dir / "jobs" / job_id / "checkpoints"
+    data = job.data
+    updates = {"tokenizer_path": _absolute(data.tokenizer_path)}
+    if data.dataset_path != STDLIB_ALIAS:
+        updates["dataset_path"] = _absolute(data.dataset_path)
+    if data.cache_dir:
+        updates["cache_dir"] = _absolute(data.cache_dir)
+    return job.model_copy(update={
+        "checkpoint": ckpt.model_copy(update={"checkpoint_dir": str(checkpoint_dir.resolve())}),
+        "data": data.model_copy(update=updates),
+    })
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
+def check_runnable(config: dict, world_size: int, scratch: Path) -> None:
+    """`pagedllm train`'s own checks for `world_size` processes on one node (ConfigError naming the field)."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", dir=scratch, prefix=".check-") as file:
+        json.dump(config, file)
+        file.flush()
+        prepare_job(argparse.Namespace(config=Path(file.name), set=[], nproc_per_node=world_size, nnodes=1))
+
+
+def check_checkpoint_dir(config: dict, job_id: str, used_by: dict[str, str]) -> None:
+    """A checkpoint_dir belongs to one job: its checkpoints are what that job resumes from."""
+    path = config["checkpoint_config"]["checkpoint_dir"]
+    owner = used_by.get(path)
+    if owner is None:
+        previous = Path(path) / "job.json"
+        if previous.is_file():
+            owner = json.loads(previous.read_text()).get("job_id")
+    if owner is not None and owner != job_id:
+        raise ConfigError("checkpoint_config.checkpoint_dir", f"{path} already holds the checkpoints of job {owner}")
