@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.config import EngineConfig, ModelConfig, ModelLoadError
+from pagedllm.jobs.settings import default_data_dir
 from pagedllm.paths import DEFAULT_MODEL
 
 _NOT_FLAGS = {"model", "extra"}
@@ -58,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' (default: $PAGEDLLM_API_KEY; /health and /metrics stay open)")
     parser.add_argument("--max-waiting-requests", type=int, default=None,
                         help="per model: answer 503 while this many requests already wait (default: unlimited)")
+    parser.add_argument("--data-dir", default=str(default_data_dir()),
+                        help="training job store, job logs and default checkpoint folders (default: %(default)s)")
+    parser.add_argument("--train-slots", type=int, default=None,
+                        help="processes training jobs may use at once (default: the GPUs, else the CPU cores)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(parser)
 
@@ -89,6 +94,8 @@ def build_settings(args: argparse.Namespace):
         api_key=args.api_key or None,
         max_waiting_requests=args.max_waiting_requests,
         engine_args=engine,
+        data_dir=args.data_dir,
+        train_slots=args.train_slots,
     )
 
 

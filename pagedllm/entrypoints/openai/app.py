@@ -21,6 +21,8 @@ from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.models import ModelRegistry
 from pagedllm.entrypoints.openai.routes import inference_router, ops_router
 from pagedllm.entrypoints.openai.settings import ServerSettings
+from pagedllm.jobs.routes import jobs_router
+from pagedllm.jobs.service import JobService
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -35,7 +37,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics()
     registry = ModelRegistry(settings, metrics)
     metrics.collect_engine_stats(registry.snapshots)
-    services: list[Service] = [registry]
+    jobs = JobService.from_settings(settings.data_dir, settings.train_slots)
+    services: list[Service] = [registry, jobs]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -54,10 +57,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     app.state.models = registry
     app.state.metrics = metrics
+    app.state.jobs = jobs
     app.state.services = services
     install_error_handlers(app)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     app.include_router(inference_router)
     app.include_router(ops_router)
+    app.include_router(jobs_router)
     return app

@@ -23,6 +23,9 @@ class ServerSettings:
     # /health says "degraded" from these on (None: max_waiting_requests * 0.8, else max_num_seqs)
     degraded_waiting_requests: int | None = None
     degraded_kv_cache_usage: float = 0.95
+    # training job service (pagedllm/jobs): None disables it (`pagedllm serve` always passes a data dir)
+    data_dir: str | None = None  # job store, job logs and default checkpoint folders
+    train_slots: int | None = None  # processes training jobs may use at once (None: GPUs, else CPU cores)
 
     def __post_init__(self) -> None:
         names = [spec.name for spec in self.models]
@@ -30,5 +33,7 @@ class ServerSettings:
             raise ValueError(f"served model names must be unique, got {names}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.train_slots is not None and self.train_slots < 1:
+            raise ValueError(f"train_slots must be >= 1, got {self.train_slots}")
         if not 0 < self.degraded_kv_cache_usage <= 1:
             raise ValueError(f"degraded_kv_cache_usage must be in (0, 1], got {self.degraded_kv_cache_usage}")
