@@ -65,19 +65,22 @@ def test_rejected_group_is_all_or_nothing(engine):
 
 def test_leaving_the_block_aborts_and_frees_kv(engine):
     async def main():
-        bridge = await started(engine)
+        seen = []  # every step's outputs, as the engine thread reports them
+        bridge = await started(engine, on_step=seen.extend)
         async with bridge.submit([("a", [5, 6, 7])], LONG) as group:
             async for _ in group.updates():
                 break
-        for _ in range(100):
-            if bridge.stats["kv_cache_usage"] == 0 and bridge.stats["num_running"] == 0:
+        for _ in range(200):
+            if any(o.finished for o in seen):
                 break
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.01)
         stats = bridge.stats
         await bridge.shutdown()
-        return group, stats
+        return [o for o in seen if o.finished], stats
 
-    group, stats = run(main())
+    finished, stats = run(main())
+    assert [o.outputs[0].finish_reason for o in finished] == ["abort"]
+    assert len(finished[0].outputs[0].token_ids) < LONG.max_tokens
     assert stats["kv_cache_usage"] == 0 and stats["num_running"] == 0
     assert not engine.has_unfinished_requests()
 
