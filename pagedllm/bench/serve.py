@@ -181,10 +181,12 @@ def run(args: argparse.Namespace) -> int:
     if args.model_path:
         from pagedllm.entrypoints.serve import launch
 
-        log = Path(tempfile.mkdtemp(prefix="pagedllm-bench-")) / "server.log"
+        scratch = Path(tempfile.mkdtemp(prefix="pagedllm-bench-"))
+        log = scratch / "server.log"
         extra = [arg for item in args.serve_arg for arg in item.split()]
         print(f"starting pagedllm serve --model {args.model_path} {' '.join(extra)} (log: {log})", file=sys.stderr)
-        server = launch(["--model", args.model_path, "--log-level", "warning", *extra], log)
+        # its own (empty) training job store: a benchmark must not touch the user's
+        server = launch(["--model", args.model_path, "--log-level", "warning", "--data-dir", str(scratch / "data"), *extra], log)
     base_url = server.url if server else args.url.rstrip("/").removesuffix("/v1")
     try:
         args.vocab_size = _vocab_size(base_url, args)

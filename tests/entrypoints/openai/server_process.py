@@ -53,8 +53,10 @@ class Server(ServerProcess):
 
 
 def start_server(args: list[str], log: Path) -> Server:
+    """`pagedllm serve ARGS`, with its job store in a folder of its own next to `log`."""
     os.environ.pop("PAGEDLLM_API_KEY", None)  # only the key a test passes counts
-    process = launch(["--log-level", "warning", *args], log, timeout=120)
+    data_dir = log.parent / f"{log.stem}-data"
+    process = launch(["--log-level", "warning", "--data-dir", str(data_dir), *args], log, timeout=120)
     return Server(process.proc, process.url, process.log)
 
 
