@@ -8,6 +8,7 @@ BENCHMARKS: dict[str, str] = {
     "offline": "pagedllm.bench.offline",
     "peak": "pagedllm.bench.peak",
     "serve": "pagedllm.bench.serve",
+    "train": "pagedllm.bench.train",
 }
 
 

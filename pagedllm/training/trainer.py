@@ -365,7 +365,7 @@ class Trainer:
         else:
             from pagedllm.bench.peak import measure_matmul_peak
 
-            per_rank = measure_matmul_peak(size=1024, repeats=4)
+            per_rank = measure_matmul_peak()
         peak = torch.tensor([per_rank], dtype=torch.float64)
         dist.all_reduce(peak)
         return float(peak)

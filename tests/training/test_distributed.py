@@ -24,6 +24,7 @@ from .helpers import tiny_job
 HERE = Path(__file__).parent
 FAST = {"peak_flops": 1e10, "export_hf": False}
 QWEN3 = {"architecture": "qwen3", "head_dim": 16}
+MOE = {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 2}
 
 
 def launch_scenarios(nproc: int, scenarios: list[dict], paths: dict, out: Path) -> list[dict]:
@@ -48,7 +49,8 @@ def reference_losses(paths: dict, checkpoint_dir: Path, **sections) -> dict[str,
 def references(tiny_paths, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("references")
     return {"llama": reference_losses(tiny_paths, root / "llama"),
-            "qwen3": reference_losses(tiny_paths, root / "qwen3", model_config=QWEN3)}
+            "qwen3": reference_losses(tiny_paths, root / "qwen3", model_config=QWEN3),
+            "moe": reference_losses(tiny_paths, root / "moe", model_config=MOE)}
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +76,7 @@ def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
         case("tp", parallelism_config={"tensor_parallel_size": 2}, memory_config={"zero_stage": 0}),
         case("tp_qwen3_sp", parallelism_config={"tensor_parallel_size": 2, "sequence_parallel": True},
              model_config=QWEN3, memory_config={"zero_stage": 0}),
+        case("moe_zero3", model_config=MOE, memory_config={"zero_stage": 3}),
     ]
     return launch_scenarios(2, scenarios, tiny_paths, root / "out"), root
 
@@ -86,6 +89,9 @@ def four_ranks(tiny_paths, tmp_path_factory) -> list[dict]:
                                              memory_config={"zero_stage": 3}), "options": FAST},
         {"name": "fsdp_tp_qwen3_sp", "job": tiny_job(tiny_paths, root / "sp", model_config=QWEN3, memory_config={"zero_stage": 3},
                                                      parallelism_config={"tensor_parallel_size": 2, "sequence_parallel": True}),
+         "options": FAST},
+        {"name": "pp_tp", "job": tiny_job(tiny_paths, root / "pp_tp", memory_config={"zero_stage": 3},
+                                           parallelism_config={"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
          "options": FAST},
     ]
     return launch_scenarios(4, scenarios, tiny_paths, root / "out")
@@ -180,6 +186,23 @@ def test_fsdp_times_tp_losses_equal_single_process(four_ranks, references):
     for rank in four_ranks:
         assert_losses_match(rank["fsdp_tp"]["losses"], references["llama"])
         assert_losses_match(rank["fsdp_tp_qwen3_sp"]["losses"], references["qwen3"])
+
+
+def test_moe_with_zero3_losses_equal_single_process(two_ranks, references):
+    ranks, _ = two_ranks
+    for rank in ranks:
+        assert_losses_match(rank["moe_zero3"]["losses"], references["moe"])
+        assert placements(rank["moe_zero3"], "model.layers.0.block_sparse_moe.experts.3.w1.weight")[1] == ["Shard(dim=0)"]
+
+
+def test_pipeline_times_tp_on_a_3d_mesh(four_ranks, references):
+    """pp 2 x dp 1 x tp 2: each pipeline stage is tensor-parallel (and FSDP-wrapped on its 1-rank dp dim)."""
+    for rank in four_ranks:
+        assert_losses_match(rank["pp_tp"]["losses"], references["llama"])
+    stages = [rank["pp_tp"]["pipeline"]["stages"] for rank in four_ranks]
+    assert stages == [[0], [0], [1], [1]]  # mesh order (pp, dp, tp): ranks 0,1 are stage 0's TP pair
+    dims, _, local, full = placements(four_ranks[0]["pp_tp"], "model.layers.0.self_attn.q_proj.weight")
+    assert dims == ["dp", "tp"] and local == [full[0] // 2, full[1]]
 
 
 def test_fsdp_times_tp_uses_a_2d_mesh(four_ranks):
