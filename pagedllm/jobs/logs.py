@@ -31,11 +31,32 @@ def _read(path: Path, offset: int, limit: int) -> bytes:
         return b""
 
 
+def _char_length(lead: int) -> int:
+    """Bytes of the UTF-8 character starting with `lead` (1 for ASCII and for stray continuation bytes)."""
+    return 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4 if lead >> 3 == 0b11110 else 1
+
+
+def whole_characters(data: bytes, limit: int) -> bytes:
+    """The longest prefix of `data` of at most `limit` bytes that does not cut a UTF-8 character;
+    the first character whole if it alone is longer than `limit` (a reader must always advance)."""
+    head = data[:limit]
+    for back in range(1, min(4, len(head)) + 1):
+        lead = head[-back]
+        if lead & 0xC0 != 0x80:  # the first byte of the last character
+            if _char_length(lead) <= back:
+                return head
+            if len(head) > back:
+                return head[:-back]
+            return data[:_char_length(lead)]
+    return head
+
+
 def read_chunk(path: Path, offset: int, limit: int = MAX_CHUNK) -> LogChunk:
-    """Up to `limit` bytes from `offset` (an offset past the end reads nothing)."""
+    """Up to `limit` bytes from `offset`, ending on a whole character (past the end: nothing)."""
     size = _size(path)
     offset = min(offset, size)
-    data = _read(path, offset, min(limit, MAX_CHUNK))
+    limit = min(limit, MAX_CHUNK)
+    data = whole_characters(_read(path, offset, limit + 3), limit)
     return LogChunk(offset=offset, next_offset=offset + len(data), size=size, text=data.decode(errors="replace"))
 
 

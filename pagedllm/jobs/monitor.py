@@ -136,7 +136,10 @@ def abandon_unfinished_saves(store: JobStore, job: JobRecord) -> None:
 def outcome(job: JobRecord, exit_code: int | None, last_log_line: str | None) -> tuple[JobState, str | None]:
     """The state a run ended in, from its events, the launcher's exit code and whether it was cancelled."""
     finish = job.finish or {}
-    if finish.get("reason") == "completed" and not exit_code:
+    if finish.get("reason") == "completed":  # written after the final checkpoint and the last barrier
+        if exit_code:
+            return JobState.COMPLETED, (f"completed at step {finish.get('step')}, then the launcher exited with code "
+                                        f"{exit_code}: a rank failed while shutting down, after the final checkpoint")
         return JobState.COMPLETED, None
     if job.cancel_requested:
         at = f" at step {finish['step']}" if finish.get("step") is not None else ""

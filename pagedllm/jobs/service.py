@@ -87,14 +87,17 @@ class JobService:
     # ---- lifecycle ----
 
     async def start(self) -> None:
-        if self.config is None:
-            return
-        if not self._acquire_data_dir():
-            return
+        if self.open():
+            self._task = asyncio.create_task(self._loop(), name="pagedllm-jobs")
+
+    def open(self) -> bool:
+        """Own the data dir, open the store, reconcile; False if the service cannot serve."""
+        if self.config is None or not self._acquire_data_dir():
+            return False
         self.store = self.store or SQLiteJobStore(self.config.data_dir / "jobs.db")
         self.cluster = ClusterMonitor(self.config.slots)
         self.reconcile()
-        self._task = asyncio.create_task(self._loop(), name="pagedllm-jobs")
+        return True
 
     async def stop(self) -> None:
         """Stop following jobs (they keep running; the next server re-attaches) and release the data dir."""
@@ -105,6 +108,10 @@ class JobService:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        self.close()
+
+    def close(self) -> None:
+        self.active.clear()
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -158,17 +165,22 @@ class JobService:
 
     async def _loop(self) -> None:
         while True:
-            try:
-                self.tick()
-            except Exception:  # a bug must not stop the following of every other job
-                log.exception("job service tick failed")
+            self.tick()
             await asyncio.sleep(self.config.poll_interval_s)
 
     def tick(self) -> None:
         for active in list(self.active.values()):
-            self._watch(active)
-        self.schedule()
+            self._guarded(self._watch, active)
+        self._guarded(self.schedule)
         self.cluster.sample()
+
+    @staticmethod
+    def _guarded(step, *args) -> None:
+        """A bug met following one job must not stop the following of the others."""
+        try:
+            step(*args)
+        except Exception:
+            log.exception("job service: %s failed", getattr(step, "__name__", step))
 
     def _watch(self, active: Active) -> None:
         active.monitor.poll()
@@ -296,7 +308,7 @@ class JobService:
             return job.status
         if job.status.terminal:
             raise WrongState(f"job {job_id} is {job.status.value}: only PENDING, RUNNING or CHECKPOINTING jobs can be cancelled")
-        active = self.active[job_id]
+        active = self.active[job_id]  # every RUNNING/CHECKPOINTING job is followed (reconcile, _launch)
         grace = self.config.cancel_grace_s if grace_s is None else grace_s
         if not job.cancel_requested:
             job.cancel_requested = True

@@ -76,8 +76,16 @@ def check_checkpoint_dir(config: dict, job_id: str, used_by: dict[str, str]) -> 
     path = config["checkpoint_config"]["checkpoint_dir"]
     owner = used_by.get(path)
     if owner is None:
-        previous = Path(path) / "job.json"
-        if previous.is_file():
-            owner = json.loads(previous.read_text()).get("job_id")
+        owner = _job_id_in(Path(path) / "job.json")
     if owner is not None and owner != job_id:
         raise ConfigError("checkpoint_config.checkpoint_dir", f"{path} already holds the checkpoints of job {owner}")
+
+
+def _job_id_in(path: Path) -> str | None:
+    """The job_id `pagedllm train` wrote into a checkpoint_dir (None: no job there)."""
+    try:
+        return str(json.loads(path.read_text()).get("job_id") or "") or None
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError):
+        return f"(unreadable {path})"

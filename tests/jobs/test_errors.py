@@ -1,0 +1,78 @@
+"""Client errors on the real server, in the server's OpenAI shape: an invalid config is 400 naming the
+field (checked before anything starts: no job is created), an unknown job 404 on every route, no API
+key 401; and a server without --model serves the training routes."""
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import pytest
+
+from .helpers import assert_error, job_body
+
+
+def nested(body: dict, path: str, value) -> dict:
+    section, _, field = path.partition(".")
+    if field:
+        body.setdefault(section, {})[field] = value
+    else:
+        body[section] = value
+    return body
+
+
+@pytest.mark.parametrize("path, value, param", [
+    ("bogus_section", {}, "bogus_section"),
+    ("model_config.num_layers", 0, "model_config.num_layers"),
+    ("model_config.architecture", "gpt5", "model_config.architecture"),
+    ("optimization_config.optimizer", "SGD", "optimization_config.optimizer"),
+    ("optimization_config.total_steps", "many", "optimization_config.total_steps"),
+    ("job_id", str(uuid.uuid4()), "job_id"),
+    ("status", "RUNNING", "status"),
+    ("parallelism_config.data_parallel_size", 4, "parallelism_config"),  # 4 processes > 2 slots
+    ("data_config.global_batch_size", 7, "data_config.global_batch_size"),  # not divisible by 2 x micro 2
+    ("model_config.num_kv_heads", 3, "model_config.num_kv_heads"),
+    ("data_config.dataset_path", "/nonexistent/corpus", "data_config.dataset_path"),
+    ("data_config.tokenizer_path", "/nonexistent/tokenizer", "data_config.tokenizer_path"),
+    ("parallelism_config.expert_parallel_size", 2, "parallelism_config.expert_parallel_size"),
+])
+def test_invalid_config_is_400_naming_the_field(server, tiny_paths, path, value, param):
+    before = len(server.client.get("/v1/training/jobs").json()["data"])
+    error = assert_error(server.client.post("/v1/training/jobs", json=nested(job_body(tiny_paths), path, value)), 400, param)
+    assert error["message"].startswith(param)
+    assert len(server.client.get("/v1/training/jobs").json()["data"]) == before
+
+
+def test_a_checkpoint_dir_of_another_job_is_refused(server, tiny_paths, tmp_path):
+    (tmp_path / "job.json").write_text(json.dumps({"job_id": "someone-else"}))
+    body = job_body(tiny_paths, checkpoint_config={"checkpoint_dir": str(tmp_path)})
+    assert_error(server.client.post("/v1/training/jobs", json=body), 400, "checkpoint_config.checkpoint_dir", "someone-else")
+
+
+def test_bodies_that_are_not_a_job(server):
+    http = server.client
+    assert_error(http.post("/v1/training/jobs", content=b"{not json", headers={"Content-Type": "application/json"}), 400)
+    assert_error(http.post("/v1/training/jobs", json=[1, 2]), 400)
+    assert_error(http.post("/v1/training/jobs", json={}), 400, "data_config")
+    assert_error(http.get("/v1/training/jobs", params={"status": "SLEEPING"}), 400)
+    assert_error(http.post(f"/v1/training/jobs/{uuid.uuid4()}/resume", json={"checkpoint": "x"}), 400)
+
+
+@pytest.mark.parametrize("method, suffix", [
+    ("GET", ""), ("DELETE", ""), ("POST", "/checkpoint"), ("GET", "/checkpoints"), ("POST", "/resume"),
+    ("GET", "/logs"), ("GET", "/metrics"),
+])
+def test_unknown_job_is_404(server, method, suffix):
+    job_id = str(uuid.uuid4())
+    error = assert_error(server.client.request(method, f"/v1/training/jobs/{job_id}{suffix}"), 404, "job_id", job_id)
+    assert error["code"] == "not_found"
+
+
+def test_api_key_required_and_training_served_without_a_model(server):
+    for path in ("/v1/training/jobs", "/v1/cluster/status", "/v1/cluster/nodes"):
+        assert_error(httpx.get(server.url + path), 401)
+        assert server.client.get(path).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert server.client.get("/v1/models").json()["data"] == []
+    paths = httpx.get(server.url + "/openapi.json").json()["paths"]
+    assert {"/v1/training/jobs", "/v1/training/jobs/{job_id}/resume", "/v1/cluster/status"} <= set(paths)
