@@ -18,36 +18,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from pagedllm.config import EngineConfig, ModelConfig, ModelLoadError
+from pagedllm.entrypoints.engine_args import add_engine_arguments, engine_args
 from pagedllm.jobs.settings import default_data_dir
 from pagedllm.paths import DEFAULT_MODEL
-
-_NOT_FLAGS = {"model", "extra"}
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (--max-num-seqs, --enable-prefix-caching/--no-...);
-    defaults stay None so that only the flags given override the engine's own defaults."""
-    group = parser.add_argument_group("engine arguments (per loaded model)")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name in _NOT_FLAGS:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = str(f.type)
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if kind == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"default: {default}")
-        else:
-            convert = int if "int" in kind else float if "float" in kind else str
-            group.add_argument(flag, type=convert, default=None, metavar=f.name.upper(), help=f"default: {default}")
-
-
-def engine_args(args: argparse.Namespace) -> dict[str, Any]:
-    names = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _NOT_FLAGS]
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model folder to load at start-up (Hugging Face layout); optional")

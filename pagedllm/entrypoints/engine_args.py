@@ -1,0 +1,36 @@
+"""Engine arguments as command-line flags, generated from `EngineConfig`'s fields.
+
+Shared by every command that builds an engine (`serve`, `generate`, benchmarks), so a new engine
+argument becomes a flag everywhere at once.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from pagedllm.config import EngineConfig
+
+_NOT_FLAGS = {"model", "extra"}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (--max-num-seqs, --enable-prefix-caching/--no-...);
+    defaults stay None so that only the flags given override the engine's own defaults."""
+    group = parser.add_argument_group("engine arguments (per loaded model)")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _NOT_FLAGS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"default: {default}")
+        else:
+            convert = int if "int" in kind else float if "float" in kind else str
+            group.add_argument(flag, type=convert, default=None, metavar=f.name.upper(), help=f"default: {default}")
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    names = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _NOT_FLAGS]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
