@@ -22,7 +22,7 @@ import signal
 import subprocess
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,15 +68,15 @@ class Active:
     launcher_ended: bool = False
 
 
-@dataclass
 class JobService:
-    config: JobServiceConfig | None
-    store: JobStore | None = None
-    cluster: ClusterMonitor | None = None
-    active: dict[str, Active] = field(default_factory=dict)
-    unavailable: str | None = None
-    _task: asyncio.Task | None = None
-    _lock_fd: int | None = None
+    def __init__(self, config: JobServiceConfig | None, unavailable: str | None = None) -> None:
+        self.config = config
+        self.unavailable = unavailable  # why the routes answer 503, if they do
+        self.store: JobStore | None = None
+        self.cluster: ClusterMonitor | None = None
+        self.active: dict[str, Active] = {}  # job_id -> the job's processes and monitor
+        self._task: asyncio.Task | None = None
+        self._lock_fd: int | None = None
 
     @classmethod
     def from_settings(cls, data_dir: str | None, slots: int | None) -> JobService:
@@ -94,7 +94,7 @@ class JobService:
         """Own the data dir, open the store, reconcile; False if the service cannot serve."""
         if self.config is None or not self._acquire_data_dir():
             return False
-        self.store = self.store or SQLiteJobStore(self.config.data_dir / "jobs.db")
+        self.store = SQLiteJobStore(self.config.data_dir / "jobs.db")
         self.cluster = ClusterMonitor(self.config.slots)
         self.reconcile()
         return True

@@ -6,6 +6,8 @@ the re-attached job leaves no process of it and lets the queued job start; that 
 killed while the server is down, and the next server reconciles it as FAILED with the reason."""
 from __future__ import annotations
 
+from datetime import datetime
+
 import psutil
 
 from .helpers import alive, assert_error, job_body, job_pids, job_processes
@@ -42,7 +44,10 @@ def test_queue_restart_and_cancel(fresh_server, tiny_paths):
     assert cancelled.json()["status"] == "CANCELLED"
     assert not [pid for pid in pids if alive(pid)] and not job_processes(first)
     started = srv.wait_status(second, "RUNNING", timeout=30)
-    assert started["started_at"] >= srv.job(first)["finished_at"]
+    stopped = srv.job(first)
+    assert datetime.fromisoformat(started["started_at"]) >= datetime.fromisoformat(stopped["finished_at"])
+    [kept] = srv.client.get(f"/v1/training/jobs/{first}/checkpoints").json()  # saved on SIGTERM: resumable
+    assert kept["status"] == "COMPLETE" and stopped["history"][-1]["reason"] == f"cancelled by request at step {kept['step']}"
     started = srv.wait_step(second, 2)
 
     # its process dies while no server watches: the next server reconciles it as FAILED
