@@ -66,13 +66,20 @@ def options_from(args: argparse.Namespace):
 
 def prepare_job(args: argparse.Namespace) -> TrainingJob:
     """Load, override and validate the job for nnodes x nproc-per-node processes; ConfigError otherwise."""
-    from pagedllm.training.corpus import source_files
-    from pagedllm.training.tokenizer import tokenizer_files
-
     job = apply_overrides(load_job(args.config), args.set)
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ConfigError("--nproc-per-node", "needs --nproc-per-node >= 1 and --nnodes >= 1")
-    resolve(job, args.nproc_per_node * args.nnodes)
+    return _keep_job_id(check_job(job, args.nproc_per_node * args.nnodes))
+
+
+def check_job(job: TrainingJob, world_size: int) -> TrainingJob:
+    """Everything `pagedllm train` checks before starting a process, for a job already in memory
+    (what a service calls): the cross-field rules for `world_size`, and that the dataset and the
+    tokenizer exist. Returns the job unchanged; raises ConfigError naming the field."""
+    from pagedllm.training.corpus import source_files
+    from pagedllm.training.tokenizer import tokenizer_files
+
+    resolve(job, world_size)
     try:
         source_files(job.data.dataset_path, job.data.file_glob)
     except FileNotFoundError as exc:
@@ -81,7 +88,7 @@ def prepare_job(args: argparse.Namespace) -> TrainingJob:
         tokenizer_files(job.data.tokenizer_path)
     except FileNotFoundError as exc:
         raise ConfigError("data_config.tokenizer_path", str(exc)) from exc
-    return _keep_job_id(job)
+    return job
 
 
 def _keep_job_id(job: TrainingJob) -> TrainingJob:

@@ -37,11 +37,14 @@ class _Section(BaseModel):
 
 
 class JobStatus(str, enum.Enum):
+    """Seed 000's states plus CANCELLED, which the job service (issue 5) needs."""
+
     PENDING = "PENDING"
     RUNNING = "RUNNING"
     CHECKPOINTING = "CHECKPOINTING"
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
 
 
 class Optimizer(str, enum.Enum):

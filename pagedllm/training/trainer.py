@@ -126,6 +126,8 @@ class Trainer:
         out = self.dir / "tokenizer"
         out.mkdir(exist_ok=True)
         tokenizer_json, config_json = tokenizer_files(self.job.data.tokenizer_path)
+        if tokenizer_json.resolve() == (out / "tokenizer.json").resolve():
+            return  # the job already points at this copy
         shutil.copyfile(tokenizer_json, out / "tokenizer.json")
         if config_json is not None:
             shutil.copyfile(config_json, out / "tokenizer_config.json")
@@ -336,7 +338,8 @@ class Trainer:
 
     def _stop(self, decision: Decision, metadata: CheckpointMetadata, result: RunResult, reporter: ProgressReporter) -> None:
         self.events.emit("stopping", step=metadata.global_step, signal=decision.stop_signal)
-        if self.job.checkpoint.checkpoint_on_stop and decision.checkpoint_on_stop:
+        wanted = self.job.checkpoint.checkpoint_on_stop and decision.checkpoint_on_stop
+        if wanted or decision.checkpoint:  # a checkpoint requested at the same boundary is still honoured
             self._save(metadata.global_step, metadata, decision.checkpoint_id, blocking=True)
         result.reason = "stopped"
         result.exit_code = 128 + decision.stop_signal if decision.stop_signal else EXIT_COMPLETED
@@ -393,8 +396,13 @@ class Trainer:
 def run_training(job: TrainingJob, options: RunOptions | None = None) -> RunResult:
     """Run `job` in this process as one rank (of torchrun's group, or alone)."""
     created = init_distributed()
+    ok = False
     try:
-        return Trainer(job, options or RunOptions()).run()
+        result = Trainer(job, options or RunOptions()).run()
+        ok = True
+        return result
     finally:
         if created:
+            if ok:
+                dist.barrier()  # no rank tears gloo down while another still talks to it
             dist.destroy_process_group()

@@ -134,3 +134,22 @@ def test_cli_rejects_invalid_config_before_any_process_starts(tmp_path):
     assert proc.returncode == 2
     assert "parallelism_config.data_parallel_size" in proc.stderr and "world size 2" in proc.stderr
     assert not (tmp_path / "ck").exists()
+
+
+def test_check_job_validates_a_job_in_memory(tmp_path):
+    """What the job service calls: the same checks as `pagedllm train`, without a config file."""
+    from pagedllm.training.cli import check_job
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    job = job_with(data_config={"dataset_path": str(tmp_path / "missing"), "tokenizer_path": str(tmp_path / "tok")})
+    with pytest.raises(ConfigError) as info:
+        check_job(job, 1)
+    assert info.value.field == "data_config.dataset_path"
+    job = job_with(data_config={"dataset_path": str(tmp_path), "tokenizer_path": str(tmp_path / "nope")})
+    with pytest.raises(ConfigError, match="^data_config.tokenizer_path"):
+        check_job(job, 1)
+    ok = job_with(data_config={"dataset_path": str(tmp_path), "tokenizer_path": str(tmp_path / "tok")})
+    assert check_job(ok, 1) is ok
+    with pytest.raises(ConfigError, match="^parallelism_config"):
+        check_job(ok.model_copy(update={"parallelism": ok.parallelism.model_copy(update={"tensor_parallel_size": 2})}), 3)
