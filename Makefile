@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean
+.PHONY: run generate test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -12,7 +12,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# Serves the embedded default model on http://127.0.0.1:8000/v1 and prints a curl example.
 run: $(STAMP)
+	$(BIN)/pagedllm serve --model models/pagedllm-py-tiny --kv-cache-memory 536870912
+
+generate: $(STAMP)
 	$(BIN)/pagedllm generate --prompt "def fibonacci(n):" --max-tokens 64
 
 test: $(STAMP)
