@@ -4,7 +4,8 @@ Each configuration is a real `pagedllm train` run (a subprocess; the multi-rank 
 of a small Llama on Python standard-library text, with a tokenizer trained on the fly. Throughput is
 the median over the steps after the warm-up ones, read from the run's metrics.jsonl. MFU divides the
 achieved model FLOP/s (6 x parameters + attention, per token) by the fp32 matmul peak measured in this
-run with every core -- the whole machine's ceiling, whatever the number of ranks.
+run with every core -- the whole machine's ceiling, whatever the number of ranks (for --precision
+BF16, against the bf16 matmul peak, also measured).
 """
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     from pagedllm.training.config import ModelConfig
     from pagedllm.training.model import flops_per_token, num_params
 
-    peak = measure_matmul_peak()
+    peak = measure_matmul_peak()  # fp32: the denominator of MFU for FP32 runs
+    compute_peak = peak if args.precision == "FP32" else measure_matmul_peak(dtype=torch.bfloat16)
     results = []
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-train-") as tmp:
         work = Path(tmp)
@@ -102,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
             model = ModelConfig(**job["model_config"])
             fpt = flops_per_token(model, args.seq_len)
             started = time.perf_counter()
-            records = run_config(job, work, nproc, peak)
-            result = summarize(name, records, args.warmup_steps, fpt, peak)
+            records = run_config(job, work, nproc, compute_peak)
+            result = summarize(name, records, args.warmup_steps, fpt, compute_peak)
             result["wall_s"] = time.perf_counter() - started
             results.append(result)
     params = num_params(model)
@@ -111,10 +113,13 @@ def run(args: argparse.Namespace) -> int:
           f"seq {args.seq_len}, global batch {args.global_batch}, {args.precision}; "
           f"{fpt / 1e6:.1f} MFLOP/token")
     print(f"fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+    if args.precision != "FP32":
+        print(f"bf16 matmul peak: {compute_peak / 1e9:.1f} GFLOP/s (the MFU denominator below)")
     print(f"{'config':<20} {'tokens/s':>10} {'MFU':>7}")
     for r in results:
         print(f"{r['config']:<20} {r['tokens_per_s']:>10.0f} {100 * r['mfu']:>6.1f}%")
     if args.json:
-        args.json.write_text(json.dumps({"peak_flops": peak, "params": params, "flops_per_token": fpt,
+        args.json.write_text(json.dumps({"peak_flops": peak, "compute_peak_flops": compute_peak, "params": params,
+                                         "flops_per_token": fpt, "precision": args.precision,
                                          "results": results}, indent=2))
     return 0

@@ -29,6 +29,7 @@ from pagedllm.training.export import export_checkpoint
 from pagedllm.training.model import build_model, flops_per_token, num_params
 from pagedllm.training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from pagedllm.training.parallel import (
+    LOW_PRECISION,
     ParallelDims,
     autocast_dtype,
     data_parallel_wrapping,
@@ -362,13 +363,14 @@ class Trainer:
         dist.barrier()
 
     def _peak_flops(self) -> float:
-        """Per-process fp32 matmul peak; MFU divides achieved FLOP/s by world x this."""
+        """Per-process matmul peak in the compute dtype; MFU divides achieved FLOP/s by the sum over ranks."""
         if self.options.peak_flops:
             per_rank = self.options.peak_flops
         else:
             from pagedllm.bench.peak import measure_matmul_peak
 
-            per_rank = measure_matmul_peak()
+            low = LOW_PRECISION.get(self.job.memory.precision)  # bf16/fp16 runs: that dtype's peak
+            per_rank = measure_matmul_peak(dtype=low or torch.float32)
         peak = torch.tensor([per_rank], dtype=torch.float64)
         dist.all_reduce(peak)
         return float(peak)

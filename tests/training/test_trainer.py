@@ -32,6 +32,7 @@ def test_memory_options_do_not_change_fp32_losses(tiny_paths, tmp_path, fp32, me
     assert losses(tiny_paths, tmp_path, "run", memory_config=memory) == pytest.approx(fp32, rel=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:Found a non-scalar tensor:UserWarning")  # inside ShardedGradScaler
 @pytest.mark.parametrize("memory", [
     {"zero_stage": 0, "precision": "BF16"},  # autocast
     {"zero_stage": 3, "precision": "BF16"},  # FSDP MixedPrecisionPolicy
