@@ -50,7 +50,8 @@ def references(tiny_paths, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("references")
     return {"llama": reference_losses(tiny_paths, root / "llama"),
             "qwen3": reference_losses(tiny_paths, root / "qwen3", model_config=QWEN3),
-            "moe": reference_losses(tiny_paths, root / "moe", model_config=MOE)}
+            "moe": reference_losses(tiny_paths, root / "moe", model_config=MOE),
+            "llama4": reference_losses(tiny_paths, root / "llama4", model_config={"num_layers": 4})}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,9 @@ def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
         case("tp_qwen3_sp", parallelism_config={"tensor_parallel_size": 2, "sequence_parallel": True},
              model_config=QWEN3, memory_config={"zero_stage": 0}),
         case("moe_zero3", model_config=MOE, memory_config={"zero_stage": 3}),
+        case("pp_gpipe", parallelism_config={**pp, "pipeline_schedule": "GPIPE"}),
+        case("pp_interleaved", parallelism_config={**pp, "pipeline_schedule": "INTERLEAVED_1F1B"},
+             model_config={"num_layers": 4}),
     ]
     return launch_scenarios(2, scenarios, tiny_paths, root / "out"), root
 
@@ -146,6 +150,17 @@ def test_pipeline_1f1b_losses_equal_single_process(two_ranks, references):
     ranks, _ = two_ranks
     for rank in ranks:
         assert_losses_match(rank["pp"]["losses"], references["llama"])
+
+
+def test_gpipe_and_interleaved_schedules_equal_single_process(two_ranks, references):
+    ranks, _ = two_ranks
+    for rank in ranks:
+        assert_losses_match(rank["pp_gpipe"]["losses"], references["llama"])
+        assert_losses_match(rank["pp_interleaved"]["losses"], references["llama4"])
+    assert ranks[0]["pp_gpipe"]["pipeline"]["schedule"] == "ScheduleGPipe"
+    # two virtual stages per rank, round-robin: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3
+    assert [r["pp_interleaved"]["pipeline"]["stages"] for r in ranks] == [[0, 2], [1, 3]]
+    assert ranks[0]["pp_interleaved"]["pipeline"]["schedule"] == "ScheduleInterleaved1F1B"
 
 
 def test_pipeline_stages_hold_their_layers(two_ranks):
