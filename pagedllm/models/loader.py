@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig, ModelLoadError
+from pagedllm.layers.linear import packing_available
 from pagedllm.models.llama import CausalLM
 
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
@@ -50,6 +51,8 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     _load_weights(model, Path(cfg.path))
+    if packing_available(device, dtype):
+        model.pack_linears()
     return model.eval()
 
 
