@@ -199,6 +199,7 @@ class EngineConfig:
     preemption_policy: str = "fcfs"
     swap_space: int = 1 << 30
     seed: int = 0
+    attention_backend: str = "auto"
     kv_cache_memory_fraction: float = 0.25
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -222,6 +223,8 @@ class EngineConfig:
                 "preemption_policy must be 'fcfs', 'priority' or 'shortest_remaining', "
                 f"got {self.preemption_policy!r}"
             )
+        if self.attention_backend not in ("auto", "compiled", "sdpa"):
+            raise ValueError(f"attention_backend must be 'auto', 'compiled' or 'sdpa', got {self.attention_backend!r}")
         if not 0 < self.kv_cache_memory_fraction <= 0.9:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.9]")
 

@@ -5,29 +5,13 @@ are unix seconds (floats); the API turns them into ISO 8601.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedllm.training.config import JobStatus
 
-class JobState(str, enum.Enum):
-    """Seed 000's job states plus CANCELLED (DELETE /v1/training/jobs/{id})."""
-
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    CHECKPOINTING = "CHECKPOINTING"
-    COMPLETED = "COMPLETED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-
-    @property
-    def active(self) -> bool:
-        """Has (or may have) processes: holds slots."""
-        return self in (JobState.RUNNING, JobState.CHECKPOINTING)
-
-    @property
-    def terminal(self) -> bool:
-        return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
+# The job service's name for the training side's status enum: one set of states for both.
+JobState = JobStatus
 
 
 RESUMABLE = (JobState.FAILED, JobState.CANCELLED)

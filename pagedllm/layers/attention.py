@@ -3,11 +3,12 @@
 The KV pool of a layer is `[num_blocks, block_size, num_kv_heads, head_dim]` (seed 001's layout).
 A step's batch puts its decode tokens first, then its prefill chunks:
 
-- decodes are attended in batched SDPA calls: their block tables, padded to the longest in
-  the bucket, are gathered with one `index_select` over whole blocks (several times faster on
-  CPU than advanced indexing) and positions past each context are masked. Decodes are sorted by
-  context length and cut into a few buckets so that short contexts are not padded to the
-  longest one in the batch — the gather is the costliest part of a decode step;
+- decodes are attended in batches, sorted by context length and cut into a few buckets so that
+  short contexts are not padded to the longest one in the batch. By default (CPU with a C++
+  compiler) each bucket runs one fused kernel that reads its blocks straight from the pool
+  (layers/paged_decode.py, compiled by torch.compile). Otherwise their block tables are gathered
+  with one `index_select` over whole blocks (several times faster on CPU than advanced
+  indexing), positions past each context are masked, and SDPA attends;
 - a prefill chunk with no cached prefix attends causally to its own fresh K/V, never touching
   the pool (SDPA's causal fast path);
 - a prefill chunk that follows a cached prefix (prefix-cache hit, later chunk of a chunked
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.layers.paged_decode import run_compiled
 
 
 @dataclass
@@ -42,9 +45,9 @@ class DecodeBucket:
 
     start: int
     count: int
-    block_ids: torch.Tensor  # [count * max_blocks] block tables padded to max_blocks, flattened
-    max_blocks: int
-    masks: dict[int | None, torch.Tensor]  # window -> additive mask [count, 1, 1, L]
+    block_tables: torch.Tensor  # [count, max_blocks], padded with block 0 past each context
+    ctx_lens: torch.Tensor  # [count]
+    masks: dict[int | None, torch.Tensor]  # SDPA path only: window -> additive mask [count, 1, 1, L]
 
 
 @dataclass
@@ -54,6 +57,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each token
     decodes: list[DecodeBucket]
     prefills: list[PrefillChunk]
+    compiled_decode: bool = False  # fused compiled kernel (layers/paged_decode.py) or SDPA
 
 
 def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -88,19 +92,30 @@ class PagedAttention(nn.Module):
         self.k_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, k)
         self.v_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
+        decode = self._compiled_decode if meta.compiled_decode else self._decode
         for bucket in meta.decodes:
             end = bucket.start + bucket.count
-            out[bucket.start : end] = self._decode(q[bucket.start : end], bucket)
+            out[bucket.start : end] = decode(q[bucket.start : end], bucket)
         for chunk in meta.prefills:
             end = chunk.q_start + chunk.q_len
             out[chunk.q_start : end] = self._prefill(q[chunk.q_start : end], k[chunk.q_start : end], v[chunk.q_start : end], chunk)
         return out
 
-    def _decode(self, q: torch.Tensor, bucket: DecodeBucket) -> torch.Tensor:
+    def _compiled_decode(self, q: torch.Tensor, bucket: DecodeBucket) -> torch.Tensor:
         batch = q.shape[0]
-        length = bucket.max_blocks * self.k_cache.shape[1]
-        k = torch.index_select(self.k_cache, 0, bucket.block_ids).view(batch, length, self.num_kv_heads, self.head_dim)
-        v = torch.index_select(self.v_cache, 0, bucket.block_ids).view(batch, length, self.num_kv_heads, self.head_dim)
+        grouped = q.reshape(batch, self.num_kv_heads, -1, self.head_dim)
+        out = run_compiled(
+            grouped, self.k_cache, self.v_cache, bucket.block_tables, bucket.ctx_lens,
+            self.sliding_window or 0, self.head_dim**-0.5,
+        )
+        return out.reshape(batch, self.num_heads, self.head_dim)
+
+    def _decode(self, q: torch.Tensor, bucket: DecodeBucket) -> torch.Tensor:
+        batch, max_blocks = bucket.block_tables.shape
+        length = max_blocks * self.k_cache.shape[1]
+        block_ids = bucket.block_tables.view(-1)
+        k = torch.index_select(self.k_cache, 0, block_ids).view(batch, length, self.num_kv_heads, self.head_dim)
+        v = torch.index_select(self.v_cache, 0, block_ids).view(batch, length, self.num_kv_heads, self.head_dim)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),
             k.transpose(1, 2),

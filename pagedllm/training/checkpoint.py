@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import enum
 import hashlib
-import json
 import logging
 import os
 import pickle

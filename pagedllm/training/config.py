@@ -46,6 +46,15 @@ class JobStatus(str, enum.Enum):
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
 
+    @property
+    def active(self) -> bool:
+        """Has (or may have) processes, so holds worker slots."""
+        return self in (JobStatus.RUNNING, JobStatus.CHECKPOINTING)
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
+
 
 class Optimizer(str, enum.Enum):
     ADAM = "ADAM"

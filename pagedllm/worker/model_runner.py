@@ -15,6 +15,7 @@ from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
 from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
 from pagedllm.layers.attention import AttentionMetadata, DecodeBucket, PrefillChunk, additive_mask, allowed_keys
+from pagedllm.layers.paged_decode import compiler_available, warm_up
 from pagedllm.layers.sampler import SampleResult, Sampler, top_logprobs
 from pagedllm.models.loader import load_model
 from pagedllm.worker.kv_cache import KVCache, bytes_per_block
@@ -54,6 +55,19 @@ class ModelRunner:
             attn.bind_cache(*self.kv_cache.layer(index))
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
         self.sampler = Sampler(config.seed, self.device)
+        self.compiled_decode = self._choose_decode_backend()
+
+    def _choose_decode_backend(self) -> bool:
+        """The fused compiled decode kernel on CPU when a C++ compiler is there (auto), else SDPA."""
+        backend = self.config.attention_backend
+        if backend == "sdpa" or (backend == "auto" and (self.device.type != "cpu" or not compiler_available())):
+            return False
+        k_cache, v_cache = self.kv_cache.layer(0)
+        if warm_up(k_cache, v_cache, self.model_config.num_heads, self.windows):
+            return True
+        if backend == "compiled":
+            raise RuntimeError("attention_backend='compiled' was asked for, but torch.compile failed (see the log)")
+        return False
 
     def _pool_sizes(self) -> tuple[int, int]:
         per_block = bytes_per_block(self.model_config, self.block_size, self.dtype)
@@ -123,6 +137,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             decodes=self._decode_buckets(decodes),
             prefills=prefills,
+            compiled_decode=self.compiled_decode,
         )
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), meta, last_rows
@@ -146,14 +161,15 @@ class ModelRunner:
         bs = self.block_size
         max_blocks = max(-(-ctx // bs) for ctx, _ in decodes)
         padded = [table[: -(-ctx // bs)] + [0] * (max_blocks - -(-ctx // bs)) for ctx, table in decodes]
-        k_pos = torch.arange(max_blocks * bs, device=self.device)
-        q_pos = torch.tensor([ctx - 1 for ctx, _ in decodes], device=self.device)
-        masks = {
-            window: additive_mask(allowed_keys(q_pos, k_pos, window), self.dtype).to(self.device)[:, None, None, :]
-            for window in self.windows
-        }
-        block_ids = torch.tensor(padded, dtype=torch.long, device=self.device).view(-1)
-        return DecodeBucket(start, len(decodes), block_ids, max_blocks, masks)
+        ctx_lens = torch.tensor([ctx for ctx, _ in decodes], device=self.device)
+        masks = {}
+        if not self.compiled_decode:
+            k_pos = torch.arange(max_blocks * bs, device=self.device)
+            for window in self.windows:
+                allowed = allowed_keys(ctx_lens - 1, k_pos, window)
+                masks[window] = additive_mask(allowed, self.dtype).to(self.device)[:, None, None, :]
+        tables = torch.tensor(padded, dtype=torch.long, device=self.device)
+        return DecodeBucket(start, len(decodes), tables, ctx_lens, masks)
 
     def _prefill_chunk(self, q_start: int, start: int, end: int, table: list[int]) -> PrefillChunk:
         chunk = PrefillChunk(q_start=q_start, q_len=end - start, ctx_len=end)

@@ -79,6 +79,7 @@ def test_too_many_logprobs(llm):
         (dict(dtype="int8"), "dtype"),
         (dict(preemption_mode="drop"), "preemption_mode"),
         (dict(preemption_policy="random"), "preemption_policy"),
+        (dict(attention_backend="flash"), "attention_backend"),
         (dict(max_num_seqs=0), "max_num_seqs"),
         (dict(no_such_arg=1), "no_such_arg"),
         (dict(max_model_len=100_000), "max_position_embeddings"),

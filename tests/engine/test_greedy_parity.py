@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers.paged_decode import compiler_available
 from tiny_models import load_reference
 
 MAX_TOKENS = 24
@@ -75,6 +76,7 @@ MODES = {
     "preempt_swap": dict(num_kv_blocks=12, preemption_mode="swap", swap_space=1 << 20),
     "block_size_1": dict(block_size=1),
     "block_size_16_no_chunking": dict(block_size=16, enable_chunked_prefill=False, enable_prefix_caching=False),
+    "sdpa_decode": dict(attention_backend="sdpa"),
 }
 
 
@@ -82,6 +84,9 @@ MODES = {
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers(arch, mode, model_dir, reference):
     llm = LLM(str(model_dir(arch)), **MODES[mode])
+    # Both decode-attention backends face the reference: the compiled kernel (CPU with a C++
+    # compiler, the default) and SDPA over gathered blocks (other devices, or the fallback).
+    assert llm.llm_engine.runner.compiled_decode == (mode != "sdpa_decode" and compiler_available())
     runs = 2 if mode == "prefix_caching" else 1  # the second run reuses the first one's blocks
     for _ in range(runs):
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
