@@ -223,8 +223,8 @@ class EngineConfig:
                 "preemption_policy must be 'fcfs', 'priority' or 'shortest_remaining', "
                 f"got {self.preemption_policy!r}"
             )
-        if self.attention_backend not in ("auto", "compiled", "sdpa"):
-            raise ValueError(f"attention_backend must be 'auto', 'compiled' or 'sdpa', got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "kernel", "sdpa"):
+            raise ValueError(f"attention_backend must be 'auto', 'kernel' or 'sdpa', got {self.attention_backend!r}")
         if not 0 < self.kv_cache_memory_fraction <= 0.9:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.9]")
 

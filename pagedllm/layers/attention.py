@@ -1,14 +1,14 @@
-"""Paged attention in plain PyTorch, arranged to be fast on CPU.
+"""Paged attention, arranged to be fast on CPU.
 
 The KV pool of a layer is `[num_blocks, block_size, num_kv_heads, head_dim]` (seed 001's layout).
 A step's batch puts its decode tokens first, then its prefill chunks:
 
-- decodes are attended in batches, sorted by context length and cut into a few buckets so that
-  short contexts are not padded to the longest one in the batch. By default (CPU with a C++
-  compiler) each bucket runs one fused kernel that reads its blocks straight from the pool
-  (layers/paged_decode.py, compiled by torch.compile). Otherwise their block tables are gathered
-  with one `index_select` over whole blocks (several times faster on CPU than advanced
-  indexing), positions past each context are masked, and SDPA attends;
+- decodes: by default (fp32 on a CPU with a C compiler) one C kernel attends them all, reading
+  each context's blocks straight from the pool (layers/paged_decode.py). Otherwise they are
+  sorted by context length and cut into a few buckets so that short contexts are not padded to
+  the longest; each bucket's blocks are gathered with one `index_select` over whole blocks
+  (several times faster on CPU than advanced indexing), positions past each context are
+  masked, and SDPA attends;
 - a prefill chunk with no cached prefix attends causally to its own fresh K/V, never touching
   the pool (SDPA's causal fast path);
 - a prefill chunk that follows a cached prefix (prefix-cache hit, later chunk of a chunked
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.paged_decode import run_compiled
+from pagedllm.layers.paged_decode import run_kernel
 
 
 @dataclass
@@ -57,7 +57,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each token
     decodes: list[DecodeBucket]
     prefills: list[PrefillChunk]
-    compiled_decode: bool = False  # fused compiled kernel (layers/paged_decode.py) or SDPA
+    kernel_decode: bool = False  # the C kernel (layers/paged_decode.py) or SDPA
 
 
 def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -92,7 +92,7 @@ class PagedAttention(nn.Module):
         self.k_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, k)
         self.v_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        decode = self._compiled_decode if meta.compiled_decode else self._decode
+        decode = self._kernel_decode if meta.kernel_decode else self._decode
         for bucket in meta.decodes:
             end = bucket.start + bucket.count
             out[bucket.start : end] = decode(q[bucket.start : end], bucket)
@@ -101,10 +101,10 @@ class PagedAttention(nn.Module):
             out[chunk.q_start : end] = self._prefill(q[chunk.q_start : end], k[chunk.q_start : end], v[chunk.q_start : end], chunk)
         return out
 
-    def _compiled_decode(self, q: torch.Tensor, bucket: DecodeBucket) -> torch.Tensor:
+    def _kernel_decode(self, q: torch.Tensor, bucket: DecodeBucket) -> torch.Tensor:
         batch = q.shape[0]
         grouped = q.reshape(batch, self.num_kv_heads, -1, self.head_dim)
-        out = run_compiled(
+        out = run_kernel(
             grouped, self.k_cache, self.v_cache, bucket.block_tables, bucket.ctx_lens,
             self.sliding_window or 0, self.head_dim**-0.5,
         )

@@ -15,13 +15,16 @@ from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
 from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from pagedllm.engine.sequence import Sequence
 from pagedllm.layers.attention import AttentionMetadata, DecodeBucket, PrefillChunk, additive_mask, allowed_keys
-from pagedllm.layers.paged_decode import compiler_available, warm_up
+from pagedllm.layers.paged_decode import kernel_supported, load
 from pagedllm.layers.sampler import SampleResult, Sampler, top_logprobs
 from pagedllm.models.loader import load_model
 from pagedllm.worker.kv_cache import KVCache, bytes_per_block
 
 
-MAX_DECODE_BUCKETS = 4
+# How decodes are cut into SDPA calls: at most 4, a new one where padding would double the KV
+# gathered. The C kernel reads only each context's own blocks, so it takes all decodes at once.
+SDPA_DECODE_BUCKETS = (4, 2)
+KERNEL_DECODE_BUCKETS = (1, 0)
 
 
 @dataclass
@@ -55,18 +58,20 @@ class ModelRunner:
             attn.bind_cache(*self.kv_cache.layer(index))
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
         self.sampler = Sampler(config.seed, self.device)
-        self.compiled_decode = self._choose_decode_backend()
+        self.kernel_decode = self._choose_decode_backend()
 
     def _choose_decode_backend(self) -> bool:
-        """The fused compiled decode kernel on CPU when a C++ compiler is there (auto), else SDPA."""
+        """The C decode kernel for fp32 on CPU when it builds (auto), else SDPA."""
         backend = self.config.attention_backend
-        if backend == "sdpa" or (backend == "auto" and (self.device.type != "cpu" or not compiler_available())):
+        k_cache, _ = self.kv_cache.layer(0)
+        if backend == "sdpa" or (backend == "auto" and not kernel_supported(k_cache)):
             return False
-        k_cache, v_cache = self.kv_cache.layer(0)
-        if warm_up(k_cache, v_cache, self.model_config.num_heads, self.windows):
+        if not kernel_supported(k_cache):
+            raise ValueError("attention_backend='kernel' needs float32 KV caches on the CPU; use 'sdpa' or 'auto'")
+        if load() is not None:
             return True
-        if backend == "compiled":
-            raise RuntimeError("attention_backend='compiled' was asked for, but torch.compile failed (see the log)")
+        if backend == "kernel":
+            raise RuntimeError("attention_backend='kernel' was asked for, but the kernel could not be built (see the log)")
         return False
 
     def _pool_sizes(self) -> tuple[int, int]:
@@ -137,21 +142,22 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             decodes=self._decode_buckets(decodes),
             prefills=prefills,
-            compiled_decode=self.compiled_decode,
+            kernel_decode=self.kernel_decode,
         )
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), meta, last_rows
 
     def _decode_buckets(self, decodes: list[tuple[int, list[int]]]) -> list[DecodeBucket]:
         """Cut decodes (sorted longest first) where padding to the bucket's longest context
-        would more than double the gathered KV, into at most MAX_DECODE_BUCKETS calls."""
+        would multiply its KV by more than the backend's factor, into at most its number of calls."""
+        max_buckets, factor = KERNEL_DECODE_BUCKETS if self.kernel_decode else SDPA_DECODE_BUCKETS
         buckets: list[DecodeBucket] = []
         start = 0
         while start < len(decodes):
             longest = -(-decodes[start][0] // self.block_size)
             end = start + 1
-            last_bucket = len(buckets) == MAX_DECODE_BUCKETS - 1
-            while end < len(decodes) and (last_bucket or 2 * -(-decodes[end][0] // self.block_size) > longest):
+            last_bucket = len(buckets) == max_buckets - 1
+            while end < len(decodes) and (last_bucket or factor * -(-decodes[end][0] // self.block_size) > longest):
                 end += 1
             buckets.append(self._decode_bucket(start, decodes[start:end]))
             start = end
@@ -163,7 +169,7 @@ class ModelRunner:
         padded = [table[: -(-ctx // bs)] + [0] * (max_blocks - -(-ctx // bs)) for ctx, table in decodes]
         ctx_lens = torch.tensor([ctx for ctx, _ in decodes], device=self.device)
         masks = {}
-        if not self.compiled_decode:
+        if not self.kernel_decode:
             k_pos = torch.arange(max_blocks * bs, device=self.device)
             for window in self.windows:
                 allowed = allowed_keys(ctx_lens - 1, k_pos, window)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.paged_decode import compiler_available
+from pagedllm.layers.paged_decode import compiler
 from tiny_models import load_reference
 
 MAX_TOKENS = 24
@@ -84,9 +84,9 @@ MODES = {
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers(arch, mode, model_dir, reference):
     llm = LLM(str(model_dir(arch)), **MODES[mode])
-    # Both decode-attention backends face the reference: the compiled kernel (CPU with a C++
-    # compiler, the default) and SDPA over gathered blocks (other devices, or the fallback).
-    assert llm.llm_engine.runner.compiled_decode == (mode != "sdpa_decode" and compiler_available())
+    # Both decode-attention backends face the reference: the C kernel (fp32 on a CPU with a C
+    # compiler, the default) and SDPA over gathered blocks (other devices and dtypes, fallback).
+    assert llm.llm_engine.runner.kernel_decode == (mode != "sdpa_decode" and compiler() is not None)
     runs = 2 if mode == "prefix_caching" else 1  # the second run reuses the first one's blocks
     for _ in range(runs):
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
