@@ -70,17 +70,25 @@ def _cpu_signature() -> bytes:
 
 
 def _build(cc: str) -> Path:
-    """Compile once per (source, flags, compiler, CPU); concurrent builders race harmlessly."""
+    """Compile once per (source, flags, compiler, CPU) into the user's cache, or the temp dir if
+    that is not writable; concurrent builders race harmlessly (atomic rename)."""
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join([cc, *_FLAGS]).encode() + _cpu_signature()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True, text=True)
-            os.replace(built, target)
-    return target
+    name = f"paged_decode-{key}.so"
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "pagedllm-kernels"):
+        target = folder / name
+        if target.exists():
+            return target
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=folder) as tmp:
+                built = Path(tmp) / name
+                subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True, text=True)
+                os.replace(built, target)
+            return target
+        except PermissionError:
+            continue
+    raise OSError("no writable folder for the compiled paged decode kernel")
 
 
 def load() -> ctypes.CDLL | None:
