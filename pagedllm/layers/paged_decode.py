@@ -28,8 +28,11 @@ import torch
 logger = logging.getLogger("pagedllm.attention")
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-# -fno-math-errno lets expf vectorise (glibc's libmvec); no -ffast-math: sums keep their order.
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# -ffast-math (but keeping infinities) lets the reductions and exp vectorise. It is given to the
+# compile step only: linked with it, gcc adds crtfastmath.o, whose constructor switches the whole
+# process to flush-denormals-to-zero when the library loads.
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-std=c11"]
+_LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 _library: ctypes.CDLL | None = None
 
 
@@ -73,7 +76,7 @@ def _build(cc: str) -> Path:
     """Compile once per (source, flags, compiler, CPU) into the user's cache, or the temp dir if
     that is not writable; concurrent builders race harmlessly (atomic rename)."""
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *_FLAGS]).encode() + _cpu_signature()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([cc, *_FLAGS, *_LINK_FLAGS]).encode() + _cpu_signature()).hexdigest()[:16]
     name = f"paged_decode-{key}.so"
     for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "pagedllm-kernels"):
         target = folder / name
@@ -82,8 +85,9 @@ def _build(cc: str) -> Path:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                built = Path(tmp) / name
-                subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True, text=True)
+                built, obj = Path(tmp) / name, Path(tmp) / "paged_decode.o"
+                for cmd in ([cc, *_FLAGS, "-c", str(_SOURCE), "-o", str(obj)], [cc, str(obj), "-o", str(built), *_LINK_FLAGS]):
+                    subprocess.run(cmd, check=True, capture_output=True, text=True)
                 os.replace(built, target)
             return target
         except PermissionError:

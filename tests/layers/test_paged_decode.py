@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.paged_decode import compiler, paged_decode, run_kernel
+from pagedllm.layers.paged_decode import compiler, load, paged_decode, run_kernel
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
 
@@ -48,3 +48,11 @@ def test_a_sequence_result_does_not_depend_on_the_rest_of_the_batch():
     together = run_kernel(q, k_cache, v_cache, tables, lens, 0, 0.25)
     alone = run_kernel(q[1:2], k_cache, v_cache, tables[1:2], lens[1:2], 0, 0.25)
     assert torch.equal(together[1:2], alone)
+
+
+def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
+    """A library linked with -ffast-math would switch on flush-to-zero for the whole process."""
+    assert load() is not None
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal
+    assert (tiny * 1.0).item() != 0.0
+    assert 5e-324 * 1.0 > 0.0
