@@ -22,14 +22,19 @@ typedef struct {
     int64_t block_size, num_kv_heads, group, head_dim;
 } Shape;
 
-/* Rows [start, stop) of the context that live in table entry blk, and where that block starts. */
-static const float *block_rows(const float *cache, const int64_t *table, int64_t blk, Shape s) {
-    return cache + table[blk] * s.block_size * s.num_kv_heads * s.head_dim;
-}
-
-static void prefetch_block(const float *rows, Shape s) {
-    const int64_t floats = s.block_size * s.num_kv_heads * s.head_dim;
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(rows + i, 0, 0);
+/* The part of the context held by table entry blk: positions [*start, *stop) of [first, len).
+ * Returns the base such that base + t * row_floats is position t's row, and prefetches the next
+ * block while this one is used. */
+static const float *block_span(const float *cache, const int64_t *table, int64_t blk, int64_t first, int64_t len,
+                               Shape s, int64_t *start, int64_t *stop) {
+    const int64_t row_floats = s.num_kv_heads * s.head_dim, block_floats = s.block_size * row_floats;
+    *start = blk * s.block_size > first ? blk * s.block_size : first;
+    *stop = (blk + 1) * s.block_size < len ? (blk + 1) * s.block_size : len;
+    if (*stop < len) {
+        const float *next = cache + table[blk + 1] * block_floats;
+        for (int64_t i = 0; i < block_floats; i += 16) __builtin_prefetch(next + i, 0, 0);
+    }
+    return cache + table[blk] * block_floats - blk * block_floats;
 }
 
 /* scores[qh][t - first] = scale * q[qh] . k[t][qh / G] for positions [first, len). */
@@ -37,10 +42,8 @@ static void score(const float *restrict q, const float *restrict k_cache, const 
                   int64_t len, Shape s, float scale, float *restrict scores) {
     const int64_t n = len - first, row_floats = s.num_kv_heads * s.head_dim;
     for (int64_t blk = first / s.block_size; blk * s.block_size < len; blk++) {
-        const int64_t start = blk * s.block_size > first ? blk * s.block_size : first;
-        const int64_t stop = (blk + 1) * s.block_size < len ? (blk + 1) * s.block_size : len;
-        if (stop < len) prefetch_block(block_rows(k_cache, table, blk + 1, s), s);
-        const float *rows = block_rows(k_cache, table, blk, s) - blk * s.block_size * row_floats;
+        int64_t start, stop;
+        const float *rows = block_span(k_cache, table, blk, first, len, s, &start, &stop);
         for (int64_t t = start; t < stop; t++) {
             for (int64_t h = 0; h < s.num_kv_heads; h++) {
                 const float *k = rows + t * row_floats + h * s.head_dim;
@@ -98,10 +101,8 @@ static void weigh(const float *restrict scores, const float *restrict v_cache, c
     const int64_t n = len - first, row_floats = s.num_kv_heads * s.head_dim;
     for (int64_t i = 0; i < s.num_kv_heads * s.group * s.head_dim; i++) out[i] = 0.0f;
     for (int64_t blk = first / s.block_size; blk * s.block_size < len; blk++) {
-        const int64_t start = blk * s.block_size > first ? blk * s.block_size : first;
-        const int64_t stop = (blk + 1) * s.block_size < len ? (blk + 1) * s.block_size : len;
-        if (stop < len) prefetch_block(block_rows(v_cache, table, blk + 1, s), s);
-        const float *rows = block_rows(v_cache, table, blk, s) - blk * s.block_size * row_floats;
+        int64_t start, stop;
+        const float *rows = block_span(v_cache, table, blk, first, len, s, &start, &stop);
         for (int64_t t = start; t < stop; t++) {
             for (int64_t h = 0; h < s.num_kv_heads; h++) {
                 const float *v = rows + t * row_floats + h * s.head_dim;
