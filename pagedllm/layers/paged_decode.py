@@ -6,11 +6,13 @@ SDPA over it — three passes over the KV bytes, and SDPA's CPU kernel runs sing
 below the memory system's speed. Written as gather → dot → softmax → weighted sum and compiled by
 torch.compile, inductor fuses the gather but emits per-element index checks, divisions and
 horizontal reductions: 9–10 GB/s effective on a machine that reads 27 GB/s, plus ~0.15 ms of
-dispatch per call. The kernel reads each K/V row of a context once, scores a row against all the
-query heads of its GQA group while it is in cache, and is called for ~10 µs.
+dispatch per call. The kernel reads each K/V row of a context once, scores a tile of 8 rows
+against all the query heads of its GQA group while they are in cache, keeps its sums in vector
+registers, and is called for ~10 µs.
 
 `paged_decode` below is the same computation in PyTorch: the reference the kernel is tested
-against. Without a C compiler, or for dtypes other than fp32, the engine uses SDPA instead.
+against. Without a C compiler, for dtypes other than fp32, or for a head_dim that is not a
+multiple of 8, the engine uses SDPA instead.
 """
 from __future__ import annotations
 
@@ -131,10 +133,18 @@ def run_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         batch, tables.shape[1], k_cache.shape[1], num_kv_heads, group, head_dim, window, scale, torch.get_num_threads(),
     )
+    if failed == 2:
+        raise ValueError(f"paged decode kernel: head_dim must be a multiple of 8, got {head_dim}")
     if failed:
         raise MemoryError("paged decode kernel: out of memory for attention scores")
     return out
 
 
 def kernel_supported(k_cache: torch.Tensor) -> bool:
-    return k_cache.device.type == "cpu" and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+    """fp32 CPU caches whose head_dim is a multiple of 8 (the kernel's vector width)."""
+    return (
+        k_cache.device.type == "cpu"
+        and k_cache.dtype == torch.float32
+        and k_cache.is_contiguous()
+        and k_cache.shape[-1] % 8 == 0
+    )

@@ -67,7 +67,10 @@ class ModelRunner:
         if backend == "sdpa" or (backend == "auto" and not kernel_supported(k_cache)):
             return False
         if not kernel_supported(k_cache):
-            raise ValueError("attention_backend='kernel' needs float32 KV caches on the CPU; use 'sdpa' or 'auto'")
+            raise ValueError(
+                "attention_backend='kernel' needs float32 KV caches on the CPU and a head_dim that is a multiple "
+                "of 8; use 'sdpa' or 'auto'"
+            )
         if load() is not None:
             return True
         if backend == "kernel":

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.paged_decode import compiler, load, paged_decode, run_kernel
+from pagedllm.layers.paged_decode import compiler, kernel_supported, load, paged_decode, run_kernel
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
 
@@ -16,16 +16,28 @@ def random_pool(num_blocks=40, block_size=4, kv_heads=2, head_dim=16, seed=0):
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), gen
 
 
-@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("window", [0, 5, 11])
 @pytest.mark.parametrize("group", [1, 3])
-def test_kernel_matches_reference(window, group):
-    k_cache, v_cache, gen = random_pool()
-    lens = torch.tensor([1, 4, 5, 17, 30, 9])
-    tables = torch.stack([torch.randperm(40, generator=gen)[:8] for _ in lens])  # 8 blocks = 32 slots
-    q = torch.randn(len(lens), 2, group, 16, generator=gen)
-    ours = run_kernel(q, k_cache, v_cache, tables, lens, window, 0.25)
-    ref = paged_decode(q, k_cache, v_cache, tables, lens, window, 0.25)
+@pytest.mark.parametrize("block_size, head_dim", [(4, 16), (1, 8), (16, 24), (12, 64)])
+def test_kernel_matches_reference(window, group, block_size, head_dim):
+    """Blocks shorter and longer than the kernel's 8-row tiles, contexts and windows that end
+    mid-tile, and head_dims of 1 to 8 vectors."""
+    k_cache, v_cache, gen = random_pool(block_size=block_size, head_dim=head_dim)
+    lens = torch.tensor([1, 4, 5, 17, 30, 9, 8, 32])
+    nb = -(-32 // block_size)
+    tables = torch.stack([torch.randperm(40, generator=gen)[:nb] for _ in lens])
+    q = torch.randn(len(lens), 2, group, head_dim, generator=gen)
+    ours = run_kernel(q, k_cache, v_cache, tables, lens, window, head_dim**-0.5)
+    ref = paged_decode(q, k_cache, v_cache, tables, lens, window, head_dim**-0.5)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_head_dim_the_kernel_cannot_vectorise_is_refused():
+    k_cache, v_cache, _ = random_pool(head_dim=12)
+    assert not kernel_supported(k_cache)
+    q = torch.randn(1, 2, 1, 12)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        run_kernel(q, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([3]), 0, 0.3)
 
 
 def test_reference_matches_sdpa_over_the_gathered_context():
