@@ -58,9 +58,16 @@ static inline v8 sum_lanes(const v8 a[TILE]) {
            __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+/* Into L2 (locality 1), a line at a time, spread over the tiles of the current block: asking
+ * for a whole block at once, or into L1, measured 1.4-1.6x slower on a pool larger than L3 —
+ * the requests queue behind L1's few miss buffers instead of overlapping the arithmetic. */
+static inline void prefetch_rows(const float *rows, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(rows + i, 0, 1);
+}
+
 /* Calls tile(rows, t0, n, ctx) for every tile of positions [first, len): rows[r] is position
- * t0 + r's row (all KV heads) for r < n and repeats the last row after that. The next block is
- * prefetched while this one is used. */
+ * t0 + r's row (all KV heads) for r < n and repeats the last row after that. While a tile is
+ * computed, the same rows of the next block are prefetched. */
 typedef void (*TileFn)(const float *const rows[TILE], int64_t t0, int64_t n, void *ctx);
 
 static void for_each_tile(const float *cache, const int64_t *table, int64_t first, int64_t len, Shape s, TileFn tile,
@@ -69,13 +76,11 @@ static void for_each_tile(const float *cache, const int64_t *table, int64_t firs
     for (int64_t blk = first / s.block_size; blk * s.block_size < len; blk++) {
         const int64_t start = blk * s.block_size > first ? blk * s.block_size : first;
         const int64_t stop = (blk + 1) * s.block_size < len ? (blk + 1) * s.block_size : len;
-        if (stop < len) {
-            const float *next = cache + table[blk + 1] * block_floats;
-            for (int64_t i = 0; i < block_floats; i += 16) __builtin_prefetch(next + i, 0, 0);
-        }
+        const float *next = stop < len ? cache + table[blk + 1] * block_floats - (blk + 1) * block_floats : NULL;
         const float *base = cache + table[blk] * block_floats - blk * block_floats;
         for (int64_t t0 = start; t0 < stop; t0 += TILE) {
             const int64_t n = stop - t0 < TILE ? stop - t0 : TILE;
+            if (next != NULL) prefetch_rows(next + (t0 + s.block_size) * row_floats, n * row_floats);
             const float *rows[TILE];
             for (int64_t r = 0; r < TILE; r++) rows[r] = base + (t0 + (r < n ? r : n - 1)) * row_floats;
             tile(rows, t0, n, ctx);
