@@ -37,22 +37,31 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(medium, smoothed, scaled)
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
 class RotaryEmbedding(nn.Module):
+    """Holds the tables; `forward(positions)` looks up a step's rows once for every layer."""
+
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None, dtype: torch.dtype):
         super().__init__()
         inv_freq = _inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
-        # transformers rotates with cat(freqs, freqs); both halves are equal, so keep one.
-        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        emb = torch.cat((freqs, freqs), dim=-1)  # transformers' layout
+        sin = emb.sin()
+        half = head_dim // 2
+        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
+        # rotate_half(x) * sin == swap_halves(x) * [-sin, sin]: the sign lives in the table.
+        self.register_buffer("sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x: [T, heads, D] (q and k may be passed together as one tensor).
+    def forward(self, positions: torch.Tensor) -> Rope:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-        Element for element this is transformers' `x * cos + rotate_half(x) * sin`."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate x: [T, heads, D] (q and k may be passed together as one tensor). Bit for bit this
+    is transformers' `x * cos + rotate_half(x) * sin`: negating a factor is exact."""
+    cos, sin = rope
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin

@@ -14,11 +14,11 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.attention import AttentionMetadata, PagedAttention
 from pagedllm.layers.linear import GateUpLinear, Linear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.layers.rotary import Rope, RotaryEmbedding, apply_rotary
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None):
+    def __init__(self, cfg: ModelConfig, sliding_window: int | None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -27,17 +27,16 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sliding_window)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
-        qk = self.rotary(positions, qk)  # q and k rotated in one pass
+        qk = apply_rotary(qk, rope)  # q and k rotated in one pass
         out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -54,15 +53,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None):
+    def __init__(self, cfg: ModelConfig, sliding_window: int | None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, sliding_window)
+        self.self_attn = Attention(cfg, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -70,14 +69,15 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, w) for w in cfg.sliding_windows)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in cfg.sliding_windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)  # the same rows for every layer
         for layer in self.layers:
-            x = layer(positions, x, meta)
+            x = layer(rope, x, meta)
         return self.norm(x)
 
 

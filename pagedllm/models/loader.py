@@ -45,7 +45,7 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     model.to_empty(device=device)
     model = model.to(dtype)
     # Rotary tables are computed, not loaded: rebuild them on the real device.
-    rotary = model.model.layers[0].self_attn.rotary
+    rotary = model.model.rotary
     fresh = type(rotary)(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype).to(device)
     rotary.cos, rotary.sin = fresh.cos, fresh.sin
     if cfg.tie_word_embeddings:

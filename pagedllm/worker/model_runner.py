@@ -19,6 +19,7 @@ from pagedllm.layers.paged_decode import kernel_supported, load
 from pagedllm.layers.sampler import SampleResult, Sampler, top_logprobs
 from pagedllm.models.loader import load_model
 from pagedllm.worker.kv_cache import KVCache, bytes_per_block
+from pagedllm.worker.malloc import keep_freed_memory
 
 
 # How decodes are cut into SDPA calls: at most 4, a new one where padding would double the KV
@@ -51,6 +52,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype(model_config)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.model = load_model(model_config, max_model_len, self.dtype, self.device)
         self.num_blocks, self.num_cpu_blocks = self._pool_sizes()
         self.kv_cache = KVCache(model_config, self.num_blocks, self.num_cpu_blocks, self.block_size, self.dtype, self.device)
