@@ -92,23 +92,24 @@ class PagedAttention(nn.Module):
         self.k_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, k)
         self.v_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        decode = self._kernel_decode if meta.kernel_decode else self._decode
         for bucket in meta.decodes:
             end = bucket.start + bucket.count
-            out[bucket.start : end] = decode(q[bucket.start : end], bucket)
+            if meta.kernel_decode:
+                self._kernel_decode(q[bucket.start : end], bucket, out[bucket.start : end])
+            else:
+                out[bucket.start : end] = self._decode(q[bucket.start : end], bucket)
         for chunk in meta.prefills:
             end = chunk.q_start + chunk.q_len
             out[chunk.q_start : end] = self._prefill(q[chunk.q_start : end], k[chunk.q_start : end], v[chunk.q_start : end], chunk)
         return out
 
-    def _kernel_decode(self, q: torch.Tensor, bucket: DecodeBucket) -> torch.Tensor:
-        batch = q.shape[0]
-        grouped = q.reshape(batch, self.num_kv_heads, -1, self.head_dim)
-        out = run_kernel(
-            grouped, self.k_cache, self.v_cache, bucket.block_tables, bucket.ctx_lens,
-            self.sliding_window or 0, self.head_dim**-0.5,
+    def _kernel_decode(self, q: torch.Tensor, bucket: DecodeBucket, out: torch.Tensor) -> None:
+        """Reads q where the fused projection left it and writes into out: no copies."""
+        grouped = (q.shape[0], self.num_kv_heads, -1, self.head_dim)
+        run_kernel(
+            q.view(grouped), self.k_cache, self.v_cache, bucket.block_tables, bucket.ctx_lens,
+            self.sliding_window or 0, self.head_dim**-0.5, out=out.view(grouped),
         )
-        return out.reshape(batch, self.num_heads, self.head_dim)
 
     def _decode(self, q: torch.Tensor, bucket: DecodeBucket) -> torch.Tensor:
         batch, max_blocks = bucket.block_tables.shape

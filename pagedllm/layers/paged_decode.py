@@ -112,32 +112,43 @@ def load() -> ctypes.CDLL | None:
             logger.warning("building the paged decode kernel failed (%s); falling back to SDPA", detail)
             return None
         library.paged_decode_f32.restype = ctypes.c_int
-        library.paged_decode_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        library.paged_decode_f32.argtypes = [ptr, i64] + [ptr] * 5 + [i64] * 8 + [ctypes.c_float, ctypes.c_int]
         _library = library
     return _library
 
 
 def run_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-               ctx_lens: torch.Tensor, window: int, scale: float) -> torch.Tensor:
-    """`paged_decode` through the C kernel. Caches must be contiguous fp32 on the CPU, and every
-    context must fit its block table (the block manager guarantees both)."""
+               ctx_lens: torch.Tensor, window: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`paged_decode` through the C kernel, into `out` if given. q and out may have any stride
+    between sequences (q is then read where it lies); caches must be contiguous fp32 on the CPU,
+    and every context must fit its block table (the block manager guarantees both)."""
     library = load()
     if library is None:
         raise RuntimeError("the paged decode kernel is unavailable (no C compiler, or the build failed)")
-    q = q.contiguous()
+    q = _rows_dense(q)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    if _rows_dense(out) is not out or out.shape != q.shape:
+        raise ValueError("out must have q's shape and dense rows")
     tables = block_tables.to(torch.int64).contiguous()
     lens = ctx_lens.to(torch.int64).contiguous()
-    out = torch.empty_like(q)
     batch, num_kv_heads, group, head_dim = q.shape
     failed = library.paged_decode_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        batch, tables.shape[1], k_cache.shape[1], num_kv_heads, group, head_dim, window, scale, torch.get_num_threads(),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        out.data_ptr(), out.stride(0), batch, tables.shape[1], k_cache.shape[1], num_kv_heads, group, head_dim,
+        window, scale, torch.get_num_threads(),
     )
     if failed == 2:
         raise ValueError(f"paged decode kernel: head_dim must be a multiple of 8, got {head_dim}")
     if failed:
         raise MemoryError("paged decode kernel: out of memory for attention scores")
     return out
+
+
+def _rows_dense(x: torch.Tensor) -> torch.Tensor:
+    """x if each of its rows (all but the first dim) is contiguous, else a contiguous copy."""
+    _, heads, group, dim = x.shape
+    return x if x.stride()[1:] == (group * dim, dim, 1) else x.contiguous()
 
 
 def kernel_supported(k_cache: torch.Tensor) -> bool:

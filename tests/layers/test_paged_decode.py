@@ -68,3 +68,17 @@ def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
     tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal
     assert (tiny * 1.0).item() != 0.0
     assert 5e-324 * 1.0 > 0.0
+
+
+def test_q_is_read_in_place_and_the_result_written_into_out():
+    """The engine passes q as a slice of the fused q/k projection and a slice of its output."""
+    k_cache, v_cache, gen = random_pool()
+    lens = torch.tensor([9, 30, 3])
+    tables = torch.stack([torch.randperm(40, generator=gen)[:8] for _ in lens])
+    fused = torch.randn(3, 2 * 3 + 2, 16, generator=gen)  # 6 query heads, then 2 KV heads
+    q = fused[:, :6].view(3, 2, 3, 16)
+    out = torch.full((5, 6, 16), float("nan"))
+    returned = run_kernel(q, k_cache, v_cache, tables, lens, 0, 0.25, out=out[1:4].view(3, 2, 3, 16))
+    assert returned.data_ptr() == out[1].data_ptr()
+    torch.testing.assert_close(out[1:4].view(3, 2, 3, 16), paged_decode(q, k_cache, v_cache, tables, lens, 0, 0.25), rtol=1e-5, atol=1e-6)
+    assert out[0].isnan().all() and out[4].isnan().all()

@@ -21,7 +21,8 @@
  * pool rather than starting a second one. A sequence is computed by one thread in a fixed order,
  * so its result does not depend on what else is in the batch.
  *
- * q, out: [B, Hkv, G, D] (query head h*G + g reads KV head h), D a multiple of 8; k_cache,
+ * q, out: [B, Hkv, G, D] (query head h*G + g reads KV head h), D a multiple of 8, rows q_stride
+ * and out_stride floats apart (q may be a slice of the fused q/k projection); k_cache,
  * v_cache: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]; ctx_lens: [B];
  * window <= 0: no window.
  */
@@ -171,10 +172,10 @@ static void softmax(float *scores, int64_t n, int64_t heads) {
     }
 }
 
-int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
-                     const int64_t *ctx_lens, float *out, int64_t batch, int64_t max_blocks, int64_t block_size,
-                     int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t window, float scale,
-                     int num_threads) {
+int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                     const int64_t *block_tables, const int64_t *ctx_lens, float *out, int64_t out_stride,
+                     int64_t batch, int64_t max_blocks, int64_t block_size, int64_t num_kv_heads, int64_t group,
+                     int64_t head_dim, int64_t window, float scale, int num_threads) {
     const Shape s = {block_size, num_kv_heads, group, head_dim};
     const int64_t heads = num_kv_heads * group;
     if (head_dim % 8 != 0) return 2;
@@ -189,8 +190,10 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
             continue;
         }
         const int64_t *table = block_tables + b * max_blocks;
-        Pass pass = {q + b * heads * head_dim, scores, out + b * heads * head_dim, first, len - first, scale, s};
+        Pass pass = {q + b * q_stride, scores, out + b * out_stride, first, len - first, scale, s};
         for_each_tile(k_cache, table, first, len, s, score_tile, &pass);
+        const int64_t block_floats = block_size * num_kv_heads * head_dim;
+        prefetch_rows(v_cache + table[first / block_size] * block_floats, block_floats);  /* during the softmax */
         softmax(scores, len - first, heads);
         memset(pass.out, 0, sizeof(float) * heads * head_dim);
         for_each_tile(v_cache, table, first, len, s, weigh_tile, &pass);
