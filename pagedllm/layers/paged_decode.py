@@ -126,9 +126,9 @@ def run_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
     library = load()
     if library is None:
         raise RuntimeError("the paged decode kernel is unavailable (no C compiler, or the build failed)")
-    q = _rows_dense(q)
+    q = q if _rows_dense(q) else q.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
-    if _rows_dense(out) is not out or out.shape != q.shape:
+    if not _rows_dense(out) or out.shape != q.shape:
         raise ValueError("out must have q's shape and dense rows")
     tables = block_tables.to(torch.int64).contiguous()
     lens = ctx_lens.to(torch.int64).contiguous()
@@ -145,10 +145,10 @@ def run_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
     return out
 
 
-def _rows_dense(x: torch.Tensor) -> torch.Tensor:
-    """x if each of its rows (all but the first dim) is contiguous, else a contiguous copy."""
-    _, heads, group, dim = x.shape
-    return x if x.stride()[1:] == (group * dim, dim, 1) else x.contiguous()
+def _rows_dense(x: torch.Tensor) -> bool:
+    """Whether each row of x (all but the first dim) is contiguous: all the kernel needs."""
+    _, _, group, dim = x.shape
+    return x.stride()[1:] == (group * dim, dim, 1)
 
 
 def kernel_supported(k_cache: torch.Tensor) -> bool:
