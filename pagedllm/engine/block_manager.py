@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-BlockPairs = list[tuple[int, int]]
+from pagedllm.engine.scheduler_output import BlockPairs
 
 
 def _chain_hash(parent: int, tokens: tuple[int, ...]) -> int:

@@ -29,6 +29,8 @@ class Detokenizer:
         end of a sequence."""
         if self.tokenizer is None:
             return ""
+        if seq.detok_read_offset == 0:  # first output token of this sample (prompts are never empty)
+            self.start(seq)
         skip = seq.request.params.skip_special_tokens
         ids = seq.token_ids
         prefix = self.tokenizer.decode(ids[seq.detok_prefix_offset : seq.detok_read_offset], skip_special_tokens=skip)

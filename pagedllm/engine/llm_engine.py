@@ -1,9 +1,10 @@
-"""LLMEngine: seed 001's Engine API over the scheduler, block manager and model runner.
+"""LLMEngine: the Engine API (add_request, abort_request, step, stats) over the scheduler, the
+model runner and the output processor.
 
-One `step()` = schedule → (fork samples whose prompt just completed) → one forward pass →
-sample → append tokens, check stop conditions, detokenize → free what finished. Bad input is
-rejected in `add_request` with a ValueError before anything is queued, so one bad request never
-disturbs the others.
+One `step()` = `scheduler.schedule()` → `runner.execute()` (one forward pass, sampling) →
+`scheduler.update_from_output()` (progress, tokens, stop rules, freeing) → `RequestOutput`s.
+The engine itself changes no request or KV state. Bad input is rejected in `add_request` with a
+ValueError before anything is queued, so one bad request never disturbs the others.
 """
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ import time
 from pathlib import Path
 from typing import Any, Union
 
+import torch
+
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.engine.block_manager import BlockManager
-from pagedllm.engine.detokenizer import Detokenizer, find_stop, held_back
-from pagedllm.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
-from pagedllm.layers.sampler import SampleResult
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.model_runner import ModelRunner, SampleRequest, StepResult
+from pagedllm.worker.model_runner import ModelRunner
 
 PromptType = Union[str, list[int], dict[str, Any]]
 MAX_LOGPROBS = 20
@@ -58,12 +60,14 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_token_ids()
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
-        self.num_prompt_tokens_total = 0
-        self.num_generation_tokens_total = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
 
     @classmethod
     def from_engine_args(cls, model: str, **engine_args: Any) -> "LLMEngine":
@@ -100,9 +104,8 @@ class LLMEngine:
             priority=priority,
             eos_token_ids=self.eos_token_ids,
         )
-        seq = Sequence(request, 0, list(token_ids), request.new_generator(0, self.runner.device))
+        seq = Sequence(request, 0, list(token_ids))
         request.seqs.append(seq)
-        self.detokenizer.start(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
 
@@ -152,8 +155,7 @@ class LLMEngine:
             return
         for seq in request.seqs:
             if not seq.finished:
-                self.scheduler.remove(seq)
-                seq.set_status(SequenceStatus.FINISHED_ABORTED)
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         request.metrics.finished_time = time.time()
         self._aborted.append(request)
 
@@ -168,149 +170,20 @@ class LLMEngine:
         touched: dict[str, Request] = {r.request_id: r for r in self._aborted}
         self._aborted = []
         sched = self.scheduler.schedule()
-        now = time.time()
-        for seq in sched.ended:
+        output = self.runner.execute(sched)
+        for seq_id, entries in output.prompt_logprobs.items():
+            self.output_processor.add_prompt_logprobs(self.scheduler.live[seq_id].request, entries)
+        for seq in self.scheduler.update_from_output(output, self.output_processor.process_token):
             touched[seq.request.request_id] = seq.request
-        if not sched.is_empty:
-            sample_requests = self._sample_requests(sched)
-            tables = {s.seq.seq_id: self.block_manager.block_table(s.seq.seq_id) for s in sched.scheduled}
-            result = self.runner.execute(sched, tables, sample_requests)
-            self._advance(sched, now)
-            self._record_prompt_logprobs(result)
-            self._apply_samples(result.samples, time.time())
-            for item in sched.scheduled:
-                touched[item.seq.request.request_id] = item.seq.request
         outputs = []
         for request in touched.values():
             if request.finished:
                 self.requests.pop(request.request_id, None)
                 request.metrics.finished_time = request.metrics.finished_time or time.time()
-            output = self._make_output(request)
-            if output is not None:
-                outputs.append(output)
+            snapshot = self.output_processor.make_output(request)
+            if snapshot is not None:
+                outputs.append(snapshot)
         return outputs
-
-    def _sample_requests(self, sched: SchedulerOutput) -> list[SampleRequest]:
-        """Which sequences get a token this step, forking the extra samples of a request whose
-        prompt completes now: they share its blocks and sample from the same logits row."""
-        plan = []
-        for item in sched.scheduled:
-            if not item.completes_context:
-                continue
-            seq, request = item.seq, item.seq.request
-            plan.append(SampleRequest(seq, seq))
-            if request.forked or request.params.best_of == 1:
-                continue
-            request.forked = True
-            for index in range(1, request.params.best_of):
-                child = Sequence(request, index, list(seq.token_ids), request.new_generator(index, self.runner.device))
-                child.num_computed_tokens = seq.num_computed_tokens + item.num_new_tokens
-                child.set_status(SequenceStatus.RUNNING)
-                self.block_manager.fork(seq.seq_id, child.seq_id)
-                self.detokenizer.start(child)
-                request.seqs.append(child)
-                self.scheduler.add_running(child)
-                plan.append(SampleRequest(child, seq))
-        return plan
-
-    def _advance(self, sched: SchedulerOutput, now: float) -> None:
-        for item in sched.scheduled:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = now
-                self.num_prompt_tokens_total += len(seq.request.prompt_token_ids)
-
-    def _record_prompt_logprobs(self, result: StepResult) -> None:
-        for seq, entries in result.prompt_logprobs.items():
-            for logprob, rank, token, top in entries:
-                seq.request.prompt_logprobs.append(self._logprob_dict(token, logprob, rank, top))
-
-    def _logprob_dict(self, token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
-        entry = {token: Logprob(logprob, rank, self.detokenizer.decode_token(token))}
-        for position, (tid, value) in enumerate(top, start=1):
-            if tid not in entry:
-                entry[tid] = Logprob(value, position, self.detokenizer.decode_token(tid))
-        return entry
-
-    def _apply_samples(self, samples: list[tuple[Sequence, SampleResult]], now: float) -> None:
-        for seq, sample in samples:
-            if seq.finished:
-                continue
-            seq.token_ids.append(sample.token_id)
-            seq.cumulative_logprob += sample.logprob
-            if sample.rank is not None:
-                seq.logprobs.append(self._logprob_dict(sample.token_id, sample.logprob, sample.rank, sample.top))
-            self.num_generation_tokens_total += 1
-            metrics = seq.request.metrics
-            metrics.first_token_time = metrics.first_token_time or now
-            metrics.last_token_time = now
-            metrics.num_generation_tokens += 1
-            status = self._check_stop(seq, sample.token_id)
-            if status is not None:
-                seq.set_status(status)
-                self.scheduler.remove(seq)
-
-    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
-        """Stop rules in vLLM's order: EOS, stop token ids, stop strings, then length limits."""
-        params = seq.request.params
-        if seq.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return SequenceStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                seq.stop_reason = token
-                return SequenceStatus.FINISHED_STOPPED
-        delta = self.detokenizer.decode_new(seq)
-        seq.output_text += delta
-        if delta and params.stop_strings and seq.num_output_tokens >= params.min_tokens:
-            found = find_stop(seq.output_text, len(delta), params.stop_strings)
-            if found is not None:
-                index, stop = found
-                seq.output_text = seq.output_text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
-                seq.stop_reason = stop
-                return SequenceStatus.FINISHED_STOPPED
-        out_of_tokens = params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
-        if out_of_tokens or seq.num_tokens >= self.max_model_len:
-            seq.output_text += self.detokenizer.decode_new(seq, flush=True)
-            return SequenceStatus.FINISHED_LENGTH
-        return None
-
-    # ---- outputs -----------------------------------------------------------------------------
-    def _make_output(self, request: Request) -> RequestOutput | None:
-        params = request.params
-        seqs = request.seqs
-        if params.best_of > params.n:
-            if not request.finished:
-                return None  # the best n are only known at the end
-            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
-        completions = [self._completion(seq, index) for index, seq in enumerate(seqs)]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=completions,
-            finished=request.finished,
-            metrics=request.metrics,
-            prompt_logprobs=request.prompt_logprobs,
-            num_cached_tokens=request.num_cached_tokens,
-        )
-
-    @staticmethod
-    def _completion(seq: Sequence, index: int) -> CompletionOutput:
-        text = seq.output_text
-        stops = seq.request.params.stop_strings
-        if stops and not seq.finished:
-            text = text[: len(text) - held_back(text, stops)]
-        return CompletionOutput(
-            index=index,
-            text=text,
-            token_ids=seq.output_token_ids,
-            cumulative_logprob=seq.cumulative_logprob,
-            logprobs=list(seq.logprobs) if seq.request.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason(),
-            stop_reason=seq.stop_reason,
-        )
 
     # ---- stats -------------------------------------------------------------------------------
     def get_stats(self) -> dict[str, Any]:
@@ -329,8 +202,8 @@ class LLMEngine:
             "num_running": requests_in(sched.running),
             "num_waiting": requests_in(sched.waiting),
             "num_swapped": requests_in(sched.swapped),
-            "prompt_tokens_total": self.num_prompt_tokens_total,
-            "generation_tokens_total": self.num_generation_tokens_total,
+            "prompt_tokens_total": sched.num_prompt_tokens_total,
+            "generation_tokens_total": self.output_processor.num_generation_tokens_total,
         }
 
 

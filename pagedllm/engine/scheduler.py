@@ -11,15 +11,30 @@ tokens, the scheduler preempts the running sequence its policy values least:
 
 Running sequences are visited from most to least worth keeping and victims are taken from the
 other end, so a victim has never been scheduled earlier in the same step.
+
+The scheduler is the single owner of the step: it alone changes the block manager, sequence
+status, `num_computed_tokens` and token ids. `schedule()` hands the runner plain metadata
+(`SchedulerOutput`); `update_from_output()` takes the runner's tokens back, advances progress,
+publishes full blocks to the prefix cache, and finishes sequences when the output processor's
+stop rules say so. Extra samples of a request (n / best_of) are forked here, when the first
+sample's prompt completes: they share its blocks and sample from the same logits row.
 """
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
-from pagedllm.engine.block_manager import BlockManager, BlockPairs
+from pagedllm.engine.block_manager import BlockManager
+from pagedllm.engine.scheduler_output import PromptLogprobsRequest, SampleRow, ScheduledChunk, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
+
+# Called for each new token after it is appended; returns the status that finishes the
+# sequence, if any (the output processor's stop rules).
+TokenCallback = Callable[[Sequence, SampledToken], "SequenceStatus | None"]
 
 
 @dataclass
@@ -34,21 +49,12 @@ class ScheduledSequence:
 
 
 @dataclass
-class SchedulerOutput:
+class _Step:
+    """The scheduler's own record of the step it is building."""
+
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    blocks_to_swap_out: BlockPairs = field(default_factory=list)
-    blocks_to_swap_in: BlockPairs = field(default_factory=list)
-    blocks_to_copy: BlockPairs = field(default_factory=list)
+    out: SchedulerOutput = field(default_factory=SchedulerOutput)
     preempted: list[Sequence] = field(default_factory=list)
-    ended: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
 
 @dataclass
@@ -68,8 +74,13 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
+        self.live: dict[int, Sequence] = {}  # every unfinished sequence, by id
+        self._finished_ids: list[int] = []  # finished since the last schedule(), for the runner
+        self._ended: list[Sequence] = []  # ended by the scheduler itself during schedule()
+        self._scheduled: list[ScheduledSequence] = []  # what the last schedule() sent to the runner
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        self.num_prompt_tokens_total = 0
 
     # ---- queues ------------------------------------------------------------------------------
     @staticmethod
@@ -87,17 +98,20 @@ class Scheduler:
         return self._arrival_key(seq)[1:]  # fcfs: arrival order only
 
     def add(self, seq: Sequence) -> None:
+        self.live[seq.seq_id] = seq
         bisect.insort(self.waiting, seq, key=self._arrival_key)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A freshly forked sample: it already shares its parent's computed blocks."""
-        self.running.append(seq)
-
-    def remove(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a sequence wherever it is (stop rule, abort): its blocks are freed now."""
         for queue in (self.waiting, self.running, self.swapped):
             if seq in queue:
                 queue.remove(seq)
         self.block_manager.free(seq.seq_id)
+        if seq.status is SequenceStatus.SWAPPED and status is not SequenceStatus.FINISHED_ABORTED:
+            seq.set_status(SequenceStatus.RUNNING)  # the state diagram ends sequences from RUNNING
+        seq.set_status(status)
+        self.live.pop(seq.seq_id, None)
+        self._finished_ids.append(seq.seq_id)
 
     @property
     def num_unfinished(self) -> int:
@@ -105,26 +119,91 @@ class Scheduler:
 
     # ---- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
-            budget = self._schedule_swapped(out, budget)
+        step = _Step()
+        budget = self._schedule_running(step, self.config.max_num_batched_tokens)
+        if not step.preempted:
+            budget = self._schedule_swapped(step, budget)
             if not self.swapped:
-                self._schedule_waiting(out, budget)
+                self._schedule_waiting(step, budget)
+        return self._finalize(step)
+
+    def _finalize(self, step: _Step) -> SchedulerOutput:
+        """Turn the scheduled sequences into the runner's plain metadata, forking extra samples."""
+        out = step.out
+        now = time.time()
+        for item in step.scheduled:
+            seq = item.seq
+            out.chunks.append(ScheduledChunk(
+                seq.seq_id, seq.num_computed_tokens, seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + item.num_new_tokens],
+                self.block_manager.block_table(seq.seq_id), _prompt_logprobs_request(item),
+            ))
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
+                self.num_prompt_tokens_total += len(seq.request.prompt_token_ids)
+            if item.completes_context:
+                chunk = len(out.chunks) - 1
+                out.samples.append(_sample_row(seq, chunk))
+                out.samples.extend(_sample_row(child, chunk) for child in self._fork_samples(item))
+        out.preempted_seq_ids = [seq.seq_id for seq in step.preempted]
+        out.finished_seq_ids, self._finished_ids = self._finished_ids, []
+        self._scheduled = step.scheduled
         return out
+
+    def _fork_samples(self, item: ScheduledSequence) -> list[Sequence]:
+        """The request's other samples, once its first sample's prompt is computed: they share
+        every block (the partly filled last one is copied on write) and start RUNNING."""
+        seq, request = item.seq, item.seq.request
+        if request.forked or request.params.best_of == 1:
+            return []
+        request.forked = True
+        children = []
+        for index in range(1, request.params.best_of):
+            child = Sequence(request, index, list(seq.token_ids))
+            child.num_computed_tokens = seq.num_computed_tokens + item.num_new_tokens
+            child.set_status(SequenceStatus.RUNNING)
+            self.block_manager.fork(seq.seq_id, child.seq_id)
+            request.seqs.append(child)
+            self.live[child.seq_id] = child
+            self.running.append(child)
+            children.append(child)
+        return children
+
+    def update_from_output(self, output: ModelRunnerOutput, on_token: TokenCallback) -> list[Sequence]:
+        """Advance what the last `schedule()` computed and append the sampled tokens; returns
+        every sequence that changed (advanced, got a token, or ended)."""
+        changed = {seq.seq_id: seq for seq in self._ended}
+        self._ended = []
+        for item in self._scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            changed[seq.seq_id] = seq
+        self._scheduled = []
+        for seq_id, tokens in output.sampled.items():
+            seq = self.live.get(seq_id)
+            if seq is None:
+                continue
+            changed[seq_id] = seq  # forked samples were not scheduled themselves
+            for token in tokens:
+                seq.token_ids.append(token.token_id)
+                status = on_token(seq, token)
+                if status is not None:
+                    self.finish(seq, status)
+                    break
+        return list(changed.values())
 
     def _chunk(self, seq: Sequence, num_new: int, budget: int) -> int:
         if num_new <= budget:
             return num_new
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, step: _Step, budget: int) -> int:
         queue = deque(sorted(self.running, key=self._keep_key))
         kept: list[Sequence] = []
         while queue:
             seq = queue.popleft()
             if self._exceeds_pool(seq):
-                self._end_for_capacity(seq, out)
+                self._end_for_capacity(seq)
                 continue
             num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new == 0:
@@ -133,49 +212,47 @@ class Scheduler:
             copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
             while copies is None:
                 victim = queue.pop() if queue else seq
-                self._preempt(victim, out)
+                self._preempt(victim, step)
                 if victim is seq:
                     break
                 copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
             if copies is None:
                 continue
-            out.blocks_to_copy.extend(copies)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
+            step.out.blocks_to_copy.extend(copies)
+            step.scheduled.append(ScheduledSequence(seq, num_new))
             kept.append(seq)
             budget -= num_new
         self.running = kept
         return budget
 
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_swapped(self, step: _Step, budget: int) -> int:
         self.swapped.sort(key=self._keep_key)
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
             if self._exceeds_pool(seq):
-                self.swapped.pop(0)
-                self._end_for_capacity(seq, out)
+                self._end_for_capacity(seq)
                 continue
             extra = self.block_manager.blocks_for(seq.num_tokens) - len(self.block_manager.cpu_tables[seq.seq_id])
             if not self.block_manager.can_swap_in(seq.seq_id, max(extra, 0)):
                 break
             self.swapped.pop(0)
-            out.blocks_to_swap_in.extend(self.block_manager.swap_in(seq.seq_id))
+            step.out.blocks_to_swap_in.extend(self.block_manager.swap_in(seq.seq_id))
             seq.set_status(SequenceStatus.RUNNING)
             num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
             self.running.append(seq)
             if num_new:
                 copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
                 assert copies == [], "swapped-in blocks are private and space was checked"
-                out.scheduled.append(ScheduledSequence(seq, num_new))
+                step.scheduled.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, step: _Step, budget: int) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if self._exceeds_pool(seq):
-                self.waiting.pop(0)
-                self._end_for_capacity(seq, out)
+                self._end_for_capacity(seq)
                 continue
             samples = 1 if seq.request.forked else seq.request.params.best_of
             if self.running and len(self.running) + samples > self.config.max_num_seqs:
@@ -195,29 +272,26 @@ class Scheduler:
                 seq.request.num_cached_tokens = cached
             seq.set_status(SequenceStatus.RUNNING)
             self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
+            step.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
 
     # ---- preemption --------------------------------------------------------------------------
     def _exceeds_pool(self, seq: Sequence) -> bool:
         return self.block_manager.blocks_for(seq.num_tokens) > self.block_manager.num_blocks
 
-    def _end_for_capacity(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _end_for_capacity(self, seq: Sequence) -> None:
         """A sequence longer than the whole pool can never run: end it rather than loop."""
-        self.block_manager.free(seq.seq_id)
-        if seq.status is SequenceStatus.SWAPPED:
-            seq.set_status(SequenceStatus.RUNNING)  # the state diagram ends sequences from RUNNING
-        seq.set_status(SequenceStatus.FINISHED_LENGTH)
-        out.ended.append(seq)
+        self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        self._ended.append(seq)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
         self.num_preemptions += 1
-        out.preempted.append(seq)
+        step.preempted.append(seq)
         if self.config.preemption_mode == "swap":
             pairs = self.block_manager.swap_out(seq.seq_id)
             if pairs is not None:
                 self.num_swap_outs += 1
-                out.blocks_to_swap_out.extend(pairs)
+                step.out.blocks_to_swap_out.extend(pairs)
                 seq.set_status(SequenceStatus.SWAPPED)
                 self.swapped.append(seq)
                 return
@@ -225,4 +299,23 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.set_status(SequenceStatus.WAITING)
-        self.add(seq)
+        bisect.insort(self.waiting, seq, key=self._arrival_key)
+
+
+def _sample_row(seq: Sequence, chunk: int) -> SampleRow:
+    request = seq.request
+    return SampleRow(seq.seq_id, chunk, request.params, seq.index, seq.token_ids, seq.num_prompt_tokens, request.eos_token_ids)
+
+
+def _prompt_logprobs_request(item: ScheduledSequence) -> PromptLogprobsRequest | None:
+    """Prompt positions of this chunk whose next-token logprob is still to be reported (positions
+    reported before a preemption or a fork are not computed again)."""
+    seq, request = item.seq, item.seq.request
+    num = request.params.prompt_logprobs
+    if num is None:
+        return None
+    start = max(seq.num_computed_tokens, len(request.prompt_logprobs) - 1)
+    end = min(seq.num_computed_tokens + item.num_new_tokens, seq.num_prompt_tokens - 1)
+    if start >= end:
+        return None
+    return PromptLogprobsRequest(num, start, seq.token_ids[start + 1 : end + 1])

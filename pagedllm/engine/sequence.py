@@ -10,8 +10,6 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedllm.outputs import PromptLogprobs, RequestMetrics, SampleLogprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -48,7 +46,6 @@ class Sequence:
     request: "Request"
     index: int
     token_ids: list[int]
-    generator: torch.Generator | None
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -118,11 +115,3 @@ class Request:
         # Before the fork only the first sample exists, and the fork happens before its first
         # token is sampled, so "all samples finished" holds at every point of the lifecycle.
         return all(s.finished for s in self.seqs)
-
-    def new_generator(self, index: int, device: torch.device) -> torch.Generator | None:
-        """Per-sample RNG: a seeded request samples the same tokens whatever shares its batch."""
-        if self.params.seed is None:
-            return None
-        generator = torch.Generator(device=device)
-        generator.manual_seed((self.params.seed * 1_000_003 + index) % (1 << 63))
-        return generator

@@ -70,7 +70,7 @@ def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 class PagedAttention(nn.Module):

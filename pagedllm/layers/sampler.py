@@ -1,5 +1,9 @@
 """Token sampling for a step's rows: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
+The sampler sees tensors only (`SamplingMetadata`, built by the runner once per step), so it
+runs where the logits are and never walks requests. Everything stays on the device; the runner
+copies the results back once.
+
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from
 p. A seeded sequence draws its noise from its own generator — one fixed-size draw per sampled
 token — so it gets the same tokens whatever else shares the batch. Greedy rows draw nothing.
@@ -9,71 +13,79 @@ returns by default and as evaluation harnesses expect.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.engine.sequence import Sequence
+
+@dataclass
+class Penalties:
+    """Per-row penalty factors ([R]; 1 / 0 / 0 where off) and the (row, token) pairs they apply to."""
+
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    seen: tuple[torch.Tensor, torch.Tensor]  # tokens of prompt + output (repetition penalty)
+    output: tuple[torch.Tensor, torch.Tensor]  # one pair per output token (presence / frequency)
+    banned: tuple[torch.Tensor, torch.Tensor]  # EOS / stop tokens before min_tokens is reached
 
 
 @dataclass
-class SampleResult:
-    token_id: int
-    logprob: float
-    rank: int | None  # 1-based rank of the chosen token, when logprobs were asked for
-    top: list[tuple[int, float]] | None  # top-N (token, logprob), when logprobs were asked for
+class SamplingMetadata:
+    """How to sample each of a step's R rows. Tensors live on the logits' device."""
+
+    num_rows: int
+    random_rows: torch.Tensor | None = None  # [Rr] rows that sample; the others take the argmax
+    temperature: torch.Tensor | None = None  # [Rr]
+    top_k: torch.Tensor | None = None  # [Rr]; >= vocab where off. None: no row uses it
+    top_p: torch.Tensor | None = None  # [Rr]; 1 where off
+    min_p: torch.Tensor | None = None  # [Rr]; 0 where off
+    unseeded: torch.Tensor | None = None  # positions among random rows that use the engine's generator
+    seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # (position, own generator)
+    penalties: Penalties | None = None
+    max_num_logprobs: int | None = None  # ranks and top-N are computed when any row asks
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [R]
+    logprobs: torch.Tensor  # [R] raw logprob of each chosen token
+    ranks: torch.Tensor | None = None  # [R], when logprobs were asked for
+    top_ids: torch.Tensor | None = None  # [R, N]
+    top_logprobs: torch.Tensor | None = None  # [R, N]
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     """Repetition (prompt + output, transformers' rule), presence and frequency (output only,
-    OpenAI's rule), in place."""
-    vocab = logits.shape[-1]
-    for row, seq in zip(rows, seqs):
-        params = seq.request.params
-        if params.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
-            seen = seen[seen < vocab]
-            values = logits[row, seen]
-            penalty = params.repetition_penalty
-            logits[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
-        if params.presence_penalty or params.frequency_penalty:
-            output = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(output[output < vocab], minlength=vocab).to(logits.dtype)
-            logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    OpenAI's rule), then the min_tokens bans. Rows whose factors are off come out unchanged."""
+    if penalties.seen[0].numel():
+        seen = torch.zeros_like(logits, dtype=torch.bool).index_put_(penalties.seen, torch.ones_like(penalties.seen[0], dtype=torch.bool))
+        factor = penalties.repetition.unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / factor, logits * factor), logits)
+    if penalties.output[0].numel():
+        counts = torch.zeros_like(logits).index_put_(penalties.output, torch.ones_like(penalties.output[0], dtype=logits.dtype), accumulate=True)
+        logits = logits - (penalties.frequency.unsqueeze(1) * counts + penalties.presence.unsqueeze(1) * (counts > 0).to(logits.dtype))
+    if penalties.banned[0].numel():
+        logits = logits.index_put(penalties.banned, torch.full_like(penalties.banned[0], float("-inf"), dtype=logits.dtype))
+    return logits
 
 
-def ban_stop_tokens(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
-    """min_tokens: EOS and stop_token_ids cannot be sampled before the minimum is reached."""
-    vocab = logits.shape[-1]
-    for row, seq in zip(rows, seqs):
-        params = seq.request.params
-        if seq.num_output_tokens < params.min_tokens:
-            banned = set(params.stop_token_ids)
-            if not params.ignore_eos:
-                banned |= seq.request.eos_token_ids
-            banned_ids = [t for t in banned if t < vocab]
-            if banned_ids:
-                logits[row, banned_ids] = float("-inf")
-
-
-def filter_logits(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
     """Mask tokens outside top-k, outside the top-p nucleus, or below min_p x the top prob."""
-    vocab = logits.shape[-1]
-    if any(k != -1 and k < vocab for k in top_k):
-        k = torch.tensor([k if k != -1 else vocab for k in top_k], device=logits.device).clamp(max=vocab)
+    if top_k is not None:
+        k = top_k.clamp(max=logits.shape[-1])
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if any(p < 1.0 for p in top_p):
-        p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    if top_p is not None:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        drop_sorted = mass_before >= p  # the most likely token is always kept
+        drop_sorted = mass_before >= top_p.to(logits.dtype).unsqueeze(1)  # the most likely token is always kept
         logits = logits.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
-    if any(m > 0 for m in min_p):
-        m = torch.tensor(min_p, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    if min_p is not None:
         probs = logits.softmax(dim=-1)
-        logits = logits.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+        threshold = min_p.to(logits.dtype).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
@@ -82,72 +94,32 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        """logits: [R, V] float32, one row per sequence to sample for."""
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits: [R, V] float32, one row per token to sample."""
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        processed = self._process(logits, seqs)
-        tokens = self._choose(processed, seqs)
-        return self._results(raw_logprobs, tokens, seqs)
+        processed = apply_penalties(logits, meta.penalties) if meta.penalties is not None else logits
+        tokens = self._choose(processed, meta)
+        out = SamplerOutput(tokens, raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1))
+        if meta.max_num_logprobs is not None:
+            out.ranks = (raw_logprobs > out.logprobs.unsqueeze(1)).sum(dim=-1) + 1
+            if meta.max_num_logprobs > 0:
+                out.top_logprobs, out.top_ids = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
+        return out
 
-    def _process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        rows = list(range(len(seqs)))
-        needs_penalty = [
-            r for r in rows
-            if seqs[r].request.params.repetition_penalty != 1.0
-            or seqs[r].request.params.presence_penalty
-            or seqs[r].request.params.frequency_penalty
-            or seqs[r].num_output_tokens < seqs[r].request.params.min_tokens
-        ]
-        if not needs_penalty:
-            return logits
-        logits = logits.clone()
-        chosen = [seqs[r] for r in needs_penalty]
-        apply_penalties(logits, needs_penalty, chosen)
-        ban_stop_tokens(logits, needs_penalty, chosen)
-        return logits
-
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         tokens = logits.argmax(dim=-1)
-        random_rows = [r for r, s in enumerate(seqs) if not s.request.params.greedy]
-        if not random_rows:
+        if meta.random_rows is None:
             return tokens
-        params = [seqs[r].request.params for r in random_rows]
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-        scaled = logits[random_rows] / temps.unsqueeze(1)
-        scaled = filter_logits(scaled, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
-        probs = scaled.softmax(dim=-1)
-        noise = self._exponential_noise(probs, [seqs[r] for r in random_rows])
-        tokens[random_rows] = (probs / noise).argmax(dim=-1)
-        return tokens
+        scaled = logits.index_select(0, meta.random_rows) / meta.temperature.to(logits.dtype).unsqueeze(1)
+        probs = filter_logits(scaled, meta.top_k, meta.top_p, meta.min_p).softmax(dim=-1)
+        noise = self._exponential_noise(probs, meta)
+        return tokens.index_copy(0, meta.random_rows, (probs / noise).argmax(dim=-1))
 
-    def _exponential_noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _exponential_noise(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         noise = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype, device=probs.device).exponential_(generator=self.generator)
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None:
-                noise[i].exponential_(generator=seq.generator)
+        if meta.unseeded is not None:
+            draw = torch.empty((meta.unseeded.numel(), probs.shape[1]), dtype=probs.dtype, device=probs.device)
+            noise.index_copy_(0, meta.unseeded, draw.exponential_(generator=self.generator))
+        for position, generator in meta.seeded:
+            noise[position].exponential_(generator=generator)
         return noise
-
-    @staticmethod
-    def _results(raw_logprobs: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        token_list, chosen_list = tokens.tolist(), chosen.tolist()
-        results = []
-        for row, seq in enumerate(seqs):
-            num = seq.request.params.logprobs
-            if num is None:
-                results.append(SampleResult(token_list[row], chosen_list[row], None, None))
-                continue
-            results.append(SampleResult(token_list[row], chosen_list[row], *top_logprobs(raw_logprobs[row], token_list[row], num)))
-        return results
-
-
-def top_logprobs(logprobs: torch.Tensor, token: int, num: int) -> tuple[int, list[tuple[int, float]]]:
-    """Rank of `token` (1 = most likely) and the `num` most likely (token, logprob) pairs."""
-    rank = int((logprobs > logprobs[token]).sum().item()) + 1
-    if num == 0:
-        return rank, []
-    values, ids = logprobs.topk(num)
-    return rank, list(zip(ids.tolist(), values.tolist()))

@@ -2,7 +2,8 @@
 
 Shape `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`. The host-side swap pool
 has the same layout and exists only when preemption swaps. Swaps and copy-on-write copies move
-whole blocks across every layer in one indexed copy each.
+whole blocks across every layer in one indexed copy each; the device-side block indices come
+from the step's staged metadata, so applying the maps adds no transfer of its own.
 """
 from __future__ import annotations
 
@@ -30,28 +31,23 @@ class KVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[index], self.v[index]
 
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """(device block, host block) pairs."""
-        if pairs:
-            dev, host = _indices(pairs, self.k.device)
-            self.k_cpu[:, host.cpu()] = self.k[:, dev].cpu()
-            self.v_cpu[:, host.cpu()] = self.v[:, dev].cpu()
+    def swap_out(self, device_blocks: torch.Tensor, host_blocks: list[int]) -> None:
+        """Copy device blocks (an index on the device) into host blocks: one copy for K and V."""
+        moved = torch.stack((self.k[:, device_blocks], self.v[:, device_blocks]))
+        if moved.device != self.k_cpu.device:
+            moved = moved.to(self.k_cpu.device)
+        self.k_cpu[:, host_blocks] = moved[0]
+        self.v_cpu[:, host_blocks] = moved[1]
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """(host block, device block) pairs."""
-        if pairs:
-            host, dev = _indices(pairs, self.k.device)
-            self.k[:, dev] = self.k_cpu[:, host.cpu()].to(self.k.device)
-            self.v[:, dev] = self.v_cpu[:, host.cpu()].to(self.v.device)
+    def swap_in(self, host_blocks: list[int], device_blocks: torch.Tensor) -> None:
+        """Copy host blocks into device blocks (an index on the device): one copy for K and V."""
+        moved = torch.stack((self.k_cpu[:, host_blocks], self.v_cpu[:, host_blocks]))
+        if moved.device != self.k.device:
+            moved = moved.to(self.k.device, non_blocking=True)
+        self.k[:, device_blocks] = moved[0]
+        self.v[:, device_blocks] = moved[1]
 
-    def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """(source, destination) device blocks, for copy-on-write."""
-        if pairs:
-            src, dst = _indices(pairs, self.k.device)
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
-
-
-def _indices(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    first, second = zip(*pairs)
-    return torch.tensor(first, device=device), torch.tensor(second, device=device)
+    def copy(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Copy-on-write: device blocks to device blocks, across every layer."""
+        self.k[:, destinations] = self.k[:, sources]
+        self.v[:, destinations] = self.v[:, sources]

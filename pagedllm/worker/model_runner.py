@@ -1,47 +1,27 @@
 """Model runner: turns a scheduler step into one forward pass and the samples it yields.
 
-It owns the model and the KV pool. For each step it builds the flat batch (decodes first, then
-prefill chunks): input ids, positions, the slot each new token's K/V goes to, block tables and
-context lengths (as `AttentionMetadata`), applies the step's swap and copy-on-write maps, runs
-the forward pass, and samples from the rows that end a sequence's known context.
+It owns the model, the KV pool and the per-sequence sampling generators, and sees only the
+step's plain metadata (`SchedulerOutput`), never request state. For each step it applies the
+swap and copy-on-write maps, stages the flat batch (worker/input_batch.py) and the sampling
+parameters (worker/sampling_inputs.py) in one transfer per dtype, runs the forward pass, samples
+on the device and reads the results back in one copy (worker/step_results.py).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
-from pagedllm.engine.scheduler import ScheduledSequence, SchedulerOutput
-from pagedllm.engine.sequence import Sequence
-from pagedllm.layers.attention import AttentionMetadata, DecodeBucket, PrefillChunk, additive_mask, allowed_keys
+from pagedllm.engine.scheduler_output import SampleRow, SchedulerOutput
 from pagedllm.layers.paged_decode import kernel_supported, load
-from pagedllm.layers.sampler import SampleResult, Sampler, top_logprobs
+from pagedllm.layers.sampler import Sampler
 from pagedllm.models.loader import load_model
+from pagedllm.worker.input_batch import attention_metadata, stage_batch
 from pagedllm.worker.kv_cache import KVCache, bytes_per_block
 from pagedllm.worker.malloc import keep_freed_memory
-
-
-# How decodes are cut into SDPA calls: at most 4, a new one where padding would double the KV
-# gathered. The C kernel reads only each context's own blocks, so it takes all decodes at once.
-SDPA_DECODE_BUCKETS = (4, 2)
-KERNEL_DECODE_BUCKETS = (1, 0)
-
-
-@dataclass
-class SampleRequest:
-    """Sample a token for `seq` from the logits of `source`'s last scheduled token
-    (the same sequence, or the parent it was just forked from)."""
-
-    seq: Sequence
-    source: Sequence
-
-
-@dataclass
-class StepResult:
-    samples: list[tuple[Sequence, SampleResult]]
-    # sequence -> [(logprob, rank, prompt token, top-N)] for the prompt tokens this step scored
-    prompt_logprobs: dict[Sequence, list[tuple[float, int, int, list[tuple[int, float]]]]]
+from pagedllm.worker.runner_output import ModelRunnerOutput
+from pagedllm.worker.sampling_inputs import sampling_metadata, stage_sampling
+from pagedllm.worker.staging import Staging
+from pagedllm.worker.step_results import fetch_results, score_prompt_tokens, stage_logit_rows
 
 
 class ModelRunner:
@@ -62,6 +42,7 @@ class ModelRunner:
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
         self.sampler = Sampler(config.seed, self.device)
         self.kernel_decode = self._choose_decode_backend()
+        self.generators: dict[int, torch.Generator] = {}  # seq id -> a seeded sequence's own generator
 
     def _choose_decode_backend(self) -> bool:
         """The C decode kernel for fp32 on CPU when it builds (auto), else SDPA."""
@@ -104,114 +85,52 @@ class ModelRunner:
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: dict[int, list[int]], sample_requests: list[SampleRequest]) -> StepResult:
-        self.kv_cache.swap_out(sched.blocks_to_swap_out)
-        self.kv_cache.swap_in(sched.blocks_to_swap_in)
-        self.kv_cache.copy(sched.blocks_to_copy)
-        result = StepResult([], {})
-        if not sched.scheduled:
-            return result
-        # Decodes first, longest context first (for bucketing), then prefill chunks.
-        ordered = sorted(sched.scheduled, key=lambda s: (s.num_new_tokens > 1, -s.seq.num_computed_tokens))
-        input_ids, positions, meta, last_rows = self._prepare(ordered, block_tables)
-        hidden = self.model(input_ids, positions, meta)
-        if sample_requests:
-            rows = torch.tensor([last_rows[r.source.seq_id] for r in sample_requests], device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
-            seqs = [r.seq for r in sample_requests]
-            result.samples = list(zip(seqs, self.sampler(logits, seqs)))
-        self._prompt_logprobs(ordered, hidden, last_rows, result)
-        return result
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for seq_id in sched.finished_seq_ids:
+            self.generators.pop(seq_id, None)
+        staging = Staging()
+        _stage_block_maps(sched, staging)
+        if not sched.chunks:
+            self._apply_block_maps(sched, staging.to(self.device))
+            return ModelRunnerOutput()
+        layout = stage_batch(sched.chunks, self.block_size, self.kernel_decode, staging)
+        prompt_rows = stage_logit_rows(sched, layout, staging)
+        plan = stage_sampling(sched.samples, staging)
+        views = staging.to(self.device)
+        self._apply_block_maps(sched, views)
+        meta = attention_metadata(layout, views, self.kernel_decode, self.block_size, self.windows, self.dtype)
+        hidden = self.model(views["input_ids"], views["positions"], meta)
+        logits = self.model.compute_logits(hidden.index_select(0, views["logit_rows"]))
+        num_samples = len(sched.samples)
+        sampled = None
+        if num_samples:
+            sampled = self.sampler(logits[:num_samples], sampling_metadata(plan, views, lambda row: self._generator(sched.samples[row])))
+        scored = score_prompt_tokens(logits[num_samples:], views.get("prompt_targets"), prompt_rows)
+        return fetch_results(sched, sampled, scored, prompt_rows)
 
-    def _prepare(self, ordered: list[ScheduledSequence], block_tables: dict[int, list[int]]):
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        last_rows: dict[int, int] = {}
-        decodes: list[tuple[int, list[int]]] = []  # (context length, block table)
-        prefills: list[PrefillChunk] = []
-        for item in ordered:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            table = block_tables[seq.seq_id]
-            q_start = len(ids)
-            ids.extend(seq.token_ids[start:end])
-            pos.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            last_rows[seq.seq_id] = len(ids) - 1
-            if item.num_new_tokens == 1:
-                decodes.append((end, table))
-            else:
-                prefills.append(self._prefill_chunk(q_start, start, end, table))
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            decodes=self._decode_buckets(decodes),
-            prefills=prefills,
-            kernel_decode=self.kernel_decode,
-        )
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(ids), as_tensor(pos), meta, last_rows
+    def _apply_block_maps(self, sched: SchedulerOutput, views: dict[str, torch.Tensor]) -> None:
+        """Swap-outs first: the blocks they free may be reused by this step's swap-ins."""
+        if sched.blocks_to_swap_out:
+            self.kv_cache.swap_out(views["swap_out.device"], [host for _, host in sched.blocks_to_swap_out])
+        if sched.blocks_to_swap_in:
+            self.kv_cache.swap_in([host for host, _ in sched.blocks_to_swap_in], views["swap_in.device"])
+        if sched.blocks_to_copy:
+            self.kv_cache.copy(views["copy.pairs"][:, 0], views["copy.pairs"][:, 1])
 
-    def _decode_buckets(self, decodes: list[tuple[int, list[int]]]) -> list[DecodeBucket]:
-        """Cut decodes (sorted longest first) where padding to the bucket's longest context
-        would multiply its KV by more than the backend's factor, into at most its number of calls."""
-        max_buckets, factor = KERNEL_DECODE_BUCKETS if self.kernel_decode else SDPA_DECODE_BUCKETS
-        buckets: list[DecodeBucket] = []
-        start = 0
-        while start < len(decodes):
-            longest = -(-decodes[start][0] // self.block_size)
-            end = start + 1
-            last_bucket = len(buckets) == max_buckets - 1
-            while end < len(decodes) and (last_bucket or factor * -(-decodes[end][0] // self.block_size) > longest):
-                end += 1
-            buckets.append(self._decode_bucket(start, decodes[start:end]))
-            start = end
-        return buckets
+    def _generator(self, row: SampleRow) -> torch.Generator:
+        """A seeded sample's generator, made at its first token from (seed, sample index)."""
+        generator = self.generators.get(row.seq_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed((row.params.seed * 1_000_003 + row.sample_index) % (1 << 63))
+            self.generators[row.seq_id] = generator
+        return generator
 
-    def _decode_bucket(self, start: int, decodes: list[tuple[int, list[int]]]) -> DecodeBucket:
-        bs = self.block_size
-        max_blocks = max(-(-ctx // bs) for ctx, _ in decodes)
-        padded = [table[: -(-ctx // bs)] + [0] * (max_blocks - -(-ctx // bs)) for ctx, table in decodes]
-        ctx_lens = torch.tensor([ctx for ctx, _ in decodes], device=self.device)
-        masks = {}
-        if not self.kernel_decode:
-            k_pos = torch.arange(max_blocks * bs, device=self.device)
-            for window in self.windows:
-                allowed = allowed_keys(ctx_lens - 1, k_pos, window)
-                masks[window] = additive_mask(allowed, self.dtype).to(self.device)[:, None, None, :]
-        tables = torch.tensor(padded, dtype=torch.long, device=self.device)
-        return DecodeBucket(start, len(decodes), tables, ctx_lens, masks)
 
-    def _prefill_chunk(self, q_start: int, start: int, end: int, table: list[int]) -> PrefillChunk:
-        chunk = PrefillChunk(q_start=q_start, q_len=end - start, ctx_len=end)
-        if start > 0:
-            chunk.block_ids = torch.tensor(table[: -(-end // self.block_size)], dtype=torch.long, device=self.device)
-        for window in self.windows:
-            if start > 0 or window is not None:
-                allowed = allowed_keys(torch.arange(start, end), torch.arange(end), window)
-                chunk.masks[window] = additive_mask(allowed, self.dtype).to(self.device)
-        return chunk
-
-    def _prompt_logprobs(self, ordered: list[ScheduledSequence], hidden: torch.Tensor, last_rows: dict[int, int], result: StepResult) -> None:
-        """Logprob of each prompt token given the ones before it (position p predicts p + 1).
-
-        Positions already reported (before a preemption or a fork) are not computed again."""
-        for item in ordered:
-            seq = item.seq
-            num = seq.request.params.prompt_logprobs
-            if num is None:
-                continue
-            first_row = last_rows[seq.seq_id] - (item.num_new_tokens - 1)
-            start = max(seq.num_computed_tokens, len(seq.request.prompt_logprobs) - 1)
-            end = min(seq.num_computed_tokens + item.num_new_tokens, seq.num_prompt_tokens - 1)
-            if start >= end:
-                continue
-            row = first_row + start - seq.num_computed_tokens
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[row : row + end - start]), dim=-1)
-            entries = []
-            for offset, position in enumerate(range(start, end)):
-                target = seq.token_ids[position + 1]
-                rank, top = top_logprobs(logprobs[offset], target, num)
-                entries.append((float(logprobs[offset, target]), rank, target, top))
-            result.prompt_logprobs[seq] = entries
+def _stage_block_maps(sched: SchedulerOutput, staging: Staging) -> None:
+    if sched.blocks_to_swap_out:
+        staging.add("swap_out.device", [device for device, _ in sched.blocks_to_swap_out])
+    if sched.blocks_to_swap_in:
+        staging.add("swap_in.device", [device for _, device in sched.blocks_to_swap_in])
+    if sched.blocks_to_copy:
+        staging.add("copy.pairs", sched.blocks_to_copy, shape=(len(sched.blocks_to_copy), 2))

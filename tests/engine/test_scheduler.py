@@ -7,6 +7,7 @@ from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=64, chunked=True, mode="recompute", policy="fcfs", cpu_blocks=64, max_num_seqs=16):
@@ -15,30 +16,34 @@ def make_scheduler(num_blocks=64, block_size=4, budget=64, chunked=True, mode="r
     return Scheduler(config, bm)
 
 
-def make_seq(name: str, prompt_len: int, arrival: float = 0.0, priority: int = 0, max_tokens: int = 16) -> Sequence:
-    request = Request(name, None, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens), arrival, priority)
-    seq = Sequence(request, 0, list(request.prompt_token_ids), None)
+def make_seq(name: str, prompt_len: int, arrival: float = 0.0, priority: int = 0, max_tokens: int = 16, first_token: int = 10) -> Sequence:
+    request = Request(name, None, list(range(first_token, first_token + prompt_len)), SamplingParams(max_tokens=max_tokens), arrival, priority)
+    seq = Sequence(request, 0, list(request.prompt_token_ids))
     request.seqs.append(seq)
     return seq
 
 
 def run_step(scheduler: Scheduler):
-    """Schedule, then do what the engine does after the forward pass: advance and sample."""
+    """Schedule, then hand back what a runner would: token 7 for every sample row."""
     out = scheduler.schedule()
-    for item in out.scheduled:
-        completes = item.completes_context
-        item.seq.num_computed_tokens += item.num_new_tokens
-        if completes:
-            item.seq.token_ids.append(7)
+    sampled = {row.seq_id: [SampledToken(7, 0.0)] for row in out.samples}
+    scheduler.update_from_output(ModelRunnerOutput(sampled), lambda seq, token: None)
     return out
+
+
+def scheduled(out) -> list[tuple[int, int]]:
+    """(seq id, tokens) of each scheduled chunk, in schedule order."""
+    return [(chunk.seq_id, chunk.num_tokens) for chunk in out.chunks]
 
 
 def test_waiting_queue_is_priority_then_arrival():
     scheduler = make_scheduler(budget=1000)
+    seqs = {}
     for name, arrival, priority in [("late-low", 3, 0), ("early-low", 1, 0), ("high", 2, 5)]:
-        scheduler.add(make_seq(name, 4, arrival, priority))
+        seqs[name] = make_seq(name, 4, arrival, priority)
+        scheduler.add(seqs[name])
     out = scheduler.schedule()
-    assert [s.seq.request.request_id for s in out.scheduled] == ["high", "early-low", "late-low"]
+    assert [c.seq_id for c in out.chunks] == [seqs[n].seq_id for n in ("high", "early-low", "late-low")]
 
 
 def test_budget_decodes_first_then_prefill_chunks():
@@ -46,25 +51,26 @@ def test_budget_decodes_first_then_prefill_chunks():
     a = make_seq("a", 6, arrival=0)
     scheduler.add(a)
     run_step(scheduler)  # a prefilled (6 tokens)
-    b = make_seq("b", 30, arrival=1)
+    b = make_seq("b", 30, arrival=1, first_token=100)  # no prefix shared with a
     scheduler.add(b)
     chunks = []
     while b.is_prefill or b.num_computed_tokens == 0:
         out = run_step(scheduler)
         assert out.num_batched_tokens <= 10
-        assert (out.scheduled[0].seq, out.scheduled[0].num_new_tokens) == (a, 1)  # decode first
-        chunks.append(out.scheduled[1].num_new_tokens)
+        assert scheduled(out)[0] == (a.seq_id, 1)  # decode first
+        chunks.append(out.chunks[1].num_tokens)
     assert chunks == [9, 9, 9, 3]
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget():
     scheduler = make_scheduler(budget=10, chunked=False)
-    scheduler.add(make_seq("a", 8))
-    scheduler.add(make_seq("b", 8, arrival=1))
+    a, b = make_seq("a", 8), make_seq("b", 8, arrival=1, first_token=100)
+    scheduler.add(a)
+    scheduler.add(b)
     out = run_step(scheduler)
-    assert [(s.seq.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 8)]
+    assert scheduled(out) == [(a.seq_id, 8)]
     out = run_step(scheduler)
-    assert [(s.seq.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 8)]
+    assert scheduled(out) == [(a.seq_id, 1), (b.seq_id, 8)]
 
 
 def fill_pool(policy: str, mode: str = "recompute"):
@@ -89,10 +95,10 @@ def fill_pool(policy: str, mode: str = "recompute"):
 def test_preemption_policy_picks_its_victim(policy, victim):
     scheduler, seqs = fill_pool(policy)
     out = run_step(scheduler)
-    assert [s.request.request_id for s in out.preempted] == [victim]
+    assert out.preempted_seq_ids == [seqs[victim].seq_id]
     assert seqs[victim].status is SequenceStatus.WAITING and seqs[victim].num_computed_tokens == 0
     assert scheduler.num_preemptions == 1
-    assert {s.seq.request.request_id for s in out.scheduled} == set(seqs) - {victim}
+    assert {c.seq_id for c in out.chunks} == {s.seq_id for name, s in seqs.items() if name != victim}
     scheduler.block_manager.check_invariants()
 
 
@@ -104,7 +110,7 @@ def test_swap_preemption_moves_blocks_and_swaps_back_before_admitting():
     assert third.num_computed_tokens == 8  # its KV is kept, on the host
     newcomer = make_seq("newcomer", 2, arrival=5, priority=9)
     scheduler.add(newcomer)
-    scheduler.remove(seqs["first"])  # frees room
+    scheduler.finish(seqs["first"], SequenceStatus.FINISHED_ABORTED)  # frees room
     out = run_step(scheduler)
     assert third.status is SequenceStatus.RUNNING and len(out.blocks_to_swap_in) == 2
     assert newcomer.status is SequenceStatus.WAITING  # swapped sequences come back first
@@ -118,7 +124,7 @@ def test_sequence_longer_than_the_pool_ends_with_length():
     run_step(scheduler)
     run_step(scheduler)  # 9 tokens now: 3 blocks would be needed, the pool has 2
     out = scheduler.schedule()
-    assert out.ended == [seq] and seq.status is SequenceStatus.FINISHED_LENGTH
+    assert out.finished_seq_ids == [seq.seq_id] and seq.status is SequenceStatus.FINISHED_LENGTH
     assert scheduler.block_manager.num_free_blocks == 2
 
 
@@ -135,6 +141,6 @@ def test_swapped_sequence_that_outgrew_the_pool_ends_instead_of_blocking():
     newcomer = make_seq("b", 3, arrival=1)
     scheduler.add(newcomer)
     out = run_step(scheduler)
-    assert out.ended == [seq] and seq.status is SequenceStatus.FINISHED_LENGTH
-    assert [s.seq for s in out.scheduled] == [newcomer]
+    assert out.finished_seq_ids == [seq.seq_id] and seq.status is SequenceStatus.FINISHED_LENGTH
+    assert scheduled(out) == [(newcomer.seq_id, 3)]
     scheduler.block_manager.check_invariants()

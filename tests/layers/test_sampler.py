@@ -6,42 +6,58 @@ import math
 import pytest
 import torch
 
-from pagedllm.engine.sequence import Request, Sequence
-from pagedllm.layers.sampler import Sampler, apply_penalties, filter_logits
+from pagedllm.engine.scheduler_output import SampleRow
+from pagedllm.layers.sampler import Sampler, SamplingMetadata, apply_penalties, filter_logits
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.sampling_inputs import sampling_metadata, stage_sampling
+from pagedllm.worker.staging import Staging
+
+CPU = torch.device("cpu")
 
 
-def seq_with(params: SamplingParams, prompt=(0, 1), output=()) -> Sequence:
-    request = Request("r", None, list(prompt), params, 0.0)
-    seq = Sequence(request, 0, list(prompt) + list(output), request.new_generator(0, torch.device("cpu")))
-    request.seqs.append(seq)
-    return seq
+def row_with(params: SamplingParams, prompt=(0, 1), output=(), eos=frozenset()) -> SampleRow:
+    return SampleRow(0, 0, params, 0, list(prompt) + list(output), len(prompt), eos)
+
+
+def metadata(rows: list[SampleRow]) -> SamplingMetadata:
+    """What the runner builds for these rows (seeded rows get a fresh generator each)."""
+    staging = Staging()
+    plan = stage_sampling(rows, staging)
+    return sampling_metadata(plan, staging.to(CPU), lambda row: torch.Generator().manual_seed(rows[row].params.seed))
+
+
+def sample(sampler: Sampler, logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+    return sampler(logits, metadata(rows)).token_ids.tolist()
 
 
 def test_penalties_follow_their_formulas():
-    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]])
-    seq = seq_with(SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25), prompt=(0,), output=(1, 2, 2))
-    apply_penalties(logits, [0], [seq])
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0], [2.0, -2.0, 1.0, 0.5, 3.0]])
+    penalised = row_with(SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25), prompt=(0,), output=(1, 2, 2))
+    plain = row_with(SamplingParams(), prompt=(0,), output=(1, 2, 2))
+    out = apply_penalties(logits, metadata([penalised, plain]).penalties)
     # repetition on prompt+output tokens {0,1,2}: positive /2, negative *2; then output counts {1:1, 2:2}
     expected = [2.0 / 2, -2.0 * 2 - 0.25 * 1 - 0.5, 1.0 / 2 - 0.25 * 2 - 0.5, 0.5, 3.0]
-    assert logits[0].tolist() == pytest.approx(expected)
+    assert out[0].tolist() == pytest.approx(expected)
+    assert torch.equal(out[1], logits[1])  # a row without penalties is untouched, bit for bit
 
 
 def test_top_k_top_p_min_p_masks():
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
     kept = lambda out: (out[0] > float("-inf")).tolist()  # noqa: E731
-    assert kept(filter_logits(logits, [2], [1.0], [0.0])) == [True, True, False, False]
-    assert kept(filter_logits(logits, [-1], [0.7], [0.0])) == [True, True, False, False]
-    assert kept(filter_logits(logits, [-1], [0.5], [0.0])) == [True, False, False, False]
-    assert kept(filter_logits(logits, [-1], [1.0], [0.3])) == [True, True, True, False]
-    assert kept(filter_logits(logits, [-1], [0.01], [0.0])) == [True, False, False, False]
+    as_t = lambda v: torch.tensor([v])  # noqa: E731
+    assert kept(filter_logits(logits, as_t(2), None, None)) == [True, True, False, False]
+    assert kept(filter_logits(logits, None, as_t(0.7), None)) == [True, True, False, False]
+    assert kept(filter_logits(logits, None, as_t(0.5), None)) == [True, False, False, False]
+    assert kept(filter_logits(logits, None, None, as_t(0.3))) == [True, True, True, False]
+    assert kept(filter_logits(logits, None, as_t(0.01), None)) == [True, False, False, False]
+    assert kept(filter_logits(logits, as_t(10**9), as_t(1.0), as_t(0.0))) == [True] * 4  # "off" values
 
 
 def test_samples_follow_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().unsqueeze(0).repeat(4000, 1)
-    seqs = [seq_with(SamplingParams(temperature=1.0)) for _ in range(4000)]
-    tokens = [r.token_id for r in Sampler(0, torch.device("cpu"))(logits, seqs)]
+    rows = [row_with(SamplingParams(temperature=1.0)) for _ in range(4000)]
+    tokens = sample(Sampler(0, CPU), logits, rows)
     counts = torch.bincount(torch.tensor(tokens), minlength=4).float()
     chi2 = float((((counts - 4000 * probs) ** 2) / (4000 * probs)).sum())
     assert chi2 < 16.3, (counts, chi2)  # p = 0.001 for 3 degrees of freedom
@@ -49,17 +65,25 @@ def test_samples_follow_the_distribution():
 
 def test_temperature_sharpens_and_greedy_takes_argmax():
     logits = torch.tensor([[1.0, 1.5, 0.2]])
-    greedy = Sampler(0, torch.device("cpu"))(logits, [seq_with(SamplingParams(temperature=0))])[0]
-    assert greedy.token_id == 1 and greedy.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[0, 1]))
-    cold = [seq_with(SamplingParams(temperature=0.05)) for _ in range(200)]
-    tokens = {r.token_id for r in Sampler(1, torch.device("cpu"))(logits.repeat(200, 1), cold)}
-    assert tokens == {1}
+    greedy = Sampler(0, CPU)(logits, metadata([row_with(SamplingParams(temperature=0))]))
+    assert greedy.token_ids.tolist() == [1] and float(greedy.logprobs[0]) == pytest.approx(float(torch.log_softmax(logits, -1)[0, 1]))
+    cold = [row_with(SamplingParams(temperature=0.05)) for _ in range(200)]
+    assert set(sample(Sampler(1, CPU), logits.repeat(200, 1), cold)) == {1}
 
 
 def test_min_tokens_bans_eos():
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2])
-    seq = seq_with(params)
-    seq.request.eos_token_ids = frozenset({0})
+    row = row_with(params, eos=frozenset({0}))
     logits = torch.tensor([[5.0, 1.0, 4.0, 0.0]])
-    assert Sampler(0, torch.device("cpu"))(logits, [seq])[0].token_id == 1
-    assert math.isfinite(Sampler(0, torch.device("cpu"))(logits, [seq])[0].logprob)
+    out = Sampler(0, CPU)(logits, metadata([row]))
+    assert out.token_ids.tolist() == [1] and math.isfinite(float(out.logprobs[0]))
+    done = row_with(params, output=(3, 3), eos=frozenset({0}))  # min_tokens reached: EOS allowed again
+    assert Sampler(0, CPU)(logits, metadata([done])).token_ids.tolist() == [0]
+
+
+def test_seeded_rows_draw_from_their_own_generator():
+    logits = torch.zeros(3, 50)
+    seeded = SamplingParams(temperature=1.0, seed=11)
+    alone = sample(Sampler(0, CPU), logits[:1], [row_with(seeded)])
+    crowd = sample(Sampler(5, CPU), logits, [row_with(SamplingParams(temperature=1.0)), row_with(seeded), row_with(SamplingParams(temperature=0))])
+    assert crowd[1] == alone[0] and crowd[2] == 0

@@ -1,0 +1,80 @@
+"""What one scheduler step hands the model runner: plain data, no `Sequence` objects.
+
+The runner needs, per sequence, only the tokens to compute, where they sit (positions and block
+table) and how to sample; keeping it to that makes the runner independent of request state
+(which the scheduler alone changes) and keeps this module a leaf that both sides import.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+BlockPairs = list[tuple[int, int]]
+
+
+@dataclass
+class PromptLogprobsRequest:
+    """Logprobs of prompt tokens `targets` at positions start+1 ... start+len(targets), each given
+    the tokens before it (computed from the rows at positions start ... start+len(targets)-1)."""
+
+    num: int  # top-N alternatives per position
+    start: int
+    targets: list[int]
+
+
+@dataclass
+class ScheduledChunk:
+    """Positions [start, start + len(token_ids)) of one sequence, computed this step."""
+
+    seq_id: int
+    start: int
+    token_ids: list[int]
+    block_table: list[int]  # the sequence's blocks; covers every position up to the chunk's end
+    prompt_logprobs: PromptLogprobsRequest | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class SampleRow:
+    """One token to sample for `seq_id`, from the logits of chunk `chunk`'s last position (its own
+    chunk, or the chunk of the parent it was forked from this step)."""
+
+    seq_id: int
+    chunk: int
+    params: SamplingParams
+    sample_index: int  # which sample of its request: seeds a seeded request's per-sample generator
+    token_ids: list[int]  # prompt + output so far (penalties look at it; read, never kept)
+    num_prompt_tokens: int
+    eos_token_ids: frozenset[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    samples: list[SampleRow] = field(default_factory=list)
+    blocks_to_swap_out: BlockPairs = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: BlockPairs = field(default_factory=list)  # (host, device)
+    blocks_to_copy: BlockPairs = field(default_factory=list)  # (source, destination), copy-on-write
+    preempted_seq_ids: list[int] = field(default_factory=list)
+    # Sequences that finished since the previous step: the runner drops its state for them.
+    finished_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.chunks or self.blocks_to_swap_out or self.blocks_to_swap_in)

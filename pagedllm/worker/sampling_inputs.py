@@ -1,0 +1,102 @@
+"""A step's `SamplingMetadata`, built from its sample rows on the host and staged in one go.
+
+Per-row factors go into a float array and every index (random rows, penalised tokens) into the
+step's int64 array, so sampling adds no transfer of its own. Only rows that use a feature pay
+for it: a batch of greedy rows stages nothing but its row count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pagedllm.engine.scheduler_output import SampleRow
+from pagedllm.layers.sampler import Penalties, SamplingMetadata
+from pagedllm.worker.staging import Staging
+
+_NO_TOP_K = np.iinfo(np.int64).max
+
+
+@dataclass
+class SamplingPlan:
+    num_rows: int
+    random: list[int] = field(default_factory=list)  # rows that sample
+    seeded: list[tuple[int, int]] = field(default_factory=list)  # (position among random rows, row)
+    has_unseeded: bool = False
+    filters: tuple[bool, bool, bool] = (False, False, False)  # top_k, top_p, min_p in use
+    penalised: bool = False
+    max_num_logprobs: int | None = None
+
+
+def stage_sampling(rows: list[SampleRow], staging: Staging) -> SamplingPlan:
+    plan = SamplingPlan(len(rows))
+    plan.random = [r for r, row in enumerate(rows) if not row.params.greedy]
+    asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+    plan.max_num_logprobs = max(asked) if asked else None
+    if plan.random:
+        _stage_random(plan, rows, staging)
+    if any(_penalised(row) for row in rows):
+        plan.penalised = True
+        _stage_penalties(rows, staging)
+    return plan
+
+
+def _stage_random(plan: SamplingPlan, rows: list[SampleRow], staging: Staging) -> None:
+    params = [rows[r].params for r in plan.random]
+    staging.add("sampling.random_rows", plan.random)
+    plan.seeded = [(pos, r) for pos, r in enumerate(plan.random) if rows[r].params.seed is not None]
+    unseeded = [pos for pos, r in enumerate(plan.random) if rows[r].params.seed is None]
+    plan.has_unseeded = bool(unseeded)
+    if unseeded:
+        staging.add("sampling.unseeded", unseeded)
+    staging.add("sampling.temperature", [p.temperature for p in params], np.float32)
+    plan.filters = (any(p.top_k != -1 for p in params), any(p.top_p < 1.0 for p in params), any(p.min_p > 0 for p in params))
+    if plan.filters[0]:
+        staging.add("sampling.top_k", [p.top_k if p.top_k != -1 else _NO_TOP_K for p in params])
+    if plan.filters[1]:
+        staging.add("sampling.top_p", [p.top_p for p in params], np.float32)
+    if plan.filters[2]:
+        staging.add("sampling.min_p", [p.min_p for p in params], np.float32)
+
+
+def _penalised(row: SampleRow) -> bool:
+    p = row.params
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty) or row.num_output_tokens < p.min_tokens
+
+
+def _stage_penalties(rows: list[SampleRow], staging: Staging) -> None:
+    seen: list[tuple[int, int]] = []
+    output: list[tuple[int, int]] = []
+    banned: list[tuple[int, int]] = []
+    for r, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            seen.extend((r, t) for t in set(row.token_ids))
+        if p.presence_penalty or p.frequency_penalty:
+            output.extend((r, t) for t in row.token_ids[row.num_prompt_tokens :])
+        if row.num_output_tokens < p.min_tokens:
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else row.eos_token_ids)
+            banned.extend((r, t) for t in sorted(ids))
+    factors = [[row.params.repetition_penalty, row.params.presence_penalty, row.params.frequency_penalty] for row in rows]
+    staging.add("sampling.penalty_factors", factors, np.float32, shape=(len(rows), 3))
+    for name, pairs in (("seen", seen), ("output", output), ("banned", banned)):
+        staging.add(f"sampling.{name}", pairs, shape=(len(pairs), 2))
+
+
+def sampling_metadata(plan: SamplingPlan, views: dict[str, torch.Tensor], generator_for: Callable[[int], torch.Generator]) -> SamplingMetadata:
+    """`generator_for(row)`: the seeded row's own generator (the runner keeps them)."""
+    meta = SamplingMetadata(plan.num_rows, max_num_logprobs=plan.max_num_logprobs)
+    if plan.random:
+        meta.random_rows = views["sampling.random_rows"]
+        meta.temperature = views["sampling.temperature"]
+        meta.unseeded = views.get("sampling.unseeded")
+        meta.seeded = [(pos, generator_for(row)) for pos, row in plan.seeded]
+        meta.top_k, meta.top_p, meta.min_p = (views.get(f"sampling.{name}") for name in ("top_k", "top_p", "min_p"))
+    if plan.penalised:
+        factors = views["sampling.penalty_factors"]
+        pairs = {name: (views[f"sampling.{name}"][:, 0], views[f"sampling.{name}"][:, 1]) for name in ("seen", "output", "banned")}
+        meta.penalties = Penalties(factors[:, 0], factors[:, 1], factors[:, 2], pairs["seen"], pairs["output"], pairs["banned"])
+    return meta
+
