@@ -240,12 +240,7 @@ class EngineConfig:
         return torch.device(self.device)
 
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
-        """fp32 on CPU unless asked: CPUs without bf16 units run bf16 matmuls ~3.5x slower."""
-        if self.dtype != "auto":
-            return _DTYPES[self.dtype]
-        if self.torch_device().type == "cpu":
-            return torch.float32
-        return _DTYPES.get(str(model_config.config_dtype), torch.float16)
+        return resolve_dtype(self.dtype, model_config.config_dtype, self.torch_device())
 
     def resolve_max_model_len(self, model_config: ModelConfig) -> int:
         limit = model_config.max_position_embeddings
@@ -267,6 +262,29 @@ class EngineConfig:
                 )
             return self.max_num_batched_tokens
         return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+
+
+def resolve_dtype(requested: str, config_dtype: str | None, device: torch.device,
+                  bf16_supported: bool | None = None) -> torch.dtype:
+    """The engine's compute dtype.
+
+    `auto` is fp32 on CPU: CPUs without bf16 units run bf16 matmuls several times slower, and
+    fp32 is what the parity guarantees are stated in. On a GPU it is the checkpoint's dtype when
+    that is bf16 or fp16, else (fp32 or unset checkpoints) bf16, as vLLM does; where the GPU has no
+    bf16 (before compute capability 8.0) bf16 becomes fp16. An explicit dtype is honoured, and an
+    explicit bf16 on a GPU without it is an error."""
+    if device.type == "cpu":
+        return torch.float32 if requested == "auto" else _DTYPES[requested]
+    if bf16_supported is None:
+        bf16_supported = device.type != "cuda" or torch.cuda.is_bf16_supported()
+    if requested != "auto":
+        if requested == "bfloat16" and not bf16_supported:
+            raise ValueError("dtype='bfloat16' is not supported by this GPU (compute capability < 8.0); use 'float16'")
+        return _DTYPES[requested]
+    wanted = _DTYPES.get(str(config_dtype))
+    if wanted not in (torch.bfloat16, torch.float16):
+        wanted = torch.bfloat16
+    return torch.float16 if wanted is torch.bfloat16 and not bf16_supported else wanted
 
 
 def _positive(name: str, value: int) -> None:

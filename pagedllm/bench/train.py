@@ -1,16 +1,18 @@
-"""Training throughput: tokens/s and MFU (vs this machine's fp32 matmul peak) for 1 process and N ranks with ZeRO-3.
+"""Training throughput: tokens/s and MFU (vs the device's measured matmul peak) for 1 process and N ranks with ZeRO-3.
 
 Each configuration is a real `pagedllm train` run (a subprocess; the multi-rank one through torchrun)
 of a small Llama on Python standard-library text, with a tokenizer trained on the fly. Throughput is
 the median over the steps after the warm-up ones, read from the run's metrics.jsonl. MFU divides the
-achieved model FLOP/s (6 x parameters + attention, per token) by the fp32 matmul peak measured in this
-run with every core -- the whole machine's ceiling, whatever the number of ranks (for --precision
-BF16, against the bf16 matmul peak, also measured).
+achieved model FLOP/s (6 x parameters + attention, per token) by the matmul peak measured in this
+run on the training device in the compute dtype (fp32, or bf16 for --precision BF16). On CPU that
+is every core together -- the whole machine's ceiling, whatever the number of ranks; on CUDA each
+rank has its own GPU, so the peak is per GPU times the ranks.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--precision", default="FP32", choices=["FP32", "BF16"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="where the runs train (auto: CUDA when available); the peak is measured there")
     parser.add_argument("--json", type=Path, help="also write the results here")
 
 
@@ -68,14 +72,17 @@ def prepare(work: Path) -> None:
     train_tokenizer(str(work / "corpus"), 8192, work / "tokenizer")
 
 
-def run_config(job: dict, work: Path, nproc: int, peak: float) -> list[dict]:
+def run_config(job: dict, work: Path, nproc: int, per_rank_peak: float, device: str) -> list[dict]:
     config = work / f"{job['job_name']}.json"
     config.write_text(json.dumps(job))
     cmd = [sys.executable, "-m", "pagedllm.training.cli", "train", "--config", str(config), "--no-export",
-           "--peak-flops", str(peak / nproc)]
+           "--peak-flops", str(per_rank_peak)]
     if nproc > 1:
         cmd += ["--nproc-per-node", str(nproc)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the trainer takes a GPU whenever it sees one
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{job['job_name']} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     metrics = Path(job["checkpoint_config"]["checkpoint_dir"]) / "metrics.jsonl"
@@ -92,34 +99,49 @@ def run(args: argparse.Namespace) -> int:
     from pagedllm.training.config import ModelConfig
     from pagedllm.training.model import flops_per_token, num_params
 
-    peak = measure_matmul_peak()  # fp32: the denominator of MFU for FP32 runs
-    compute_peak = peak if args.precision == "FP32" else measure_matmul_peak(dtype=torch.bfloat16)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    ranks = _ranks_for(device, args.ranks)
+    dtype = torch.float32 if args.precision == "FP32" else torch.bfloat16
+    peak = measure_matmul_peak(dtype=dtype, device=device)  # one device: all CPU cores, or one GPU
     results = []
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-train-") as tmp:
         work = Path(tmp)
         prepare(work)
-        configs = [("1 process", 1, 0), (f"{args.ranks} ranks ZeRO-3", args.ranks, 3)]
+        configs = [("1 process", 1, 0), (f"{ranks} ranks ZeRO-3", ranks, 3)] if ranks > 1 else [("1 process", 1, 0)]
         for name, nproc, stage in configs:
             job = bench_job(args, work, name.replace(" ", "-"), stage)
             model = ModelConfig(**job["model_config"])
             fpt = flops_per_token(model, args.seq_len)
+            # CPU ranks share the cores measured together; each CUDA rank has a GPU of its own.
+            per_rank, total = (peak / nproc, peak) if device == "cpu" else (peak, peak * nproc)
             started = time.perf_counter()
-            records = run_config(job, work, nproc, compute_peak)
-            result = summarize(name, records, args.warmup_steps, fpt, compute_peak)
+            records = run_config(job, work, nproc, per_rank, device)
+            result = summarize(name, records, args.warmup_steps, fpt, total)
             result["wall_s"] = time.perf_counter() - started
             results.append(result)
     params = num_params(model)
     print(f"model: llama {args.layers} layers x {args.hidden} hidden, {params / 1e6:.2f}M parameters, "
           f"seq {args.seq_len}, global batch {args.global_batch}, {args.precision}; "
           f"{fpt / 1e6:.1f} MFLOP/token")
-    print(f"fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
-    if args.precision != "FP32":
-        print(f"bf16 matmul peak: {compute_peak / 1e9:.1f} GFLOP/s (the MFU denominator below)")
+    where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{args.precision.lower()} matmul peak on {where}: {peak / 1e9:.1f} GFLOP/s (the MFU denominator below)")
     print(f"{'config':<20} {'tokens/s':>10} {'MFU':>7}")
     for r in results:
         print(f"{r['config']:<20} {r['tokens_per_s']:>10.0f} {100 * r['mfu']:>6.1f}%")
     if args.json:
-        args.json.write_text(json.dumps({"peak_flops": peak, "compute_peak_flops": compute_peak, "params": params,
+        args.json.write_text(json.dumps({"device": device, "peak_flops": peak, "params": params,
                                          "flops_per_token": fpt, "precision": args.precision,
                                          "results": results}, indent=2))
     return 0
+
+
+def _ranks_for(device: str, ranks: int) -> int:
+    """On CUDA each rank needs a GPU of its own."""
+    if device == "cpu":
+        return ranks
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    available = torch.cuda.device_count()
+    if ranks > available:
+        print(f"only {available} GPU(s): the ZeRO-3 configuration runs on {available} rank(s)")
+    return min(ranks, available)

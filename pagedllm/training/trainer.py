@@ -363,14 +363,15 @@ class Trainer:
         dist.barrier()
 
     def _peak_flops(self) -> float:
-        """Per-process matmul peak in the compute dtype; MFU divides achieved FLOP/s by the sum over ranks."""
+        """Per-process matmul peak on the training device in the compute dtype; MFU divides achieved
+        FLOP/s by the sum over ranks."""
         if self.options.peak_flops:
             per_rank = self.options.peak_flops
         else:
             from pagedllm.bench.peak import measure_matmul_peak
 
             low = LOW_PRECISION.get(self.job.memory.precision)  # bf16/fp16 runs: that dtype's peak
-            per_rank = measure_matmul_peak(dtype=low or torch.float32)
+            per_rank = measure_matmul_peak(dtype=low or torch.float32, device=self.device)
         peak = torch.tensor([per_rank], dtype=torch.float64)
         dist.all_reduce(peak)
         return float(peak)

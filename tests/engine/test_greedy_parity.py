@@ -55,12 +55,12 @@ def reference(model_dir):
     return get
 
 
-def assert_matches(ours: list[int], theirs: list[int], logits: torch.Tensor) -> int:
+def assert_matches(ours: list[int], theirs: list[int], logits: torch.Tensor, near_tie: float = NEAR_TIE) -> int:
     """Returns how many leading positions agree exactly (all of them unless a near-tie)."""
     for i, (a, b) in enumerate(zip(ours, theirs)):
         if a != b:
             gap = float(logits[i, b] - logits[i, a])
-            assert gap < NEAR_TIE, f"position {i}: we chose {a}, transformers {b}; logit gap {gap:.2e} is no near-tie"
+            assert gap < near_tie, f"position {i}: we chose {a}, transformers {b}; logit gap {gap:.2e} is no near-tie"
             return i
     assert len(ours) == len(theirs)
     return len(ours)
@@ -115,12 +115,12 @@ def test_mixed_steps_happen_with_chunked_prefill(model_dir):
     seen_mixed = False
     original = engine.runner.execute
 
-    def spy(sched, tables, samples):
+    def spy(sched):
         nonlocal seen_mixed
         assert sched.num_batched_tokens <= 32
-        kinds = {item.num_new_tokens > 1 for item in sched.scheduled}
+        kinds = {chunk.num_tokens > 1 for chunk in sched.chunks}
         seen_mixed |= kinds == {True, False}
-        return original(sched, tables, samples)
+        return original(sched)
 
     engine.runner.execute = spy
     while engine.has_unfinished_requests():
