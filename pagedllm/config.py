@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from pagedllm.spec_decode.config import SpeculativeConfig
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -201,6 +203,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     kv_cache_memory_fraction: float = 0.25
+    # {"model": DIR, "num_speculative_tokens": k} or {"method": "ngram", ...}; JSON text from the CLI
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -227,6 +231,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'kernel' or 'sdpa', got {self.attention_backend!r}")
         if not 0 < self.kv_cache_memory_fraction <= 0.9:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.9]")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":

@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from parity import make_reference  # noqa: E402
 from tiny_models import build_model  # noqa: E402
 
 from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
@@ -27,6 +28,12 @@ def model_dir(tmp_path_factory):
         return built[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir):
+    """arch -> transformers' greedy tokens and logits on tests/parity.py's PROMPTS."""
+    return make_reference(model_dir)
 
 
 @pytest.fixture(autouse=True)

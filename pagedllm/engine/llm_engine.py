@@ -57,6 +57,7 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
                 preemption_policy=config.preemption_policy,
+                num_lookahead_slots=self.runner.speculator.num_lookahead_slots if self.runner.speculator else 0,
             ),
             self.block_manager,
         )
@@ -204,6 +205,25 @@ class LLMEngine:
             "num_swapped": requests_in(sched.swapped),
             "prompt_tokens_total": sched.num_prompt_tokens_total,
             "generation_tokens_total": self.output_processor.num_generation_tokens_total,
+            **self._spec_decode_stats(),
+        }
+
+    def _spec_decode_stats(self) -> dict[str, Any]:
+        """vLLM's spec_decode counters, plus the derived rates and where the time went."""
+        if self.runner.speculator is None:
+            return {}
+        spec = self.scheduler.spec_stats
+        draft_s, target_s = self.runner.speculator.draft_time_s, self.runner.target_time_s
+        return {
+            "spec_decode_num_drafts": spec.num_drafts,
+            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(spec.accepted_per_position),
+            "spec_decode_acceptance_rate": spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0,
+            "spec_decode_mean_accepted_length": 1 + spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 0.0,
+            "spec_decode_draft_time_s": draft_s,
+            "spec_decode_target_time_s": target_s,
+            "spec_decode_draft_time_share": draft_s / (draft_s + target_s) if draft_s + target_s else 0.0,
         }
 
 

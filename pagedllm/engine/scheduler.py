@@ -40,12 +40,13 @@ TokenCallback = Callable[[Sequence, SampledToken], "SequenceStatus | None"]
 @dataclass
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # including the speculative tokens to verify
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def completes_context(self) -> bool:
         """After this chunk every known token has KV, so the next token can be sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
 
 
 @dataclass
@@ -65,6 +66,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     preemption_mode: str
     preemption_policy: str
+    # Slots reserved past a decode's last position for the draft model's proposals.
+    num_lookahead_slots: int = 0
 
 
 class Scheduler:
@@ -81,6 +84,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_prompt_tokens_total = 0
+        self.spec_stats = SpecDecodeStats()
 
     # ---- queues ------------------------------------------------------------------------------
     @staticmethod
@@ -133,16 +137,18 @@ class Scheduler:
         now = time.time()
         for item in step.scheduled:
             seq = item.seq
+            start, num_known = seq.num_computed_tokens, item.num_new_tokens - len(item.spec_token_ids)
             out.chunks.append(ScheduledChunk(
-                seq.seq_id, seq.num_computed_tokens, seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + item.num_new_tokens],
+                seq.seq_id, start, seq.token_ids[start : start + num_known] + item.spec_token_ids,
                 self.block_manager.block_table(seq.seq_id), _prompt_logprobs_request(item),
+                num_spec=len(item.spec_token_ids), draft_start=seq.num_draft_computed,
             ))
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
                 self.num_prompt_tokens_total += len(seq.request.prompt_token_ids)
             if item.completes_context:
                 chunk = len(out.chunks) - 1
-                out.samples.append(_sample_row(seq, chunk))
+                out.samples.append(_sample_row(seq, chunk, item.spec_token_ids))
                 out.samples.extend(_sample_row(child, chunk) for child in self._fork_samples(item))
         out.preempted_seq_ids = [seq.seq_id for seq in step.preempted]
         out.finished_seq_ids, self._finished_ids = self._finished_ids, []
@@ -159,7 +165,7 @@ class Scheduler:
         children = []
         for index in range(1, request.params.best_of):
             child = Sequence(request, index, list(seq.token_ids))
-            child.num_computed_tokens = seq.num_computed_tokens + item.num_new_tokens
+            child.num_computed_tokens = child.num_draft_computed = seq.num_computed_tokens + item.num_new_tokens
             child.set_status(SequenceStatus.RUNNING)
             self.block_manager.fork(seq.seq_id, child.seq_id)
             request.seqs.append(child)
@@ -170,32 +176,61 @@ class Scheduler:
 
     def update_from_output(self, output: ModelRunnerOutput, on_token: TokenCallback) -> list[Sequence]:
         """Advance what the last `schedule()` computed and append the sampled tokens; returns
-        every sequence that changed (advanced, got a token, or ended)."""
+        every sequence that changed (advanced, got a token, or ended).
+
+        A decode that verified speculative tokens computed only the accepted ones: its progress
+        grows by 1 + accepted, and the KV written for rejected proposals is simply overwritten
+        later (its slots stay in the sequence's table)."""
         changed = {seq.seq_id: seq for seq in self._ended}
         self._ended = []
         for item in self._scheduled:
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             changed[seq.seq_id] = seq
+            tokens = output.sampled.get(seq.seq_id, [])
+            accepted = min(max(len(tokens) - 1, 0), len(item.spec_token_ids))
+            if item.spec_token_ids:
+                self.spec_stats.record(len(item.spec_token_ids), accepted)
+            seq.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids) + accepted
+            seq.num_draft_computed = output.draft_computed.get(seq.seq_id, seq.num_draft_computed)
+            computed_ids = seq.token_ids + [t.token_id for t in tokens[:accepted]]
+            self.block_manager.cache_full_blocks(seq.seq_id, computed_ids, seq.num_computed_tokens)
+            self._append(seq, tokens, on_token)
+            seq.spec_token_ids = output.spec_token_ids.get(seq.seq_id, []) if not seq.finished else []
         self._scheduled = []
         for seq_id, tokens in output.sampled.items():
             seq = self.live.get(seq_id)
-            if seq is None:
-                continue
-            changed[seq_id] = seq  # forked samples were not scheduled themselves
-            for token in tokens:
-                seq.token_ids.append(token.token_id)
-                status = on_token(seq, token)
-                if status is not None:
-                    self.finish(seq, status)
-                    break
+            if seq is not None and seq_id not in changed:  # a sample forked this step
+                changed[seq_id] = seq
+                self._append(seq, tokens, on_token)
         return list(changed.values())
+
+    def _append(self, seq: Sequence, tokens: list[SampledToken], on_token: TokenCallback) -> None:
+        for token in tokens:
+            if seq.finished:
+                return
+            seq.token_ids.append(token.token_id)
+            status = on_token(seq, token)
+            if status is not None:
+                self.finish(seq, status)
 
     def _chunk(self, seq: Sequence, num_new: int, budget: int) -> int:
         if num_new <= budget:
             return num_new
         return budget if self.config.enable_chunked_prefill else 0
+
+    def _plan(self, seq: Sequence, budget: int) -> tuple[int, list[int]]:
+        """(tokens to compute, proposals among them): a decode also verifies its proposals, as
+        many as the budget leaves room for."""
+        num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
+        if num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1 or not seq.spec_token_ids:
+            return num_new, []
+        spec = seq.spec_token_ids[: budget - 1]
+        return 1 + len(spec), spec
+
+    def _lookahead(self, seq: Sequence, num_new: int) -> int:
+        """Decodes reserve room for the draft model's proposals (written past the chunk's end)."""
+        is_decode = seq.num_tokens - seq.num_computed_tokens == 1
+        return self.config.num_lookahead_slots if is_decode else 0
 
     def _schedule_running(self, step: _Step, budget: int) -> int:
         queue = deque(sorted(self.running, key=self._keep_key))
@@ -205,21 +240,22 @@ class Scheduler:
             if self._exceeds_pool(seq):
                 self._end_for_capacity(seq)
                 continue
-            num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new, spec = self._plan(seq, budget)
             if num_new == 0:
                 kept.append(seq)  # no budget left this step; it keeps its blocks
                 continue
-            copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            slots = num_new + self._lookahead(seq, num_new)
+            copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, slots)
             while copies is None:
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, step)
                 if victim is seq:
                     break
-                copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+                copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, slots)
             if copies is None:
                 continue
             step.out.blocks_to_copy.extend(copies)
-            step.scheduled.append(ScheduledSequence(seq, num_new))
+            step.scheduled.append(ScheduledSequence(seq, num_new, spec))
             kept.append(seq)
             budget -= num_new
         self.running = kept
@@ -238,12 +274,15 @@ class Scheduler:
             self.swapped.pop(0)
             step.out.blocks_to_swap_in.extend(self.block_manager.swap_in(seq.seq_id))
             seq.set_status(SequenceStatus.RUNNING)
-            num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new, spec = self._plan(seq, budget)
             self.running.append(seq)
             if num_new:
-                copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+                copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new + self._lookahead(seq, num_new))
+                if copies is None:  # no room for the lookahead slots: verify nothing this time
+                    num_new, spec = num_new - len(spec), []
+                    copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
                 assert copies == [], "swapped-in blocks are private and space was checked"
-                step.scheduled.append(ScheduledSequence(seq, num_new))
+                step.scheduled.append(ScheduledSequence(seq, num_new, spec))
                 budget -= num_new
         return budget
 
@@ -267,7 +306,7 @@ class Scheduler:
             if use_cache:
                 bm.record_prefix_query(seq.num_tokens, cached)
             self.waiting.pop(0)
-            seq.num_computed_tokens = cached
+            seq.num_computed_tokens = seq.num_draft_computed = cached
             if not seq.request.forked:
                 seq.request.num_cached_tokens = cached
             seq.set_status(SequenceStatus.RUNNING)
@@ -297,14 +336,36 @@ class Scheduler:
                 return
         # recompute (or swap space exhausted): drop the KV, keep the tokens, start over later.
         self.block_manager.free(seq.seq_id)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed = 0
+        seq.spec_token_ids = []
         seq.set_status(SequenceStatus.WAITING)
         bisect.insort(self.waiting, seq, key=self._arrival_key)
 
 
-def _sample_row(seq: Sequence, chunk: int) -> SampleRow:
+def _sample_row(seq: Sequence, chunk: int, spec_token_ids: list[int] | None = None) -> SampleRow:
     request = seq.request
-    return SampleRow(seq.seq_id, chunk, request.params, seq.index, seq.token_ids, seq.num_prompt_tokens, request.eos_token_ids)
+    return SampleRow(seq.seq_id, chunk, request.params, seq.index, seq.token_ids, seq.num_prompt_tokens,
+                     request.eos_token_ids, list(spec_token_ids or []))
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding counters (vLLM's spec_decode metrics): drafts verified, tokens
+    proposed in them, tokens accepted, and acceptances by position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_proposed:
+            self.accepted_per_position += [0] * (num_proposed - len(self.accepted_per_position))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
 
 
 def _prompt_logprobs_request(item: ScheduledSequence) -> PromptLogprobsRequest | None:

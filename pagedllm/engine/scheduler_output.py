@@ -32,6 +32,14 @@ class ScheduledChunk:
     token_ids: list[int]
     block_table: list[int]  # the sequence's blocks; covers every position up to the chunk's end
     prompt_logprobs: PromptLogprobsRequest | None = None
+    # A decode with speculative tokens: token_ids = [last token, *num_spec proposals to verify]
+    num_spec: int = 0
+    draft_start: int = 0  # first position whose draft-model KV is not yet valid
+
+    @property
+    def is_decode(self) -> bool:
+        """One new position per row of context (a plain decode, or a decode with proposals)."""
+        return self.num_tokens == 1 + self.num_spec
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +62,7 @@ class SampleRow:
     token_ids: list[int]  # prompt + output so far (penalties look at it; read, never kept)
     num_prompt_tokens: int
     eos_token_ids: frozenset[int]
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals verified at this row's chunk
 
     @property
     def num_output_tokens(self) -> int:

@@ -55,6 +55,8 @@ class Sequence:
     stop_reason: int | str | None = None
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify at the next step
+    num_draft_computed: int = 0  # positions whose draft-model KV is valid (speculative decoding)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -97,9 +97,26 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [R, V] float32, one row per token to sample."""
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        processed = apply_penalties(logits, meta.penalties) if meta.penalties is not None else logits
+        processed = self.process(logits, meta)
         tokens = self._choose(processed, meta)
-        out = SamplerOutput(tokens, raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1))
+        return self.with_logprobs(raw_logprobs, tokens, meta)
+
+    @staticmethod
+    def process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Penalties and bans: what greedy rows take the argmax of."""
+        return apply_penalties(logits, meta.penalties) if meta.penalties is not None else logits
+
+    @staticmethod
+    def probs(processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution each random row samples from: temperature, then top-k/p and min-p."""
+        scaled = processed.index_select(0, meta.random_rows) / meta.temperature.to(processed.dtype).unsqueeze(1)
+        return filter_logits(scaled, meta.top_k, meta.top_p, meta.min_p).softmax(dim=-1)
+
+    @staticmethod
+    def with_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """The chosen tokens' raw logprobs, and ranks and top-N when any row asked for them.
+        Rows whose token is -1 (nothing chosen) get a meaningless logprob the caller drops."""
+        out = SamplerOutput(tokens, raw_logprobs.gather(1, tokens.clamp(min=0).unsqueeze(1)).squeeze(1))
         if meta.max_num_logprobs is not None:
             out.ranks = (raw_logprobs > out.logprobs.unsqueeze(1)).sum(dim=-1) + 1
             if meta.max_num_logprobs > 0:
@@ -110,12 +127,11 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if meta.random_rows is None:
             return tokens
-        scaled = logits.index_select(0, meta.random_rows) / meta.temperature.to(logits.dtype).unsqueeze(1)
-        probs = filter_logits(scaled, meta.top_k, meta.top_p, meta.min_p).softmax(dim=-1)
-        noise = self._exponential_noise(probs, meta)
+        probs = self.probs(logits, meta)
+        noise = self.exponential_noise(probs, meta)
         return tokens.index_copy(0, meta.random_rows, (probs / noise).argmax(dim=-1))
 
-    def _exponential_noise(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def exponential_noise(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         noise = torch.empty_like(probs)
         if meta.unseeded is not None:
             draw = torch.empty((meta.unseeded.numel(), probs.shape[1]), dtype=probs.dtype, device=probs.device)

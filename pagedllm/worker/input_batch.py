@@ -40,45 +40,49 @@ class BatchLayout:
 
 
 def batch_order(chunks: list[ScheduledChunk]) -> list[int]:
-    return sorted(range(len(chunks)), key=lambda i: (chunks[i].num_tokens > 1, -chunks[i].start))
+    return sorted(range(len(chunks)), key=lambda i: (not chunks[i].is_decode, -chunks[i].start))
 
 
-def stage_batch(chunks: list[ScheduledChunk], block_size: int, kernel_decode: bool, staging: Staging) -> BatchLayout:
+def stage_batch(chunks: list[ScheduledChunk], block_size: int, kernel_decode: bool, staging: Staging, prefix: str = "") -> BatchLayout:
+    """Lay out the chunks and stage their arrays under `prefix`. A decode that verifies k
+    proposals contributes k + 1 decode rows, each attending to the context up to its position."""
     order = batch_order(chunks)
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
+    decodes: list[tuple[int, list[int]]] = []  # (context length, block table) per decode row
     layout = BatchLayout(order, {}, {}, [], [])
     for index in order:
         chunk = chunks[index]
         layout.first_rows[index] = len(ids)
         ids.extend(chunk.token_ids)
-        if chunk.num_tokens == 1:
-            p = chunk.start
-            positions.append(p)
-            slots.append(chunk.block_table[p // block_size] * block_size + p % block_size)
+        if chunk.is_decode:
+            for p in range(chunk.start, chunk.end):
+                positions.append(p)
+                slots.append(chunk.block_table[p // block_size] * block_size + p % block_size)
+                decodes.append((p + 1, chunk.block_table))
         else:
             pos = np.arange(chunk.start, chunk.end)
             positions.extend(pos.tolist())
             slots.extend((np.asarray(chunk.block_table)[pos // block_size] * block_size + pos % block_size).tolist())
             layout.prefills.append((layout.first_rows[index], chunk))
         layout.last_rows[index] = len(ids) - 1
-    staging.add("input_ids", ids)
-    staging.add("positions", positions)
-    staging.add("slot_mapping", slots)
-    decodes = [chunks[i] for i in order if chunks[i].num_tokens == 1]
-    layout.buckets = _stage_decode_buckets(decodes, block_size, kernel_decode, staging)
+    staging.add(prefix + "input_ids", ids)
+    staging.add(prefix + "positions", positions)
+    staging.add(prefix + "slot_mapping", slots)
+    layout.buckets = _stage_decode_buckets(decodes, block_size, kernel_decode, staging, prefix)
     for number, (_, chunk) in enumerate(layout.prefills):
         if chunk.start > 0:
-            staging.add(f"prefill{number}.blocks", chunk.block_table[: -(-chunk.end // block_size)])
+            staging.add(f"{prefix}prefill{number}.blocks", chunk.block_table[: -(-chunk.end // block_size)])
     return layout
 
 
-def _stage_decode_buckets(decodes: list[ScheduledChunk], block_size: int, kernel_decode: bool, staging: Staging) -> list[_Bucket]:
-    """Cut decodes (sorted longest first) where padding to the bucket's longest context would
-    multiply its KV by more than the backend's factor, into at most its number of calls."""
+def _stage_decode_buckets(decodes: list[tuple[int, list[int]]], block_size: int, kernel_decode: bool, staging: Staging,
+                          prefix: str) -> list[_Bucket]:
+    """Cut decode rows (sorted about longest first) where padding to the bucket's first context
+    would multiply its KV by more than the backend's factor, into at most its number of calls."""
     max_buckets, factor = KERNEL_DECODE_BUCKETS if kernel_decode else SDPA_DECODE_BUCKETS
-    num_blocks = [-(-(c.end) // block_size) for c in decodes]
+    num_blocks = [-(-ctx // block_size) for ctx, _ in decodes]
     buckets: list[_Bucket] = []
     start = 0
     while start < len(decodes):
@@ -86,37 +90,37 @@ def _stage_decode_buckets(decodes: list[ScheduledChunk], block_size: int, kernel
         last_bucket = len(buckets) == max_buckets - 1
         while end < len(decodes) and (last_bucket or factor * num_blocks[end] > num_blocks[start]):
             end += 1
-        width = num_blocks[start]
-        tables = [c.block_table[:n] + [0] * (width - n) for c, n in zip(decodes[start:end], num_blocks[start:end])]
+        width = max(num_blocks[start:end])
+        tables = [table[:n] + [0] * (width - n) for (_, table), n in zip(decodes[start:end], num_blocks[start:end])]
         number = len(buckets)
-        staging.add(f"decode{number}.tables", tables, shape=(end - start, width))
-        staging.add(f"decode{number}.ctx_lens", [c.end for c in decodes[start:end]])
+        staging.add(f"{prefix}decode{number}.tables", tables, shape=(end - start, width))
+        staging.add(f"{prefix}decode{number}.ctx_lens", [ctx for ctx, _ in decodes[start:end]])
         buckets.append(_Bucket(start, end - start, width))
         start = end
     return buckets
 
 
 def attention_metadata(layout: BatchLayout, views: dict[str, torch.Tensor], kernel_decode: bool, block_size: int,
-                       windows: list[int | None], dtype: torch.dtype) -> AttentionMetadata:
-    device = views["slot_mapping"].device
+                       windows: list[int | None], dtype: torch.dtype, prefix: str = "") -> AttentionMetadata:
+    device = views[prefix + "slot_mapping"].device
     decodes = []
     for number, bucket in enumerate(layout.buckets):
-        ctx_lens = views[f"decode{number}.ctx_lens"]
+        ctx_lens = views[f"{prefix}decode{number}.ctx_lens"]
         masks = {}
         if not kernel_decode:
             k_pos = torch.arange(bucket.max_blocks * block_size, device=device)
             for window in windows:
                 masks[window] = additive_mask(allowed_keys(ctx_lens - 1, k_pos, window), dtype)[:, None, None, :]
-        decodes.append(DecodeBucket(bucket.start, bucket.count, views[f"decode{number}.tables"], ctx_lens, masks))
+        decodes.append(DecodeBucket(bucket.start, bucket.count, views[f"{prefix}decode{number}.tables"], ctx_lens, masks))
     prefills = []
     for number, (first_row, chunk) in enumerate(layout.prefills):
         prefill = PrefillChunk(q_start=first_row, q_len=chunk.num_tokens, ctx_len=chunk.end)
         if chunk.start > 0:
-            prefill.block_ids = views[f"prefill{number}.blocks"]
+            prefill.block_ids = views[f"{prefix}prefill{number}.blocks"]
         for window in windows:
             if chunk.start > 0 or window is not None:
                 q_pos = torch.arange(chunk.start, chunk.end, device=device)
                 allowed = allowed_keys(q_pos, torch.arange(chunk.end, device=device), window)
                 prefill.masks[window] = additive_mask(allowed, dtype)
         prefills.append(prefill)
-    return AttentionMetadata(views["slot_mapping"], decodes, prefills, kernel_decode)
+    return AttentionMetadata(views[prefix + "slot_mapping"], decodes, prefills, kernel_decode)

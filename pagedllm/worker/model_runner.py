@@ -8,6 +8,8 @@ on the device and reads the results back in one copy (worker/step_results.py).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
@@ -15,6 +17,8 @@ from pagedllm.engine.scheduler_output import SampleRow, SchedulerOutput
 from pagedllm.layers.paged_decode import kernel_supported, load
 from pagedllm.layers.sampler import Sampler
 from pagedllm.models.loader import load_model
+from pagedllm.spec_decode.rejection import rejection_sample
+from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.worker.input_batch import attention_metadata, stage_batch
 from pagedllm.worker.kv_cache import KVCache, bytes_per_block
 from pagedllm.worker.malloc import keep_freed_memory
@@ -35,6 +39,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.model = load_model(model_config, max_model_len, self.dtype, self.device)
+        self.speculator = None
+        if config.speculative_config is not None:
+            self.speculator = Speculator(config.speculative_config, model_config, max_model_len, self.block_size, self.dtype, self.device)
         self.num_blocks, self.num_cpu_blocks = self._pool_sizes()
         self.kv_cache = KVCache(model_config, self.num_blocks, self.num_cpu_blocks, self.block_size, self.dtype, self.device)
         for index, attn in enumerate(self.model.attention_layers()):
@@ -42,6 +49,9 @@ class ModelRunner:
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
         self.sampler = Sampler(config.seed, self.device)
         self.kernel_decode = self._choose_decode_backend()
+        if self.speculator is not None:
+            self.speculator.allocate(self.num_blocks, self.num_cpu_blocks, self.kernel_decode)
+        self.target_time_s = 0.0  # in execute() before proposing
         self.generators: dict[int, torch.Generator] = {}  # seq id -> a seeded sequence's own generator
 
     def _choose_decode_backend(self) -> bool:
@@ -63,6 +73,8 @@ class ModelRunner:
 
     def _pool_sizes(self) -> tuple[int, int]:
         per_block = bytes_per_block(self.model_config, self.block_size, self.dtype)
+        if self.speculator is not None:
+            per_block += self.speculator.bytes_per_block()  # the draft's mirror pool
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
@@ -86,36 +98,63 @@ class ModelRunner:
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        for seq_id in sched.finished_seq_ids:
-            self.generators.pop(seq_id, None)
+        started = time.perf_counter()
+        self._forget(sched.finished_seq_ids)
         staging = Staging()
         _stage_block_maps(sched, staging)
         if not sched.chunks:
             self._apply_block_maps(sched, staging.to(self.device))
             return ModelRunnerOutput()
         layout = stage_batch(sched.chunks, self.block_size, self.kernel_decode, staging)
-        prompt_rows = stage_logit_rows(sched, layout, staging)
-        plan = stage_sampling(sched.samples, staging)
+        plain = [row for row in sched.samples if not row.spec_token_ids]
+        spec = [row for row in sched.samples if row.spec_token_ids]
+        expanded = Speculator.expand(spec)
+        prompt_rows = stage_logit_rows(sched, layout, staging, [plain, spec])
+        plain_plan = stage_sampling(plain, staging)
+        spec_plan = stage_sampling(expanded, staging, "verify.sampling.")
+        if spec:
+            Speculator.stage_verify(spec, staging)
         views = staging.to(self.device)
         self._apply_block_maps(sched, views)
         meta = attention_metadata(layout, views, self.kernel_decode, self.block_size, self.windows, self.dtype)
         hidden = self.model(views["input_ids"], views["positions"], meta)
         logits = self.model.compute_logits(hidden.index_select(0, views["logit_rows"]))
-        num_samples = len(sched.samples)
-        sampled = None
-        if num_samples:
-            sampled = self.sampler(logits[:num_samples], sampling_metadata(plan, views, lambda row: self._generator(sched.samples[row])))
-        scored = score_prompt_tokens(logits[num_samples:], views.get("prompt_targets"), prompt_rows)
-        return fetch_results(sched, sampled, scored, prompt_rows)
+        groups = []
+        if plain:
+            plain_meta = sampling_metadata(plain_plan, views, lambda r: self._generator(plain[r]))
+            groups.append((plain, self.sampler(logits[: len(plain)], plain_meta)))
+        if spec:
+            spec_meta = sampling_metadata(spec_plan, views, lambda r: self._generator(expanded[r]))
+            batch = self.speculator.verify_batch(spec, views, self._generator)
+            groups.append((spec, rejection_sample(self.sampler, logits[len(plain) : len(plain) + len(expanded)], spec_meta, batch)))
+        scored = score_prompt_tokens(logits[len(plain) + len(expanded) :], views.get("prompt_targets"), prompt_rows)
+        result = fetch_results(groups, scored, prompt_rows)
+        self.target_time_s += time.perf_counter() - started
+        if self.speculator is not None:
+            self.speculator.propose(sched, result, self.sampler, self._generator)
+        return result
+
+    def _forget(self, seq_ids: list[int]) -> None:
+        """Drop per-sequence state of sequences that finished."""
+        for seq_id in seq_ids:
+            self.generators.pop(seq_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(seq_ids)
 
     def _apply_block_maps(self, sched: SchedulerOutput, views: dict[str, torch.Tensor]) -> None:
-        """Swap-outs first: the blocks they free may be reused by this step's swap-ins."""
-        if sched.blocks_to_swap_out:
-            self.kv_cache.swap_out(views["swap_out.device"], [host for _, host in sched.blocks_to_swap_out])
-        if sched.blocks_to_swap_in:
-            self.kv_cache.swap_in([host for host, _ in sched.blocks_to_swap_in], views["swap_in.device"])
-        if sched.blocks_to_copy:
-            self.kv_cache.copy(views["copy.pairs"][:, 0], views["copy.pairs"][:, 1])
+        """Swap-outs first: the blocks they free may be reused by this step's swap-ins. A draft
+        model's mirror pool moves with the target's."""
+        for cache in self.kv_caches:
+            if sched.blocks_to_swap_out:
+                cache.swap_out(views["swap_out.device"], [host for _, host in sched.blocks_to_swap_out])
+            if sched.blocks_to_swap_in:
+                cache.swap_in([host for host, _ in sched.blocks_to_swap_in], views["swap_in.device"])
+            if sched.blocks_to_copy:
+                cache.copy(views["copy.pairs"][:, 0], views["copy.pairs"][:, 1])
+
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        return [self.kv_cache] + (self.speculator.kv_caches if self.speculator is not None else [])
 
     def _generator(self, row: SampleRow) -> torch.Generator:
         """A seeded sample's generator, made at its first token from (seed, sample index)."""

@@ -26,3 +26,7 @@ class ModelRunnerOutput:
     sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
     # seq id -> one entry per prompt position scored this step (the prompt token at the next position)
     prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)
+    # speculative decoding: seq id -> tokens proposed for the next step to verify
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # seq id -> positions whose draft-model KV is now valid (draft-model speculation only)
+    draft_computed: dict[int, int] = field(default_factory=dict)

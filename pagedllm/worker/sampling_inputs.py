@@ -22,6 +22,7 @@ _NO_TOP_K = np.iinfo(np.int64).max
 @dataclass
 class SamplingPlan:
     num_rows: int
+    prefix: str = "sampling."  # names of its staged arrays
     random: list[int] = field(default_factory=list)  # rows that sample
     seeded: list[tuple[int, int]] = field(default_factory=list)  # (position among random rows, row)
     has_unseeded: bool = False
@@ -30,8 +31,8 @@ class SamplingPlan:
     max_num_logprobs: int | None = None
 
 
-def stage_sampling(rows: list[SampleRow], staging: Staging) -> SamplingPlan:
-    plan = SamplingPlan(len(rows))
+def stage_sampling(rows: list[SampleRow], staging: Staging, prefix: str = "sampling.") -> SamplingPlan:
+    plan = SamplingPlan(len(rows), prefix)
     plan.random = [r for r, row in enumerate(rows) if not row.params.greedy]
     asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
     plan.max_num_logprobs = max(asked) if asked else None
@@ -39,26 +40,27 @@ def stage_sampling(rows: list[SampleRow], staging: Staging) -> SamplingPlan:
         _stage_random(plan, rows, staging)
     if any(_penalised(row) for row in rows):
         plan.penalised = True
-        _stage_penalties(rows, staging)
+        _stage_penalties(rows, staging, prefix)
     return plan
 
 
 def _stage_random(plan: SamplingPlan, rows: list[SampleRow], staging: Staging) -> None:
+    prefix = plan.prefix
     params = [rows[r].params for r in plan.random]
-    staging.add("sampling.random_rows", plan.random)
+    staging.add(prefix + "random_rows", plan.random)
     plan.seeded = [(pos, r) for pos, r in enumerate(plan.random) if rows[r].params.seed is not None]
     unseeded = [pos for pos, r in enumerate(plan.random) if rows[r].params.seed is None]
     plan.has_unseeded = bool(unseeded)
     if unseeded:
-        staging.add("sampling.unseeded", unseeded)
-    staging.add("sampling.temperature", [p.temperature for p in params], np.float32)
+        staging.add(prefix + "unseeded", unseeded)
+    staging.add(prefix + "temperature", [p.temperature for p in params], np.float32)
     plan.filters = (any(p.top_k != -1 for p in params), any(p.top_p < 1.0 for p in params), any(p.min_p > 0 for p in params))
     if plan.filters[0]:
-        staging.add("sampling.top_k", [p.top_k if p.top_k != -1 else _NO_TOP_K for p in params])
+        staging.add(prefix + "top_k", [p.top_k if p.top_k != -1 else _NO_TOP_K for p in params])
     if plan.filters[1]:
-        staging.add("sampling.top_p", [p.top_p for p in params], np.float32)
+        staging.add(prefix + "top_p", [p.top_p for p in params], np.float32)
     if plan.filters[2]:
-        staging.add("sampling.min_p", [p.min_p for p in params], np.float32)
+        staging.add(prefix + "min_p", [p.min_p for p in params], np.float32)
 
 
 def _penalised(row: SampleRow) -> bool:
@@ -66,7 +68,7 @@ def _penalised(row: SampleRow) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty) or row.num_output_tokens < p.min_tokens
 
 
-def _stage_penalties(rows: list[SampleRow], staging: Staging) -> None:
+def _stage_penalties(rows: list[SampleRow], staging: Staging, prefix: str) -> None:
     seen: list[tuple[int, int]] = []
     output: list[tuple[int, int]] = []
     banned: list[tuple[int, int]] = []
@@ -80,23 +82,24 @@ def _stage_penalties(rows: list[SampleRow], staging: Staging) -> None:
             ids = set(p.stop_token_ids) | (set() if p.ignore_eos else row.eos_token_ids)
             banned.extend((r, t) for t in sorted(ids))
     factors = [[row.params.repetition_penalty, row.params.presence_penalty, row.params.frequency_penalty] for row in rows]
-    staging.add("sampling.penalty_factors", factors, np.float32, shape=(len(rows), 3))
+    staging.add(prefix + "penalty_factors", factors, np.float32, shape=(len(rows), 3))
     for name, pairs in (("seen", seen), ("output", output), ("banned", banned)):
-        staging.add(f"sampling.{name}", pairs, shape=(len(pairs), 2))
+        staging.add(prefix + name, pairs, shape=(len(pairs), 2))
 
 
 def sampling_metadata(plan: SamplingPlan, views: dict[str, torch.Tensor], generator_for: Callable[[int], torch.Generator]) -> SamplingMetadata:
     """`generator_for(row)`: the seeded row's own generator (the runner keeps them)."""
     meta = SamplingMetadata(plan.num_rows, max_num_logprobs=plan.max_num_logprobs)
+    prefix = plan.prefix
     if plan.random:
-        meta.random_rows = views["sampling.random_rows"]
-        meta.temperature = views["sampling.temperature"]
-        meta.unseeded = views.get("sampling.unseeded")
+        meta.random_rows = views[prefix + "random_rows"]
+        meta.temperature = views[prefix + "temperature"]
+        meta.unseeded = views.get(prefix + "unseeded")
         meta.seeded = [(pos, generator_for(row)) for pos, row in plan.seeded]
-        meta.top_k, meta.top_p, meta.min_p = (views.get(f"sampling.{name}") for name in ("top_k", "top_p", "min_p"))
+        meta.top_k, meta.top_p, meta.min_p = (views.get(prefix + name) for name in ("top_k", "top_p", "min_p"))
     if plan.penalised:
-        factors = views["sampling.penalty_factors"]
-        pairs = {name: (views[f"sampling.{name}"][:, 0], views[f"sampling.{name}"][:, 1]) for name in ("seen", "output", "banned")}
+        factors = views[prefix + "penalty_factors"]
+        pairs = {name: (views[prefix + name][:, 0], views[prefix + name][:, 1]) for name in ("seen", "output", "banned")}
         meta.penalties = Penalties(factors[:, 0], factors[:, 1], factors[:, 2], pairs["seen"], pairs["output"], pairs["banned"])
     return meta
 

@@ -1,9 +1,10 @@
 """Which rows of a step need logits, and bringing their results to the host in one copy.
 
-Logits are computed only for rows that sample (a sequence's last scheduled position) and rows
-whose prompt logprobs were asked for. The sampled tokens, their logprobs, ranks and top-N, and
-every prompt logprob are packed into one float64 tensor (token ids are exact in float64) and
-read back with a single `.tolist()`: one device->host synchronisation per step.
+Logits are computed only for rows that sample (a sequence's last scheduled position, or every
+position of a decode that verifies proposals) and rows whose prompt logprobs were asked for. The
+sampled tokens, their logprobs, ranks and top-N, and every prompt logprob are packed into one
+float64 tensor (token ids are exact in float64) and read back with a single `.tolist()`: one
+device->host synchronisation per step.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.engine.scheduler_output import SampleRow, SchedulerOutput
 from pagedllm.layers.sampler import SamplerOutput
 from pagedllm.worker.input_batch import BatchLayout
 from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
@@ -26,8 +27,14 @@ class PromptRows:
     max_num: int = 0
 
 
-def stage_logit_rows(sched: SchedulerOutput, layout: BatchLayout, staging: Staging) -> PromptRows:
-    rows = [layout.last_rows[sample.chunk] for sample in sched.samples]
+def stage_logit_rows(sched: SchedulerOutput, layout: BatchLayout, staging: Staging, groups: list[list[SampleRow]]) -> PromptRows:
+    """Logit rows in order: each group's sample rows (a row with k proposals takes its chunk's
+    k + 1 rows), then the prompt positions scored."""
+    rows: list[int] = []
+    for group in groups:
+        for sample in group:
+            last = layout.last_rows[sample.chunk]
+            rows.extend(range(last - len(sample.spec_token_ids), last + 1))
     targets: list[int] = []
     prompt = PromptRows()
     for index, chunk in enumerate(sched.chunks):
@@ -67,19 +74,24 @@ def _columns(out: SamplerOutput) -> torch.Tensor:
     return torch.cat([c.to(torch.float64) for c in columns], dim=1)
 
 
-def fetch_results(sched: SchedulerOutput, sampled: SamplerOutput | None, scored: SamplerOutput | None, prompt: PromptRows) -> ModelRunnerOutput:
-    parts = [_columns(out) for out in (sampled, scored) if out is not None]
-    if not parts:
+def fetch_results(groups: list[tuple[list[SampleRow], SamplerOutput]], scored: SamplerOutput | None, prompt: PromptRows) -> ModelRunnerOutput:
+    """`groups`: sample rows with their sampler output over their logit rows (a row with k
+    proposals owns k + 1 of them, whose tokens end at the first -1)."""
+    outs = [out for _, out in groups] + ([scored] if scored is not None else [])
+    if not outs:
         return ModelRunnerOutput()
+    parts = [_columns(out) for out in outs]
     values = torch.cat([p.reshape(-1) for p in parts]).tolist()  # the step's one device->host copy
     result = ModelRunnerOutput()
     offset = 0
-    if sampled is not None:
-        width = parts[0].shape[1]
-        for row, sample in enumerate(sched.samples):
-            entry = _entry(values, offset + row * width, width, sample.params.logprobs)
-            result.sampled.setdefault(sample.seq_id, []).append(entry)
-        offset += len(sched.samples) * width
+    for (samples, _), part in zip(groups, parts):
+        width = part.shape[1]
+        for sample in samples:
+            tokens = result.sampled.setdefault(sample.seq_id, [])
+            for _ in range(1 + len(sample.spec_token_ids)):
+                if values[offset] >= 0:
+                    tokens.append(_entry(values, offset, width, sample.params.logprobs))
+                offset += width
     if scored is not None:
         width = parts[-1].shape[1]
         for seq_id, num, count in prompt.entries:

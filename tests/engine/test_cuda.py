@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from test_greedy_parity import MAX_TOKENS, MODES, NEAR_TIE, PROMPTS, assert_matches
+from parity import MAX_TOKENS, MODES, NEAR_TIE, PROMPTS, assert_matches, assert_mode_happened
 from tiny_models import load_reference
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -62,10 +62,7 @@ def test_greedy_matches_transformers_on_cuda(arch, dtype, mode, model_dir, cuda_
             ours = output.outputs[0].logprobs[i][tokens[i]].logprob
             assert abs(ours - float(reference[i, tokens[i]])) < logprob_tol, f"logprob at {i}"
     stats = llm.get_stats()
-    if mode.startswith("preempt"):
-        assert stats["num_preemptions"] > 0
-    if mode == "preempt_swap":
-        assert stats["num_swap_outs"] > 0
+    assert_mode_happened(stats, mode)
 
 
 def test_auto_dtype_on_cuda_is_half_precision(model_dir):

@@ -36,6 +36,14 @@ COUNTERS = [
     ("prompt_tokens", "prompt_tokens_total", "Prompt tokens of admitted requests."),
     ("generation_tokens", "generation_tokens_total", "Generated tokens."),
 ]
+# Speculative decoding (vLLM's spec_decode_* names); exposed for engines that speculate.
+SPEC_COUNTERS = [
+    ("spec_decode_num_drafts", "spec_decode_num_drafts", "Decodes that verified proposed tokens."),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Proposed tokens verified."),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Proposed tokens accepted."),
+    ("spec_decode_draft_seconds", "spec_decode_draft_time_s", "Time spent proposing (draft model passes or n-gram lookup)."),
+    ("spec_decode_target_seconds", "spec_decode_target_time_s", "Time spent in the target model's steps."),
+]
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -63,6 +71,18 @@ class EngineStatsCollector(Collector):
             for model, stats in snapshots:
                 family.add_metric([model], float(stats.get(key, 0)))
             yield family
+        for name, key, doc in SPEC_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=[LABEL])
+            for model, stats in snapshots:
+                if key in stats:
+                    family.add_metric([model], float(stats[key]))
+            yield family
+        per_position = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                           "Proposed tokens accepted, by position in the proposal.", labels=[LABEL, "position"])
+        for model, stats in snapshots:
+            for position, count in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", [])):
+                per_position.add_metric([model, str(position)], float(count))
+        yield per_position
 
 
 class ServerMetrics:

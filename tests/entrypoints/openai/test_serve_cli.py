@@ -34,10 +34,11 @@ def test_flags_become_settings(model_dir):
         (["--model-dir", "/nonexistent"], "not a directory"),
         (["--block-size", "0"], "block_size must be a positive integer"),
         (["--dtype", "int3"], "dtype must be one of"),
+        (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens must be a positive integer"),
     ],
 )
 def test_bad_arguments_exit_2_with_the_reason(model_dir, capsys, argv, message):
-    if argv[0] in ("--block-size", "--dtype"):
+    if argv[0] in ("--block-size", "--dtype", "--speculative-config"):
         argv = ["--model", str(model_dir("llama")), *argv]
     assert main(argv) == 2
     assert message in capsys.readouterr().err

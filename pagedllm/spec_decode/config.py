@@ -1,0 +1,68 @@
+"""`speculative_config`, in vLLM's shape:
+
+    {"model": "path/to/draft", "num_speculative_tokens": 4}                     # a draft model
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}     # prompt lookup
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("draft_model", "ngram")
+_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # the draft model's folder (draft_model)
+    prompt_lookup_max: int = 4  # longest n-gram matched (ngram)
+    prompt_lookup_min: int = 1  # shortest n-gram matched (ngram)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+    @classmethod
+    def parse(cls, value: "dict[str, Any] | str | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From a dict or its JSON text (the CLI flag); ValueError naming the bad key."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        unknown = sorted(set(value) - _KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(_KEYS)}")
+        method = value.get("method") or ("draft_model" if value.get("model") else None)
+        if method not in METHODS:
+            raise ValueError(f"speculative_config: method must be one of {list(METHODS)} (or give a draft 'model'), got {method!r}")
+        config = cls(
+            method=method,
+            num_speculative_tokens=value.get("num_speculative_tokens"),
+            model=value.get("model"),
+            prompt_lookup_max=value.get("prompt_lookup_max", 4),
+            prompt_lookup_min=value.get("prompt_lookup_min", 1),
+        )
+        config._validate()
+        return config
+
+    def _validate(self) -> None:
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+        if self.num_speculative_tokens > 16:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be <= 16, got {self.num_speculative_tokens}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: the draft_model method needs 'model' (a model folder)")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative_config: the ngram method takes no 'model'")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")

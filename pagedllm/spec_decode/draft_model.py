@@ -1,0 +1,150 @@
+"""A draft model: a smaller model of the same vocabulary that proposes the target's next tokens.
+
+Its KV pool mirrors the target's — the same number of blocks, the same block size, addressed by
+the same block ids — so the target's block tables serve both, and the block manager's rules
+(prefix cache, copy-on-write, swap, preemption) apply to the draft's KV with no second set of
+tables. The draft computes KV for every position the target does: prompt chunks as they are
+prefilled, and at each decode the tokens the target has just accepted, before proposing.
+
+Proposing k tokens takes k forward passes: the first over each sequence's catch-up tokens (the
+last of which yields proposal 1), then one token per pass, the input of each pass being the
+previous pass's proposal, on the device. All passes' metadata is staged at once, and the
+proposals come back to the host in one copy at the end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from pagedllm.config import ModelConfig, ModelLoadError
+from pagedllm.engine.scheduler_output import SampleRow, ScheduledChunk
+from pagedllm.layers.paged_decode import kernel_supported
+from pagedllm.layers.sampler import Sampler
+from pagedllm.models.loader import load_model
+from pagedllm.worker.input_batch import attention_metadata, stage_batch
+from pagedllm.worker.kv_cache import KVCache, bytes_per_block
+from pagedllm.worker.sampling_inputs import SamplingPlan, sampling_metadata, stage_sampling
+from pagedllm.worker.staging import Staging
+
+
+@dataclass
+class DraftRequest:
+    seq_id: int
+    start: int  # first position whose draft KV is not valid yet
+    tokens: list[int]  # tokens at positions start, start + 1, ... (all known now)
+    block_table: list[int]
+    num_proposals: int  # 0: only compute KV (a prompt chunk)
+    row: SampleRow | None = None  # how to sample proposals (penalties left out)
+
+
+class DraftModel:
+    def __init__(self, path: str, target: ModelConfig, max_model_len: int, dtype: torch.dtype, device: torch.device):
+        config = ModelConfig.from_pretrained(path)
+        if config.vocab_size != target.vocab_size:
+            raise ModelLoadError(
+                f"the draft model's vocab_size {config.vocab_size} differs from the target's {target.vocab_size}; "
+                "a draft model must share the target's tokenizer")
+        if config.max_position_embeddings < max_model_len:
+            raise ModelLoadError(
+                f"the draft model allows {config.max_position_embeddings} positions, fewer than max_model_len={max_model_len}")
+        self.model_config = config
+        self.model = load_model(config, max_model_len, dtype, device)
+        self.dtype, self.device = dtype, device
+        self.windows = sorted(set(config.sliding_windows), key=lambda w: (w is not None, w or 0))
+        self.kv_cache: KVCache | None = None
+        self.kernel_decode = False
+        self.probs: dict[int, torch.Tensor] = {}  # seq id -> q rows of its pending proposals (random sampling)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return bytes_per_block(self.model_config, block_size, self.dtype)
+
+    def allocate(self, num_blocks: int, num_cpu_blocks: int, block_size: int, kernel_decode: bool) -> None:
+        """The mirror pool; the C decode kernel when the target uses it and this model's heads fit it."""
+        self.kv_cache = KVCache(self.model_config, num_blocks, num_cpu_blocks, block_size, self.dtype, self.device)
+        for index, attn in enumerate(self.model.attention_layers()):
+            attn.bind_cache(*self.kv_cache.layer(index))
+        self.kernel_decode = kernel_decode and kernel_supported(self.kv_cache.layer(0)[0])
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest], sampler: Sampler, generator_for: Callable[[SampleRow], torch.Generator],
+                block_size: int) -> dict[int, list[int]]:
+        """Catch up every request's KV and propose its tokens; seq id -> proposals."""
+        kernel_decode = self.kernel_decode
+        proposing = [i for i, r in enumerate(requests) if r.num_proposals > 0]
+        staging = Staging()
+        passes = [self._stage_first_pass(requests, proposing, staging, block_size, kernel_decode)]
+        for j in range(2, max((requests[i].num_proposals for i in proposing), default=0) + 1):
+            passes.append(self._stage_pass(j, requests, proposing, staging, block_size, kernel_decode))
+        views = staging.to(self.device)
+        latest = torch.zeros(len(proposing), dtype=torch.long, device=self.device)
+        proposals = torch.full((len(proposing), max(len(passes), 1)), -1, dtype=torch.long, device=self.device)
+        probs: dict[int, list[torch.Tensor]] = {}
+        for j, (layout, members, plan) in enumerate(passes, start=1):
+            prefix = f"d{j}."
+            meta = attention_metadata(layout, views, kernel_decode, block_size, self.windows, self.dtype, prefix)
+            ids = views[prefix + "input_ids"] if j == 1 else latest.index_select(0, views[prefix + "feed"])
+            hidden = self.model(ids, views[prefix + "positions"], meta)
+            if not members:
+                continue
+            logits = self.model.compute_logits(hidden.index_select(0, views[prefix + "logit_rows"]))
+            rows = [requests[proposing[m]].row for m in members]
+            tokens = self._sample(logits, plan, views, sampler, lambda r: generator_for(rows[r]), rows, probs)
+            member_index = views[prefix + "members"]
+            latest = latest.index_copy(0, member_index, tokens)
+            proposals.index_put_((member_index, torch.full_like(member_index, j - 1)), tokens)
+        values = proposals.tolist()  # the proposals' one device->host copy
+        for seq_id, rows in probs.items():
+            self.probs[seq_id] = torch.stack(rows)
+        return {requests[i].seq_id: [t for t in values[m] if t >= 0] for m, i in enumerate(proposing)}
+
+    def _stage_first_pass(self, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_decode: bool):
+        chunks = [ScheduledChunk(r.seq_id, r.start, r.tokens, r.block_table) for r in requests]
+        layout = stage_batch(chunks, block_size, kernel_decode, staging, "d1.")
+        members = list(range(len(proposing)))
+        staging.add("d1.logit_rows", [layout.last_rows[i] for i in proposing])
+        staging.add("d1.members", members)
+        plan = stage_sampling([requests[i].row for i in proposing], staging, "d1.s.") if proposing else None
+        return layout, members, plan
+
+    def _stage_pass(self, j: int, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_decode: bool):
+        """Pass j feeds proposal j-1 of each request proposing >= j tokens, at its position."""
+        prefix = f"d{j}."
+        members = [m for m, i in enumerate(proposing) if requests[i].num_proposals >= j]
+        chunks = []
+        for m in members:
+            request = requests[proposing[m]]
+            position = request.start + len(request.tokens) - 1 + j - 1
+            chunks.append(ScheduledChunk(request.seq_id, position, [0], request.block_table))
+        layout = stage_batch(chunks, block_size, kernel_decode, staging, prefix)
+        staging.add(prefix + "feed", [members[c] for c in layout.order])  # batch row -> its input's member
+        staging.add(prefix + "logit_rows", [layout.last_rows[c] for c in range(len(chunks))])
+        staging.add(prefix + "members", members)
+        plan = stage_sampling([requests[proposing[m]].row for m in members], staging, prefix + "s.")
+        return layout, members, plan
+
+    def _sample(self, logits: torch.Tensor, plan: SamplingPlan, views: dict, sampler: Sampler, generator_for,
+                rows: list[SampleRow], probs: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        """Greedy rows propose the argmax; others sample from q (kept for verification)."""
+        meta = sampling_metadata(plan, views, generator_for)
+        tokens = logits.argmax(dim=-1)
+        if meta.random_rows is None:
+            return tokens
+        q = sampler.probs(logits, meta)
+        tokens = tokens.index_copy(0, meta.random_rows, (q / sampler.exponential_noise(q, meta)).argmax(dim=-1))
+        for position, row_index in enumerate(plan.random):
+            probs.setdefault(rows[row_index].seq_id, []).append(q[position])
+        return tokens
+
+    def forget(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.probs.pop(seq_id, None)
+
+
+def proposal_row(row: SampleRow) -> SampleRow:
+    """The row's sampling parameters without penalties or bans: the draft's q may be any
+    distribution, so it is kept simple (temperature, top-k/p, min-p)."""
+    params = replace(row.params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0,
+                     n=1, best_of=None, stop=None)
+    return replace(row, params=params)
