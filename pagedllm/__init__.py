@@ -2,6 +2,6 @@
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob"]

@@ -1,9 +1,43 @@
 """Per-request sampling parameters (vLLM's names and defaults), validated on construction."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, any JSON object, a regular expression, one of some
+    strings, or a Lark grammar (vLLM's `structured_outputs`); exactly one of them."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: need exactly one of {list(_CONSTRAINTS)}, got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structured_outputs: json is not a valid JSON schema document: {exc}") from exc
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured_outputs: json must be a JSON schema object")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs: choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs: {name} must be a non-empty string")
 
 
 @dataclass
@@ -27,6 +61,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +115,8 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

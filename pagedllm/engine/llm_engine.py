@@ -21,6 +21,7 @@ from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -46,6 +47,7 @@ class LLMEngine:
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         max_batched = config.resolve_max_num_batched_tokens(self.max_model_len)
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size) if self.tokenizer else None
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks, config.enable_prefix_caching
         )
@@ -60,6 +62,7 @@ class LLMEngine:
                 num_lookahead_slots=self.runner.speculator.num_lookahead_slots if self.runner.speculator else 0,
             ),
             self.block_manager,
+            self.structured,
         )
         self.eos_token_ids = self._eos_token_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -106,9 +109,16 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
         seq = Sequence(request, 0, list(token_ids))
+        if params.structured_outputs is not None:
+            seq.grammar = self._matcher(params)
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
+
+    def _matcher(self, params: SamplingParams):
+        if self.structured is None:
+            raise ValueError(f"model {self.config.model!r} has no tokenizer; structured_outputs need one")
+        return self.structured.matcher(params.structured_outputs)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -22,6 +22,7 @@ sample's prompt completes: they share its blocks and sample from the same logits
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,7 +31,10 @@ from typing import Callable
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.scheduler_output import PromptLogprobsRequest, SampleRow, ScheduledChunk, SchedulerOutput
 from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
+
+logger = logging.getLogger("pagedllm.scheduler")
 
 # Called for each new token after it is appended; returns the status that finishes the
 # sequence, if any (the output processor's stop rules).
@@ -71,9 +75,10 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, structured: StructuredOutputManager | None = None):
         self.config = config
         self.block_manager = block_manager
+        self.structured = structured  # computes the masks of grammar-constrained rows
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -150,10 +155,19 @@ class Scheduler:
                 chunk = len(out.chunks) - 1
                 out.samples.append(_sample_row(seq, chunk, item.spec_token_ids))
                 out.samples.extend(_sample_row(child, chunk) for child in self._fork_samples(item))
+        self._attach_masks(out)
         out.preempted_seq_ids = [seq.seq_id for seq in step.preempted]
         out.finished_seq_ids, self._finished_ids = self._finished_ids, []
         self._scheduled = step.scheduled
         return out
+
+    def _attach_masks(self, out: SchedulerOutput) -> None:
+        """The grammar masks of this step's constrained sample rows, computed in one batch."""
+        rows = [row for row in out.samples if self.live[row.seq_id].grammar is not None]
+        if rows:
+            masks = self.structured.bitmasks([self.live[row.seq_id].grammar for row in rows])
+            for row, mask in zip(rows, masks):
+                row.allowed_tokens = mask
 
     def _fork_samples(self, item: ScheduledSequence) -> list[Sequence]:
         """The request's other samples, once its first sample's prompt is computed: they share
@@ -166,6 +180,7 @@ class Scheduler:
         for index in range(1, request.params.best_of):
             child = Sequence(request, index, list(seq.token_ids))
             child.num_computed_tokens = child.num_draft_computed = seq.num_computed_tokens + item.num_new_tokens
+            child.grammar = seq.grammar.deep_copy() if seq.grammar is not None else None
             child.set_status(SequenceStatus.RUNNING)
             self.block_manager.fork(seq.seq_id, child.seq_id)
             request.seqs.append(child)
@@ -210,6 +225,8 @@ class Scheduler:
                 return
             seq.token_ids.append(token.token_id)
             status = on_token(seq, token)
+            if status is None and seq.grammar is not None:
+                status = _advance_grammar(seq, token.token_id)
             if status is not None:
                 self.finish(seq, status)
 
@@ -222,7 +239,7 @@ class Scheduler:
         """(tokens to compute, proposals among them): a decode also verifies its proposals, as
         many as the budget leaves room for."""
         num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
-        if num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1 or not seq.spec_token_ids:
+        if num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1 or not seq.spec_token_ids or seq.grammar is not None:
             return num_new, []
         spec = seq.spec_token_ids[: budget - 1]
         return 1 + len(spec), spec
@@ -340,6 +357,15 @@ class Scheduler:
         seq.spec_token_ids = []
         seq.set_status(SequenceStatus.WAITING)
         bisect.insort(self.waiting, seq, key=self._arrival_key)
+
+
+def _advance_grammar(seq: Sequence, token: int) -> SequenceStatus | None:
+    """Feed the sampled token to the sequence's grammar; the output ends where the grammar does."""
+    if not seq.grammar.consume_token(token):
+        logger.error("token %d was sampled outside request %s's grammar: %s", token, seq.request.request_id, seq.grammar.get_error())
+        seq.stop_reason = "grammar error"
+        return SequenceStatus.FINISHED_STOPPED
+    return SequenceStatus.FINISHED_STOPPED if seq.grammar.is_stopped() else None
 
 
 def _sample_row(seq: Sequence, chunk: int, spec_token_ids: list[int] | None = None) -> SampleRow:

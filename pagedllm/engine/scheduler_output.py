@@ -7,6 +7,7 @@ table) and how to sample; keeping it to that makes the runner independent of req
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -63,6 +64,7 @@ class SampleRow:
     num_prompt_tokens: int
     eos_token_ids: frozenset[int]
     spec_token_ids: list[int] = field(default_factory=list)  # proposals verified at this row's chunk
+    allowed_tokens: Any = None  # structured output: int32 bitmask of the tokens the grammar allows
 
     @property
     def num_output_tokens(self) -> int:

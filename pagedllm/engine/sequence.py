@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.outputs import PromptLogprobs, RequestMetrics, SampleLogprobs
 from pagedllm.sampling_params import SamplingParams
@@ -56,6 +57,7 @@ class Sequence:
     detok_prefix_offset: int = 0
     detok_read_offset: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify at the next step
+    grammar: Any = None  # the structured-output matcher (llguidance), when the output is constrained
     num_draft_computed: int = 0  # positions whose draft-model KV is valid (speculative decoding)
 
     @property

@@ -43,6 +43,8 @@ class SamplingMetadata:
     unseeded: torch.Tensor | None = None  # positions among random rows that use the engine's generator
     seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # (position, own generator)
     penalties: Penalties | None = None
+    # structured output: (rows, [rows, ceil(V/32)] int32 bitmask of the tokens allowed next)
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None  # ranks and top-N are computed when any row asks
 
 
@@ -68,6 +70,15 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
     if penalties.banned[0].numel():
         logits = logits.index_put(penalties.banned, torch.full_like(penalties.banned[0], float("-inf"), dtype=logits.dtype))
     return logits
+
+
+def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Tokens a row's grammar does not allow get -inf. The bitmask holds 32 tokens per int32
+    (token t is bit t % 32 of word t // 32), unpacked here on the device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, : logits.shape[1]].bool()
+    constrained = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, constrained)
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
@@ -103,8 +114,12 @@ class Sampler:
 
     @staticmethod
     def process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Penalties and bans: what greedy rows take the argmax of."""
-        return apply_penalties(logits, meta.penalties) if meta.penalties is not None else logits
+        """Penalties, bans and grammar masks: what greedy rows take the argmax of."""
+        if meta.penalties is not None:
+            logits = apply_penalties(logits, meta.penalties)
+        if meta.allowed is not None:
+            logits = apply_allowed(logits, *meta.allowed)
+        return logits
 
     @staticmethod
     def probs(processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -28,6 +28,7 @@ class SamplingPlan:
     has_unseeded: bool = False
     filters: tuple[bool, bool, bool] = (False, False, False)  # top_k, top_p, min_p in use
     penalised: bool = False
+    constrained: bool = False  # some rows carry a grammar's mask
     max_num_logprobs: int | None = None
 
 
@@ -41,6 +42,11 @@ def stage_sampling(rows: list[SampleRow], staging: Staging, prefix: str = "sampl
     if any(_penalised(row) for row in rows):
         plan.penalised = True
         _stage_penalties(rows, staging, prefix)
+    constrained = [r for r, row in enumerate(rows) if row.allowed_tokens is not None]
+    if constrained:
+        plan.constrained = True
+        staging.add(prefix + "allowed_rows", constrained)
+        staging.add(prefix + "allowed", np.stack([rows[r].allowed_tokens for r in constrained]), np.int32)
     return plan
 
 
@@ -101,5 +107,7 @@ def sampling_metadata(plan: SamplingPlan, views: dict[str, torch.Tensor], genera
         factors = views[prefix + "penalty_factors"]
         pairs = {name: (views[prefix + name][:, 0], views[prefix + name][:, 1]) for name in ("seen", "output", "banned")}
         meta.penalties = Penalties(factors[:, 0], factors[:, 1], factors[:, 2], pairs["seen"], pairs["output"], pairs["banned"])
+    if plan.constrained:
+        meta.allowed = (views[prefix + "allowed_rows"], views[prefix + "allowed"])
     return meta
 

@@ -12,7 +12,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32, np.dtype(np.int32): torch.int32}
 
 
 class Staging:

@@ -31,6 +31,16 @@ def _reject_set(values: dict[str, Any], allowed: dict[str, tuple[Any, ...]]) -> 
             raise ValueError(f"{name} is not supported by this server")
 
 
+class StructuredOutputs(RequestModel):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json: Union[str, dict[str, Any], None] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+
 class SamplingFields(RequestModel):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extensions)."""
 
@@ -56,6 +66,12 @@ class SamplingFields(RequestModel):
     priority: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: Optional[StructuredOutputs] = None
+    # vLLM's older spellings of the same constraints
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> "SamplingFields":
@@ -133,8 +149,24 @@ class ChatMessage(RequestModel):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(RequestModel):
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
 class ResponseFormat(RequestModel):
-    type: Literal["text"]
+    """OpenAI's: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):

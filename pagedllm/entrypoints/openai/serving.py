@@ -38,7 +38,7 @@ from pagedllm.entrypoints.openai.errors import (
 from pagedllm.entrypoints.openai.models import ServedModel
 from pagedllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from pagedllm.outputs import Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -65,6 +65,29 @@ def now() -> int:
 # ---- request → engine --------------------------------------------------------------------------
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
+
+
+def structured_outputs(req: SamplingFields, response_format: Any = None) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint, from whichever spelling it used (at most one), and that
+    field's name: a constraint that does not compile is reported against it."""
+    given: dict[str, dict[str, Any]] = {}
+    if req.structured_outputs is not None:
+        given["structured_outputs"] = req.structured_outputs.model_dump(exclude_none=True)
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            given[name] = {key: getattr(req, name)}
+    if response_format is not None and response_format.type != "text":
+        schema = response_format.json_schema.schema_ if response_format.json_schema is not None else None
+        given["response_format"] = {"json": schema or {}} if response_format.type == "json_schema" else {"json_object": True}
+    if len(given) > 1:
+        raise BadRequestError(f"give one output constraint, not {len(given)}: {sorted(given)}", sorted(given)[1])
+    if not given:
+        return None, None
+    (param, constraint), = given.items()
+    try:
+        return StructuredOutputsParams(**constraint), param
+    except (TypeError, ValueError) as exc:
+        raise BadRequestError(str(exc), param) from exc
 
 
 def sampling_params(req: SamplingFields, served: ServedModel, **fields: Any) -> SamplingParams:
@@ -113,7 +136,7 @@ def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len:
 _PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
-def api_error(exc: Exception, prompt_param: str) -> APIError:
+def api_error(exc: Exception, prompt_param: str, constraint_param: str | None = None) -> APIError:
     """The engine side's exceptions in OpenAI's terms."""
     if isinstance(exc, APIError):
         return exc
@@ -125,6 +148,8 @@ def api_error(exc: Exception, prompt_param: str) -> APIError:
         return ServiceUnavailableError(str(exc), code="engine_dead")
     if isinstance(exc, ValueError):
         message = str(exc)
+        if constraint_param is not None and message.startswith("structured_outputs:"):
+            return BadRequestError(message, constraint_param)
         return BadRequestError(message, prompt_param if "prompt" in message else param_from_message(message, _PARAMS))
     raise exc
 
@@ -132,7 +157,7 @@ def api_error(exc: Exception, prompt_param: str) -> APIError:
 @asynccontextmanager
 async def submitted(
     served: ServedModel, request_id: str, prompts: list[EnginePrompt], params: SamplingParams,
-    priority: int, prompt_param: str,
+    priority: int, prompt_param: str, constraint_param: str | None = None,
 ) -> AsyncIterator[RequestGroup]:
     """`AsyncEngine.submit` with one request per prompt, its rejections as APIErrors."""
     engine_prompts = [(f"{request_id}-{i}", p.to_engine()) for i, p in enumerate(prompts)]
@@ -144,7 +169,7 @@ async def submitted(
     except Exception as exc:
         if entered:
             raise
-        raise api_error(exc, prompt_param) from exc
+        raise api_error(exc, prompt_param, constraint_param) from exc
 
 
 async def final_outputs(group: RequestGroup, raw: Request, prompt_param: str) -> list[RequestOutput]:
@@ -205,11 +230,11 @@ class EngineStreamingResponse(StreamingResponse):
 
 async def stream_response(
     served: ServedModel, request_id: str, prompts: list[EnginePrompt], params: SamplingParams, priority: int,
-    prompt_param: str, events: Callable[[RequestGroup], AsyncIterator[BaseModel]],
+    prompt_param: str, events: Callable[[RequestGroup], AsyncIterator[BaseModel]], constraint_param: str | None = None,
 ) -> EngineStreamingResponse:
     """Submit first (so rejections are plain HTTP errors), then stream `events(group)`."""
     stack = AsyncExitStack()
-    group = await stack.enter_async_context(submitted(served, request_id, prompts, params, priority, prompt_param))
+    group = await stack.enter_async_context(submitted(served, request_id, prompts, params, priority, prompt_param, constraint_param))
     try:
         return EngineStreamingResponse(sse_events(events(group), prompt_param), stack.aclose)
     except BaseException:

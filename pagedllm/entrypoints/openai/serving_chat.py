@@ -37,6 +37,7 @@ from pagedllm.entrypoints.openai.serving import (
     now,
     sampling_params,
     stream_response,
+    structured_outputs,
     submitted,
     token_text,
     usage,
@@ -72,13 +73,15 @@ async def create_chat_completion(req: ChatCompletionRequest, served: ServedModel
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_context_length(len(prompt.token_ids), max_tokens, served.max_model_len, param)
+    constraint, constraint_param = structured_outputs(req, req.response_format)
     params = sampling_params(
-        req, served, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None
+        req, served, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        structured_outputs=constraint,
     )
     builder = ChatBuilder(req, served, raw, new_id("chatcmpl"), prompt)
     if req.stream:
-        return await stream_response(served, builder.id, [prompt], params, req.priority, MESSAGES, builder.chunks)
-    async with submitted(served, builder.id, [prompt], params, req.priority, MESSAGES) as group:
+        return await stream_response(served, builder.id, [prompt], params, req.priority, MESSAGES, builder.chunks, constraint_param)
+    async with submitted(served, builder.id, [prompt], params, req.priority, MESSAGES, constraint_param) as group:
         (output,) = await final_outputs(group, raw, MESSAGES)
     return builder.response(output)
 

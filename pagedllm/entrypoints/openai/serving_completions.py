@@ -32,6 +32,7 @@ from pagedllm.entrypoints.openai.serving import (
     now,
     sampling_params,
     stream_response,
+    structured_outputs,
     submitted,
     token_text,
     usage,
@@ -71,6 +72,7 @@ async def create_completion(req: CompletionRequest, served: ServedModel, raw: Re
     for prompt in prompts:
         check_context_length(len(prompt.token_ids), req.max_tokens, served.max_model_len)
     score_only = req.max_tokens == 0
+    constraint, constraint_param = structured_outputs(req)
     params = sampling_params(
         req,
         served,
@@ -78,11 +80,12 @@ async def create_completion(req: CompletionRequest, served: ServedModel, raw: Re
         best_of=req.best_of,
         logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+        structured_outputs=constraint,
     )
     builder = CompletionBuilder(req, served, raw, new_id("cmpl"), prompts)
     if req.stream:
-        return await stream_response(served, builder.id, prompts, params, req.priority, PROMPT, builder.chunks)
-    async with submitted(served, builder.id, prompts, params, req.priority, PROMPT) as group:
+        return await stream_response(served, builder.id, prompts, params, req.priority, PROMPT, builder.chunks, constraint_param)
+    async with submitted(served, builder.id, prompts, params, req.priority, PROMPT, constraint_param) as group:
         outputs = await final_outputs(group, raw, PROMPT)
     return builder.response(outputs)
 

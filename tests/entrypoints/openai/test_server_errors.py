@@ -77,7 +77,7 @@ def test_prompt_too_long_names_the_limit(http):
         ({"logprobs": True, "top_logprobs": 50}, "logprobs"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"tools": [{"type": "function"}]}, None),
-        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
     ],
 )
 def test_invalid_chat_parameters(http, patch, param):
