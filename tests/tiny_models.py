@@ -11,11 +11,9 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.training.tokenizer import CHAT_TEMPLATE
+
 VOCAB = 384
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 def stdlib_text(max_chars: int = 400_000) -> str:

@@ -16,10 +16,41 @@ from pagedllm.training.corpus import iter_documents
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN, "<|im_start|>", "<|im_end|>"]
+# ChatML; with `tools`, Hermes-style function calling (the format Qwen2.5 and NousResearch's Hermes
+# models speak): the tools as JSON in a system block, calls as <tool_call>{"name", "arguments"}
+# </tool_call>, results as <tool_response> blocks in a user turn. Without tools the prompt is
+# plain ChatML.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_FORMAT = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>'
+)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
+    "{%- set first_system = messages and messages[0]['role'] == 'system' -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\n' }}{% if first_system %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '" + TOOLS_PREAMBLE + "' }}{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '" + TOOLS_FORMAT + "<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if not (tools and loop.first and first_system) -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set arguments = call['function']['arguments'] -%}"
+    "{{ ('\n' if message['content'] or not loop.first else '') + '<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ arguments if arguments is string else (arguments | tojson) }}{{ '}\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 

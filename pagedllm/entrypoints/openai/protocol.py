@@ -34,7 +34,7 @@ def _reject_set(values: dict[str, Any], allowed: dict[str, tuple[Any, ...]]) -> 
 class StructuredOutputs(RequestModel):
     """vLLM's `structured_outputs`: exactly one constraint."""
 
-    json: Union[str, dict[str, Any], None] = None
+    json_: Union[str, dict[str, Any], None] = Field(default=None, alias="json")  # `json` would shadow BaseModel.json
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
@@ -138,15 +138,59 @@ class TextContentPart(RequestModel):
     text: str
 
 
-class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextContentPart]]
-    name: Optional[str] = None
+class FunctionCallParam(RequestModel):
+    name: str
+    arguments: str  # JSON text, as the API returned it
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
+
+class ToolCallParam(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallParam]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # which call a tool message answers
+
+    @model_validator(mode="after")
+    def _roles(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool messages, and only they, carry tool_call_id")
+        return self
+
+    def text(self) -> Optional[str]:
+        if self.content is None or isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(RequestModel):
@@ -176,14 +220,15 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0)
     response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _chat_rules(self) -> "ChatCompletionRequest":
-        _reject_set(self.__dict__, {"tools": ([],), "tool_choice": ("none",)})
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice is only allowed when tools are specified")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
@@ -203,9 +248,25 @@ class ChoiceLogprobs(BaseModel):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaToolCall(ToolCall):
+    index: int
 
 
 class ChatChoice(BaseModel):
@@ -228,6 +289,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _omit_none(self, handler):  # OpenAI's deltas carry only the keys that changed

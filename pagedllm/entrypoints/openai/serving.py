@@ -72,7 +72,7 @@ def structured_outputs(req: SamplingFields, response_format: Any = None) -> tupl
     field's name: a constraint that does not compile is reported against it."""
     given: dict[str, dict[str, Any]] = {}
     if req.structured_outputs is not None:
-        given["structured_outputs"] = req.structured_outputs.model_dump(exclude_none=True)
+        given["structured_outputs"] = req.structured_outputs.model_dump(exclude_none=True, by_alias=True)
     for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
         if getattr(req, name) is not None:
             given[name] = {key: getattr(req, name)}

@@ -4,6 +4,8 @@ The template comes from the model's tokenizer files and is rendered by transform
 `apply_chat_template`; the rendered text is tokenized without extra special tokens (the
 template places BOS itself, as vLLM does). A model without a template gets a clear 400.
 Streams send each choice's role first, then content deltas, then its finish_reason.
+With `tools`, the template is given them and the answer's tool calls are parsed out of the text
+(tool_calls.py); a choice that called a tool finishes with "tool_calls".
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     ChoiceLogprobs,
     DeltaMessage,
+    DeltaToolCall,
     TopLogprob,
 )
 from pagedllm.entrypoints.openai.serving import (
@@ -42,7 +45,16 @@ from pagedllm.entrypoints.openai.serving import (
     token_text,
     usage,
 )
+from pagedllm.entrypoints.openai.tool_calls import (
+    ToolCallParser,
+    extract_tool_calls,
+    parses_calls,
+    template_message,
+    template_tools,
+    tool_constraint,
+)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import StructuredOutputsParams
 
 MESSAGES = "messages"
 
@@ -55,14 +67,11 @@ def render_chat(req: ChatCompletionRequest, served: ServedModel) -> EnginePrompt
             "chat_template.jinja); use /v1/completions instead",
             MESSAGES,
         )
-    messages = []
-    for message in req.messages:
-        item = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
-        if message.name is not None:
-            item["name"] = message.name
-        messages.append(item)
+    if req.tools and "tools" not in tok.chat_template:
+        raise BadRequestError(f"the chat template of model {served.name!r} does not support tools", "tools")
+    messages = [template_message(message) for message in req.messages]
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
+        text = tok.apply_chat_template(messages, tools=template_tools(req), tokenize=False, add_generation_prompt=req.add_generation_prompt)
     except Exception as exc:  # jinja2 errors, e.g. a template that enforces role alternation
         raise BadRequestError(f"the chat template of model {served.name!r} rejected the messages: {exc}", MESSAGES) from exc
     return EnginePrompt(text, tok.encode(text, add_special_tokens=False))
@@ -73,7 +82,7 @@ async def create_chat_completion(req: ChatCompletionRequest, served: ServedModel
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_context_length(len(prompt.token_ids), max_tokens, served.max_model_len, param)
-    constraint, constraint_param = structured_outputs(req, req.response_format)
+    constraint, constraint_param = output_constraint(req)
     params = sampling_params(
         req, served, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         structured_outputs=constraint,
@@ -86,6 +95,17 @@ async def create_chat_completion(req: ChatCompletionRequest, served: ServedModel
     return builder.response(output)
 
 
+def output_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+    """A response format / guided constraint, or the grammar a forced tool choice implies."""
+    constraint, param = structured_outputs(req, req.response_format)
+    calls = tool_constraint(req)
+    if calls is None:
+        return constraint, param
+    if constraint is not None:
+        raise BadRequestError(f"tool_choice {req.tool_choice!r} cannot be combined with {param}", "tool_choice")
+    return calls, "tool_choice"
+
+
 @dataclass
 class ChatBuilder:
     req: ChatCompletionRequest
@@ -94,18 +114,23 @@ class ChatBuilder:
     id: str
     prompt: EnginePrompt
     created: int = field(default_factory=now)
+    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # choice -> its stream's parser
+
+    @staticmethod
+    def _finish_reason(reason: str | None, called: bool) -> str | None:
+        return "tool_calls" if called and reason == "stop" else reason
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
+        choices = []
+        for c in output.outputs:
+            content, calls = extract_tool_calls(c.text) if parses_calls(self.req) else (c.text, [])
+            choices.append(ChatChoice(
                 index=c.index,
-                message=AssistantMessage(content=c.text),
+                message=AssistantMessage(content=content, tool_calls=calls),
                 logprobs=self._logprobs(c.token_ids, c.logprobs),
-                finish_reason=c.finish_reason,
+                finish_reason=self._finish_reason(c.finish_reason, bool(calls)),
                 stop_reason=c.stop_reason,
-            )
-            for c in output.outputs
-        ]
+            ))
         tokens = sum(len(c.token_ids) for c in output.outputs)
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.served.name, choices=choices, usage=usage([self.prompt], tokens)
@@ -141,13 +166,28 @@ class ChatBuilder:
         if c.finish_reason is not None:
             done.add(c.index)
         new_logprobs = (c.logprobs or [])[tokens : len(c.token_ids)]
+        message, called = self._message_delta(c.index, delta, c.finish_reason is not None)
+        if not (message.content or message.tool_calls or c.finish_reason or (new_tokens and self.req.logprobs)):
+            return None  # text held back: it may open a tool call
         return ChatStreamChoice(
             index=c.index,
-            delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
+            delta=message,
             logprobs=self._logprobs(new_tokens, new_logprobs),
-            finish_reason=c.finish_reason,
+            finish_reason=self._finish_reason(c.finish_reason, called),
             stop_reason=c.stop_reason if c.finish_reason else None,
         )
+
+    def _message_delta(self, index: int, text: str, last: bool) -> tuple[DeltaMessage, bool]:
+        """The delta's content and completed tool calls; whether this choice has called a tool."""
+        if not parses_calls(self.req):
+            return (DeltaMessage(content=text) if text else DeltaMessage()), False
+        parser = self.parsers.setdefault(index, ToolCallParser())
+        first = parser.calls
+        content, calls = parser.feed(text)
+        if last:
+            content += parser.finish()
+        deltas = [DeltaToolCall(index=first + i, **call.model_dump()) for i, call in enumerate(calls)] or None
+        return DeltaMessage(content=content or None, tool_calls=deltas), parser.calls > 0
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]] | None) -> ChoiceLogprobs | None:
         if not self.req.logprobs:

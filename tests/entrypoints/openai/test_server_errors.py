@@ -70,13 +70,14 @@ def test_prompt_too_long_names_the_limit(http):
     "patch, param",
     [
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
-        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
+        ({"messages": [{"role": "user"}]}, "messages[0]"),
         ({"messages": "hello"}, "messages"),
         ({"top_logprobs": 3}, None),
         ({"logprobs": True, "top_logprobs": 50}, "logprobs"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
-        ({"tools": [{"type": "function"}]}, None),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
     ],
 )
