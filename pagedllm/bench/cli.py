@@ -8,6 +8,7 @@ BENCHMARKS: dict[str, str] = {
     "offline": "pagedllm.bench.offline",
     "peak": "pagedllm.bench.peak",
     "serve": "pagedllm.bench.serve",
+    "spec": "pagedllm.bench.spec",
     "train": "pagedllm.bench.train",
 }
 

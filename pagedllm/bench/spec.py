@@ -1,0 +1,89 @@
+"""Speculative decoding: single-stream (and batched) tokens/s with and without it, in one run.
+
+Workload: code completion on the Python standard library — prompts are the opening lines of
+functions from stdlib modules (files the default model was trained on, as any completion user's
+own code base would be), each completed for --max-tokens greedy tokens with ignore_eos. The
+target is the default model (models/pagedllm-py-tiny); the draft is models/pagedllm-py-draft,
+trained by our trainer on the same corpus with the same tokenizer. Every configuration serves the
+same requests one at a time (single stream: a user of `pagedllm serve` at concurrency 1), after
+a warm-up; with --batch N also N at a time. Greedy outputs must equal the plain run's (checked).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+from pagedllm.paths import DEFAULT_MODEL, DRAFT_MODEL
+
+SOURCES = ("argparse.py", "textwrap.py", "difflib.py", "pathlib.py", "inspect.py", "typing.py", "ast.py", "shlex.py")
+
+
+def make_prompts(tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
+    """The `prompt_tokens` tokens ending at the first line of a function's body, from each file in
+    turn (deterministic: the same prompts every run)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    prompts: list[list[int]] = []
+    for round_ in range(count):
+        text = (stdlib / SOURCES[round_ % len(SOURCES)]).read_text(encoding="utf-8")
+        heads = [m.end() for m in re.finditer(r"\n    def [^\n]*:\n", text)]
+        end = heads[(round_ // len(SOURCES)) * 7 % len(heads) + 3]
+        ids = tokenizer.encode(text[:end])
+        prompts.append(ids[-prompt_tokens:])
+    return prompts
+
+
+def run_config(name: str, prompts: list[list[int]], max_tokens: int, batch: int, engine_args: dict) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(str(DEFAULT_MODEL), **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    outputs = []
+    start = time.perf_counter()
+    for first in range(0, len(prompts), batch):
+        group = [{"prompt_token_ids": p} for p in prompts[first : first + batch]]
+        outputs += [o.outputs[0].token_ids for o in llm.generate(group, params, use_tqdm=False)]
+    elapsed = time.perf_counter() - start
+    stats = llm.get_stats()
+    return {"name": name, "tokens": outputs, "tok_s": sum(map(len, outputs)) / elapsed, "seconds": elapsed,
+            "acceptance": stats.get("spec_decode_acceptance_rate"), "mean_len": stats.get("spec_decode_mean_accepted_length"),
+            "draft_share": stats.get("spec_decode_draft_time_share")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=192)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--draft", type=Path, default=DRAFT_MODEL, help="draft model folder (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=1, help="requests served at a time (default 1: single stream)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedllm.engine.llm_engine import load_tokenizer
+
+    prompts = make_prompts(load_tokenizer(str(DEFAULT_MODEL)), args.num_prompts, args.prompt_tokens)
+    k = args.num_speculative_tokens
+    configs = [
+        ("no speculation", {}),
+        (f"draft model, k={k}", {"speculative_config": {"model": str(args.draft), "num_speculative_tokens": k}}),
+        (f"n-gram, k={k}", {"speculative_config": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}}),
+    ]
+    print(f"target {DEFAULT_MODEL.name}, draft {args.draft.name}; {len(prompts)} stdlib completions of {args.prompt_tokens} "
+          f"prompt tokens, {args.max_tokens} greedy tokens each, {args.batch} at a time, {torch.get_num_threads()} threads")
+    results = [run_config(name, prompts, args.max_tokens, args.batch, engine_args) for name, engine_args in configs]
+    base = results[0]
+    print(f"{'configuration':<22} {'tok/s':>8} {'speed-up':>9} {'accepted':>9} {'mean len':>9} {'draft time':>11}")
+    for r in results:
+        spec = r["acceptance"] is not None
+        print(f"{r['name']:<22} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:8.2f}x "
+              + (f"{r['acceptance']:8.1%} {r['mean_len']:9.2f} {r['draft_share']:10.1%}" if spec else ""))
+        if r["tokens"] != base["tokens"]:
+            print(f"  !! {r['name']}: greedy tokens differ from the run without speculation")
+            return 1
+    return 0
