@@ -31,7 +31,7 @@ def make_prompts(tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
     for round_ in range(count):
         text = (stdlib / SOURCES[round_ % len(SOURCES)]).read_text(encoding="utf-8")
         heads = [m.end() for m in re.finditer(r"\n    def [^\n]*:\n", text)]
-        end = heads[(round_ // len(SOURCES)) * 7 % len(heads) + 3]
+        end = heads[((round_ // len(SOURCES)) * 7 + 3) % len(heads)]
         ids = tokenizer.encode(text[:end])
         prompts.append(ids[-prompt_tokens:])
     return prompts
