@@ -13,6 +13,7 @@ import time
 import torch
 
 from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
+from pagedllm.distributed.group import ParallelGroup
 from pagedllm.engine.scheduler_output import SampleRow, SchedulerOutput
 from pagedllm.layers.paged_decode import kernel_supported, load
 from pagedllm.layers.sampler import Sampler
@@ -29,21 +30,26 @@ from pagedllm.worker.step_results import fetch_results, score_prompt_tokens, sta
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    """Under tensor parallelism there is one runner per rank (`group`), each with its part of the
+    model and of every KV block, all given the same `pool_sizes`; only rank 0 samples."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 group: ParallelGroup | None = None, pool_sizes: tuple[int, int] | None = None):
         self.config = config
         self.model_config = model_config
-        self.device = config.torch_device()
+        self.group = group
+        self.device = config.torch_device(group.rank if group is not None else 0)
         self.dtype = config.torch_dtype(model_config)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model = load_model(model_config, max_model_len, self.dtype, self.device)
+        self.model = load_model(model_config, max_model_len, self.dtype, self.device, group)
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(config.speculative_config, model_config, max_model_len, self.block_size, self.dtype, self.device)
-        self.num_blocks, self.num_cpu_blocks = self._pool_sizes()
-        self.kv_cache = KVCache(model_config, self.num_blocks, self.num_cpu_blocks, self.block_size, self.dtype, self.device)
+        self.num_blocks, self.num_cpu_blocks = pool_sizes or self._pool_sizes()
+        self.kv_cache = KVCache(self.model.config, self.num_blocks, self.num_cpu_blocks, self.block_size, self.dtype, self.device)
         for index, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(*self.kv_cache.layer(index))
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
@@ -72,28 +78,8 @@ class ModelRunner:
         return False
 
     def _pool_sizes(self) -> tuple[int, int]:
-        per_block = bytes_per_block(self.model_config, self.block_size, self.dtype)
-        if self.speculator is not None:
-            per_block += self.speculator.bytes_per_block()  # the draft's mirror pool
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            num_blocks = cfg.num_kv_blocks
-        elif cfg.kv_cache_memory is not None:
-            num_blocks = cfg.kv_cache_memory // per_block
-            if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory} bytes is less than one KV block ({per_block} bytes)")
-        else:
-            # A safe share of free memory, but no more than the most the scheduler could use.
-            budget = int(available_memory_bytes() * cfg.kv_cache_memory_fraction) // per_block
-            num_blocks = max(1, min(budget, self._most_useful_blocks()))
-        num_cpu_blocks = 0
-        if cfg.preemption_mode == "swap":
-            num_cpu_blocks = min(cfg.swap_space // per_block, self._most_useful_blocks())
-        return num_blocks, num_cpu_blocks
-
-    def _most_useful_blocks(self) -> int:
-        """More blocks than max_num_seqs full-length sequences need could never be used."""
-        return self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        extra = self.speculator.bytes_per_block() if self.speculator is not None else 0  # the draft's mirror pool
+        return kv_pool_sizes(self.config, self.model.config, self.max_model_len, extra)
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -119,6 +105,8 @@ class ModelRunner:
         meta = attention_metadata(layout, views, self.kernel_decode, self.block_size, self.windows, self.dtype)
         hidden = self.model(views["input_ids"], views["positions"], meta)
         logits = self.model.compute_logits(hidden.index_select(0, views["logit_rows"]))
+        if logits is None:
+            return ModelRunnerOutput()  # a tensor-parallel worker: rank 0 samples
         groups = []
         if plain:
             plain_meta = sampling_metadata(plain_plan, views, lambda r: self._generator(plain[r]))
@@ -164,6 +152,28 @@ class ModelRunner:
             generator.manual_seed((row.params.seed * 1_000_003 + row.sample_index) % (1 << 63))
             self.generators[row.seq_id] = generator
         return generator
+
+
+def kv_pool_sizes(config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                  extra_bytes_per_block: int = 0, num_ranks: int = 1) -> tuple[int, int]:
+    """(device blocks, host swap blocks) for one rank holding `model_config`'s part of each
+    block. The default budget (a share of free memory) is split between the ranks of one host."""
+    per_block = bytes_per_block(model_config, config.block_size, config.torch_dtype(model_config)) + extra_bytes_per_block
+    most_useful = config.max_num_seqs * -(-max_model_len // config.block_size)  # more could never be used
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif config.kv_cache_memory is not None:
+        num_blocks = config.kv_cache_memory // (per_block * num_ranks)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than one KV block "
+                             f"({per_block * num_ranks} bytes)")
+    else:
+        budget = int(available_memory_bytes() * config.kv_cache_memory_fraction) // (per_block * num_ranks)
+        num_blocks = max(1, min(budget, most_useful))
+    num_cpu_blocks = 0
+    if config.preemption_mode == "swap":
+        num_cpu_blocks = min(config.swap_space // (per_block * num_ranks), most_useful)
+    return num_blocks, num_cpu_blocks
 
 
 def _stage_block_maps(sched: SchedulerOutput, staging: Staging) -> None:

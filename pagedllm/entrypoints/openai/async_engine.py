@@ -234,8 +234,15 @@ class AsyncEngine:
             self._post(_fail_groups, set(self._groups.values()), dead)
             self._groups.clear()
         finally:
+            self._shutdown_engine()
             self._ended.set()
             self._drain_rejecting()
+
+    def _shutdown_engine(self) -> None:
+        try:
+            self.engine.shutdown()
+        except Exception:  # a dead tensor-parallel group cannot say goodbye; its workers are killed
+            logger.exception("shutting the engine of model %r down failed", self.name)
 
     def _next_commands(self) -> list[Any]:
         commands = []
