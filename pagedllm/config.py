@@ -260,6 +260,10 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.25
     # Split the model across this many processes on this host (gloo on CPU, NCCL on CUDA).
     tensor_parallel_size: int = 1
+    # Layer-wise KV offload: the pool lives in host memory, the device holds two layers' buffers
+    # of `kv_offload_device_memory` bytes in all (default: two layers of the whole pool).
+    kv_offload: bool = False
+    kv_offload_device_memory: int | None = None
     # {"model": DIR, "num_speculative_tokens": k} or {"method": "ngram", ...}; JSON text from the CLI
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -292,6 +296,16 @@ class EngineConfig:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.tensor_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
+        if self.kv_offload_device_memory is not None:
+            _positive("kv_offload_device_memory", self.kv_offload_device_memory)
+        if self.kv_offload:
+            clashes = {"preemption_mode='swap'": self.preemption_mode == "swap",
+                       "speculative_config": self.speculative_config is not None,
+                       "tensor_parallel_size > 1": self.tensor_parallel_size > 1}
+            for name, clash in clashes.items():
+                if clash:
+                    raise ValueError(f"kv_offload is not supported with {name} (the pool already lives in host memory)"
+                                     if "swap" in name else f"kv_offload is not supported with {name}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":

@@ -141,6 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the random model is kept between runs (default: the temp dir, by shape)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--kv-offload-device-memory", type=int, default=None,
+                        help="also run pagedllm with layer-wise KV offload and this device KV budget in bytes")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="also run pagedllm split across this many processes (tp=1 runs too, for the ratio)")
 
@@ -157,11 +159,15 @@ def run(args: argparse.Namespace) -> int:
     ours = run_pagedllm(folder, workload, engine_args)
     tp = args.tensor_parallel_size
     split = run_pagedllm(folder, workload, {**engine_args, "tensor_parallel_size": tp}) if tp > 1 else None
+    budget = args.kv_offload_device_memory
+    offload = None if budget is None else run_pagedllm(folder, workload, {**engine_args, "kv_offload": True,
+                                                                          "kv_offload_device_memory": budget})
     theirs = None if args.skip_transformers else run_transformers(folder, workload)
     peak = max(peak, measure_matmul_peak())
     flops = useful_flops(shape, workload)
     print(f"fp32 matmul peak (best of before and after, this run): {peak / 1e9:.1f} GFLOP/s")
-    for name, seconds in (("pagedllm", ours), (f"pagedllm tp={tp}", split), ("transformers", theirs)):
+    for name, seconds in (("pagedllm", ours), (f"pagedllm tp={tp}", split), ("pagedllm offload", offload),
+                          ("transformers", theirs)):
         if seconds is not None:
             print(f"{name + ':':17s} {seconds:7.1f} s  {workload.output_tokens / seconds:8.1f} output tok/s  "
                   f"{flops / seconds / 1e9:6.1f} GFLOP/s useful = {flops / seconds / peak:5.1%} of peak")
@@ -169,4 +175,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"speed-up: {theirs / ours:.2f}x")
     if split is not None:
         print(f"tp={tp} vs tp=1: {ours / split:.2f}x")
+    if offload is not None:
+        print(f"layer-wise KV offload ({budget / 2**20:.0f} MiB of device KV) vs resident: {ours / offload:.2f}x")
     return 0

@@ -61,6 +61,7 @@ class LLMEngine:
                 preemption_mode=config.preemption_mode,
                 preemption_policy=config.preemption_policy,
                 num_lookahead_slots=self.runner.speculator.num_lookahead_slots if self.runner.speculator else 0,
+                max_step_blocks=self.runner.max_step_blocks,
             ),
             self.block_manager,
             self.structured,
@@ -159,11 +160,12 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                 "(the prompt must leave room for at least one generated token)"
             )
-        pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        capacity = self.scheduler.capacity_blocks
+        pool_tokens = capacity * self.block_manager.block_size
         if len(token_ids) + 1 > pool_tokens:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, more than the whole KV cache holds "
-                f"({pool_tokens} tokens in {self.block_manager.num_blocks} blocks)"
+                f"({pool_tokens} tokens in {capacity} blocks)"
             )
         if beam is not None:
             if params.logprobs > min(MAX_LOGPROBS, vocab):

@@ -96,13 +96,20 @@ class DecoderModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, w, make_mlp(i), group) for i, w in enumerate(cfg.sliding_windows))
+        self.layer_hook = None  # layer-wise KV offload (worker/kv_offload.py): before_layer / after_layer
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)  # the same rows for every layer
-        for layer in self.layers:
+        if self.layer_hook is None:
+            for layer in self.layers:
+                x = layer(rope, x, meta)
+            return self.norm(x)
+        for index, layer in enumerate(self.layers):
+            self.layer_hook.before_layer(index)
             x = layer(rope, x, meta)
+            self.layer_hook.after_layer(index)
         return self.norm(x)
 
 

@@ -9,6 +9,7 @@ on the device and reads the results back in one copy (worker/step_results.py).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -21,7 +22,8 @@ from pagedllm.models.loader import load_model
 from pagedllm.spec_decode.rejection import rejection_sample
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.worker.input_batch import attention_metadata, stage_batch
-from pagedllm.worker.kv_cache import KVCache, bytes_per_block
+from pagedllm.worker.kv_cache import KVCache, bytes_per_block, bytes_per_layer_block
+from pagedllm.worker.kv_offload import LayerwiseKVOffload
 from pagedllm.worker.malloc import keep_freed_memory
 from pagedllm.worker.runner_output import ModelRunnerOutput
 from pagedllm.worker.sampling_inputs import sampling_metadata, stage_sampling
@@ -49,9 +51,11 @@ class ModelRunner:
         if config.speculative_config is not None:
             self.speculator = Speculator(config.speculative_config, model_config, max_model_len, self.block_size, self.dtype, self.device)
         self.num_blocks, self.num_cpu_blocks = pool_sizes or self._pool_sizes()
-        self.kv_cache = KVCache(self.model.config, self.num_blocks, self.num_cpu_blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = KVCache(self.model.config, self.num_blocks, self.num_cpu_blocks, self.block_size, self.dtype,
+                                self.device, host_pool=config.kv_offload)
+        self.offload = self._offload() if config.kv_offload else None
         for index, attn in enumerate(self.model.attention_layers()):
-            attn.bind_cache(*self.kv_cache.layer(index))
+            attn.bind_cache(*(self.offload.buffer(0) if self.offload else self.kv_cache.layer(index)))
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
         self.sampler = Sampler(config.seed, self.device)
         self.kernel_decode = self._choose_decode_backend()
@@ -60,10 +64,26 @@ class ModelRunner:
         self.target_time_s = 0.0  # in execute() before proposing
         self.generators: dict[int, torch.Generator] = {}  # seq id -> a seeded sequence's own generator
 
+    def _offload(self) -> LayerwiseKVOffload:
+        per_layer_block = bytes_per_layer_block(self.model.config, self.block_size, self.dtype)
+        budget = self.config.kv_offload_device_memory
+        buffer_blocks = min(self.num_blocks, budget // (2 * per_layer_block)) if budget is not None else self.num_blocks
+        if buffer_blocks < 1:
+            raise ValueError(f"kv_offload_device_memory={budget} bytes holds no block of two layers "
+                             f"({2 * per_layer_block} bytes)")
+        offload = LayerwiseKVOffload(self.kv_cache, self.model.attention_layers(), buffer_blocks, self.device)
+        self.model.model.layer_hook = offload
+        return offload
+
+    @property
+    def max_step_blocks(self) -> int | None:
+        """The most KV blocks one step may use (layer-wise offload's buffer), if bounded."""
+        return self.offload.buffer_blocks if self.offload is not None else None
+
     def _choose_decode_backend(self) -> bool:
         """The C decode kernel for fp32 on CPU when it builds (auto), else SDPA."""
         backend = self.config.attention_backend
-        k_cache, _ = self.kv_cache.layer(0)
+        k_cache = self.model.attention_layers()[0].k_cache  # the pool, or the offload buffer
         if backend == "sdpa" or (backend == "auto" and not kernel_supported(k_cache)):
             return False
         if not kernel_supported(k_cache):
@@ -86,6 +106,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         started = time.perf_counter()
         self._forget(sched.finished_seq_ids)
+        if self.offload is not None:
+            sched = self._offload_step(sched)
         staging = Staging()
         _stage_block_maps(sched, staging)
         if not sched.chunks:
@@ -121,6 +143,13 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.propose(sched, result, self.sampler, self._generator)
         return result
+
+    def _offload_step(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """Copy-on-write happens in the host pool; the step then sees its blocks renumbered."""
+        if sched.blocks_to_copy:
+            sources, destinations = zip(*sched.blocks_to_copy)
+            self.kv_cache.copy(torch.tensor(sources), torch.tensor(destinations))
+        return self.offload.plan(replace(sched, blocks_to_copy=[]))
 
     def _forget(self, seq_ids: list[int]) -> None:
         """Drop per-sequence state of sequences that finished."""
