@@ -28,11 +28,13 @@ class APIError(Exception):
     error_type = "invalid_request_error"
     default_code: str | None = None
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code or self.default_code
+        self.headers = headers
 
 
 class BadRequestError(APIError):
@@ -67,12 +69,21 @@ class ServiceUnavailableError(APIError):
     default_code = "service_unavailable"
 
 
+class RequestTimeoutError(APIError):
+    """The request did not finish within the server's --request-timeout (queue time included)."""
+
+    status_code = 504
+    error_type = "server_error"
+    default_code = "timeout"
+
+
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code), status_code=exc.status_code)
+    return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code), status_code=exc.status_code,
+                        headers=exc.headers)
 
 
 def param_from_message(message: str, fields: Sequence[str]) -> str | None:
