@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.auth import OPEN_PATHS, APIKeyMiddleware
 from pagedllm.entrypoints.openai.errors import install_error_handlers
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.models import ModelRegistry
+from pagedllm.entrypoints.openai.openapi import install_openapi
 from pagedllm.entrypoints.openai.routes import inference_router, ops_router
 from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.jobs.routes import jobs_router
@@ -60,9 +61,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.jobs = jobs
     app.state.services = services
     install_error_handlers(app)
+    open_paths = OPEN_PATHS - {"/metrics"} if settings.protect_metrics else OPEN_PATHS
     if settings.api_key:
-        open_paths = OPEN_PATHS - {"/metrics"} if settings.protect_metrics else OPEN_PATHS
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+    install_openapi(app, protected=bool(settings.api_key), open_paths=open_paths)
     app.include_router(inference_router)
     app.include_router(ops_router)
     app.include_router(jobs_router)

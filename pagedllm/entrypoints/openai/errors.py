@@ -15,10 +15,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from pagedllm.entrypoints.openai.async_engine import Disconnected
 
 logger = logging.getLogger("pagedllm.server")
+
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
 class APIError(Exception):
@@ -142,7 +145,17 @@ async def _http_handler(request: Request, exc: Exception) -> JSONResponse:
     error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
     codes = {404: "not_found", 405: "method_not_allowed"}
     body = error_body(str(exc.detail), error_type, None, codes.get(exc.status_code))
-    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+    headers = dict(getattr(exc, "headers", None) or {})
+    if exc.status_code == 405:
+        headers["Allow"] = ", ".join(allowed_methods(request))
+    return JSONResponse(body, status_code=exc.status_code, headers=headers or None)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette's own 405 names only the first route's)."""
+    routes = request.app.router.routes
+    return [method for method in HTTP_METHODS
+            if any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes)]
 
 
 async def _disconnected_handler(request: Request, exc: Exception) -> JSONResponse:
