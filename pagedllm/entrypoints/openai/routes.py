@@ -35,9 +35,14 @@ from pagedllm.entrypoints.openai.serving_tokenization import detokenize, tokeniz
 inference_router = APIRouter(responses=error_responses(400, 404, 503))
 ops_router = APIRouter()
 
+# Before Open API 3.2, an event stream's `schema` describes one event (as Schemathesis reads it).
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON chunk (`*.chunk` objects, OpenAI's streaming format), an "
+                                              "`{\"error\": ...}` object if the request fails mid-stream, or `[DONE]`"},
+    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 GENERATION_DOC = {
     200: {"description": "JSON, or `text/event-stream` chunks when stream=true",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+          "content": {"text/event-stream": {"schema": SSE_EVENT}}},
     **error_responses(504),
 }
 
