@@ -113,9 +113,10 @@ class JobMonitor:
             return [change_status(self.job, JobState.CHECKPOINTING, f"saving checkpoint {checkpoint_id} at step {event.get('step')}")]
         notes = []
         if status == CheckpointStatus.CORRUPT.value:
-            notes.append(Transition(self.job.status, time.time(),
-                                    f"checkpoint {checkpoint_id} (step {event.get('step')}) failed verification and is "
-                                    f"marked CORRUPT: {event.get('reason')}; an older COMPLETE checkpoint is used"))
+            what = ("could not be saved" if event.get("during") == "save"
+                    else "failed verification (an older COMPLETE checkpoint is used)")
+            notes.append(Transition(self.job.status, time.time(), f"checkpoint {checkpoint_id} (step {event.get('step')}) "
+                                                                  f"{what} and is marked CORRUPT: {event.get('reason')}"))
         if status in (CheckpointStatus.COMPLETE.value, CheckpointStatus.CORRUPT.value):
             if checkpoint_id == self.job.requested_checkpoint_id:
                 self.job.requested_checkpoint_id = None

@@ -11,8 +11,9 @@ Status goes SAVING (written before any shard) -> COMPLETE (after every rank's fi
 hashed). Resume verifies the sha256 of every file first: a mismatch marks the checkpoint CORRUPT and
 the next newest COMPLETE one is tried. A save that fails (a full disk: ENOSPC) removes its partial
 files, is marked CORRUPT with the cause, and raises CheckpointSaveError naming it; the checkpoints
-saved before it are untouched (pruning runs only after a save is COMPLETE). Keeping max_checkpoints_to_keep, older COMPLETE checkpoints
-lose their data and become DELETED (the manifest stays, as a record).
+saved before it are untouched (pruning runs only after a save is COMPLETE). Keeping
+max_checkpoints_to_keep, older COMPLETE checkpoints lose their data and become DELETED (the manifest
+stays, as a record).
 
 With async_save, DCP stages the state to memory and writes from a background thread over a separate
 gloo group; training goes on, and at each step boundary the ranks agree (one all-reduce) on whether
@@ -347,7 +348,7 @@ class CheckpointManager:
             try:
                 manifest = mark(step_dir, CheckpointStatus.CORRUPT, reason)
                 self.on_event("checkpoint", status="CORRUPT", checkpoint_id=str(manifest.checkpoint_id), step=step,
-                              path=str(step_dir), reason=reason)
+                              path=str(step_dir), reason=reason, during="save")
             except (OSError, ValueError, AssertionError):  # no manifest was written: nothing to mark
                 pass
         complete = [m.step for _, m in list_checkpoints(self.dir) if m.status is CheckpointStatus.COMPLETE]
@@ -446,7 +447,7 @@ class CheckpointManager:
                       step_dir, manifest.step, reason)
             mark(step_dir, CheckpointStatus.CORRUPT, reason)
             self.on_event("checkpoint", status="CORRUPT", checkpoint_id=str(manifest.checkpoint_id),
-                          step=manifest.step, path=str(step_dir), reason=reason)
+                          step=manifest.step, path=str(step_dir), reason=reason, during="resume")
         dist.barrier()
 
     def _load_state(self, step_dir: Path, manifest: Checkpoint) -> None:

@@ -78,6 +78,8 @@ def test_full_disk_then_corrupt_checkpoint_then_exact_resume(full_disk, tiny_pat
     assert "checkpoint at step 6 could not be saved" in reason and "No space left on device" in reason, reason
     assert "newest COMPLETE checkpoint is step 4" in reason, reason
     assert not job_processes(job_id)
+    assert any(f"(step 6) could not be saved and is marked CORRUPT: save failed: OSError" in (h["reason"] or "")
+               for h in failed["history"]), failed["history"]
 
     checkpoints = {c["step"]: c for c in server.client.get(f"/v1/training/jobs/{job_id}/checkpoints").json()}
     assert {s: c["status"] for s, c in checkpoints.items()} == {2: "COMPLETE", 4: "COMPLETE", 6: "CORRUPT"}
@@ -101,7 +103,7 @@ def test_full_disk_then_corrupt_checkpoint_then_exact_resume(full_disk, tiny_pat
     assert done["metrics"]["step"] == 12 and done["runs"][-1]["outcome"] == "COMPLETED"
     assert (done["runs"][-1]["resumed_from"], done["runs"][-1]["start_step"]) == (previous["checkpoint_id"], 2)
     reasons = [h["reason"] or "" for h in done["history"]]
-    corrupt = next(r for r in reasons if f"checkpoint {newest['checkpoint_id']} (step 4) failed verification" in r)
+    corrupt = next(r for r in reasons if f"checkpoint {newest['checkpoint_id']} (step 4) failed verification (an older" in r)
     assert "CORRUPT" in corrupt and "checksum" in corrupt and flipped in corrupt
     assert f"run 2 resumed from checkpoint {previous['checkpoint_id']} at step 2" in reasons
     listed = {c["checkpoint_id"]: c for c in server.client.get(f"/v1/training/jobs/{job_id}/checkpoints").json()}
