@@ -7,6 +7,7 @@ fills the fused weights shard by shard from the checkpoint's separate tensors.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -140,6 +141,14 @@ class CausalLM(nn.Module):
         self.lm_head.tp_dims = {"weight": 0}
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def restrict_vocab(self, token_ids: list[int]) -> None:
+        """Score only `token_ids` (a draft model's reduced vocabulary): the LM head keeps their
+        rows, in that order, and no longer shares the embedding's weight."""
+        rows = self.lm_head.weight.detach()[torch.tensor(token_ids)]
+        self.lm_head = Linear(rows.shape[1], rows.shape[0], bias=False)
+        self.lm_head.weight = nn.Parameter(rows, requires_grad=False)
+        self.config = replace(self.config, vocab_size=len(token_ids))
 
     def make_mlp(self, layer_index: int) -> nn.Module:
         return MLP(self.config)

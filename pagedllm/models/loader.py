@@ -42,8 +42,9 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 
 def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device,
-               group: ParallelGroup | None = None) -> CausalLM:
-    """The whole model, or under tensor parallelism (`group`) this rank's part of it."""
+               group: ParallelGroup | None = None, logit_token_ids: list[int] | None = None) -> CausalLM:
+    """The whole model, or under tensor parallelism (`group`) this rank's part of it.
+    `logit_token_ids`: the LM head scores only these tokens (a draft's reduced vocabulary)."""
     local = cfg.shard(group.size) if group is not None else cfg
     with torch.device("meta"):
         model = model_class(cfg)(local, max_position, dtype, group)
@@ -56,6 +57,8 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     _load_weights(model, Path(cfg.path), group)
+    if logit_token_ids is not None:
+        model.restrict_vocab(logit_token_ids)
     if packing_available(device, dtype):
         model.pack_linears()
     return model.eval()

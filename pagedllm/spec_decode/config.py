@@ -1,6 +1,7 @@
 """`speculative_config`, in vLLM's shape:
 
     {"model": "path/to/draft", "num_speculative_tokens": 4}                     # a draft model
+    {"model": "path/to/draft", "num_speculative_tokens": 4, "draft_vocab_size": 1024}  # scoring its 1024 most frequent tokens
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}     # prompt lookup
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("draft_model", "ngram")
-_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_vocab_size"}
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class SpeculativeConfig:
     model: str | None = None  # the draft model's folder (draft_model)
     prompt_lookup_max: int = 4  # longest n-gram matched (ngram)
     prompt_lookup_min: int = 1  # shortest n-gram matched (ngram)
+    draft_vocab_size: int | None = None  # the draft scores only its N most frequent tokens (spec_decode/draft_vocab.py)
 
     @property
     def uses_draft_model(self) -> bool:
@@ -49,6 +51,7 @@ class SpeculativeConfig:
             model=value.get("model"),
             prompt_lookup_max=value.get("prompt_lookup_max", 4),
             prompt_lookup_min=value.get("prompt_lookup_min", 1),
+            draft_vocab_size=value.get("draft_vocab_size"),
         )
         config._validate()
         return config
@@ -64,5 +67,10 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: the draft_model method needs 'model' (a model folder)")
         if self.method == "ngram" and self.model:
             raise ValueError("speculative_config: the ngram method takes no 'model'")
+        if self.draft_vocab_size is not None:
+            if not isinstance(self.draft_vocab_size, int) or isinstance(self.draft_vocab_size, bool) or self.draft_vocab_size < 1:
+                raise ValueError(f"speculative_config: draft_vocab_size must be a positive integer, got {self.draft_vocab_size!r}")
+            if self.method != "draft_model":
+                raise ValueError("speculative_config: draft_vocab_size applies to a draft model only")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from pagedllm.config import ModelConfig, ModelLoadError
+from pagedllm.spec_decode import draft_vocab
 from pagedllm.engine.scheduler_output import SampleRow, ScheduledChunk
 from pagedllm.layers.paged_decode import kernel_supported
 from pagedllm.layers.sampler import Sampler
@@ -40,7 +41,9 @@ class DraftRequest:
 
 
 class DraftModel:
-    def __init__(self, path: str, target: ModelConfig, max_model_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, path: str, target: ModelConfig, max_model_len: int, dtype: torch.dtype, device: torch.device,
+                 vocab_size: int | None = None):
+        """`vocab_size`: score only the draft's that many most frequent tokens (draft_vocab.py)."""
         config = ModelConfig.from_pretrained(path)
         if config.vocab_size != target.vocab_size:
             raise ModelLoadError(
@@ -50,7 +53,11 @@ class DraftModel:
             raise ModelLoadError(
                 f"the draft model allows {config.max_position_embeddings} positions, fewer than max_model_len={max_model_len}")
         self.model_config = config
-        self.model = load_model(config, max_model_len, dtype, device)
+        subset = draft_vocab.read(path, config.vocab_size)[:vocab_size] if vocab_size is not None else None
+        self.model = load_model(config, max_model_len, dtype, device, logit_token_ids=subset)
+        # column of the draft's logits -> token id (None: the whole vocabulary, in order)
+        self.vocab = torch.tensor(subset, device=device) if subset is not None else None
+        self.full_vocab_size = config.vocab_size
         self.dtype, self.device = dtype, device
         self.windows = sorted(set(config.sliding_windows), key=lambda w: (w is not None, w or 0))
         self.kv_cache: KVCache | None = None
@@ -126,16 +133,18 @@ class DraftModel:
 
     def _sample(self, logits: torch.Tensor, plan: SamplingPlan, views: dict, sampler: Sampler, generator_for,
                 rows: list[SampleRow], probs: dict[int, list[torch.Tensor]]) -> torch.Tensor:
-        """Greedy rows propose the argmax; others sample from q (kept for verification)."""
+        """Greedy rows propose the argmax; others sample from q (kept for verification, over the
+        whole vocabulary: zero outside a reduced one)."""
         meta = sampling_metadata(plan, views, generator_for)
-        tokens = logits.argmax(dim=-1)
-        if meta.random_rows is None:
-            return tokens
-        q = sampler.probs(logits, meta)
-        tokens = tokens.index_copy(0, meta.random_rows, (q / sampler.exponential_noise(q, meta)).argmax(dim=-1))
-        for position, row_index in enumerate(plan.random):
-            probs.setdefault(rows[row_index].seq_id, []).append(q[position])
-        return tokens
+        choice = logits.argmax(dim=-1)
+        if meta.random_rows is not None:
+            q = sampler.probs(logits, meta)
+            choice = choice.index_copy(0, meta.random_rows, (q / sampler.exponential_noise(q, meta)).argmax(dim=-1))
+            if self.vocab is not None:
+                q = q.new_zeros(q.shape[0], self.full_vocab_size).index_copy_(1, self.vocab, q)
+            for position, row_index in enumerate(plan.random):
+                probs.setdefault(rows[row_index].seq_id, []).append(q[position])
+        return self.vocab.index_select(0, choice) if self.vocab is not None else choice
 
     def forget(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:

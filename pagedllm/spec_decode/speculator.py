@@ -32,7 +32,9 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = block_size
-        self.draft = DraftModel(config.model, target, max_model_len, dtype, device) if config.uses_draft_model else None
+        self.draft = None
+        if config.uses_draft_model:
+            self.draft = DraftModel(config.model, target, max_model_len, dtype, device, config.draft_vocab_size)
         self.draft_time_s = 0.0
 
     @property

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from pagedllm.training.checkpoint import CheckpointManager, CheckpointMetadata
 from pagedllm.training.config import Precision, TrainingJob, resolve
 from pagedllm.training.control import Controller, Decision
+from pagedllm.spec_decode import draft_vocab
 from pagedllm.training.data import TrainingData, build_cache, default_cache_dir
 from pagedllm.training.export import export_checkpoint
 from pagedllm.training.model import build_model, flops_per_token, num_params
@@ -357,6 +358,8 @@ class Trainer:
         if self.rank == 0:
             if self.options.export_hf:
                 out = export_checkpoint(self.dir, self.dir / "hf-final")
+                draft_vocab.write(out, draft_vocab.rank_tokens(self.data.train.tokens, self.job.model.vocab_size),
+                                  len(self.data.train.tokens))  # for serving this model as a draft
                 reporter.info(f"exported Hugging Face folder {out}")
                 self.events.emit("exported", path=str(out))
             plot_loss_curve(self.dir / "metrics.jsonl", self.dir / "loss_curve.png", self.job.job_name)

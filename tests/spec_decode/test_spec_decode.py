@@ -4,11 +4,13 @@ distributed as the target's (chi-square); metrics; errors."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.spec_decode import draft_vocab
 from parity import MAX_TOKENS, MODES, PROMPTS, assert_matches, assert_mode_happened
 from conftest import truncated_copy
 from tiny_models import build_model
@@ -21,6 +23,10 @@ SPEC_MODES = ("defaults", "prefix_caching", "chunked_prefill", "preempt_recomput
 def spec_config(method: str, draft) -> dict:
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    if method == "reduced_vocab":  # the draft scores half the vocabulary: the even ids, then the odd ones
+        vocab = json.loads((draft / "config.json").read_text())["vocab_size"]
+        draft_vocab.write(draft, list(range(0, vocab, 2)) + list(range(1, vocab, 2)), num_tokens=0)
+        return {"model": str(draft), "num_speculative_tokens": 3, "draft_vocab_size": vocab // 2}
     return {"model": str(draft), "num_speculative_tokens": 3}
 
 
@@ -34,7 +40,7 @@ def check_against(ours: list[list[int]], plain: list[list[int]], reference) -> N
         assert_matches(tokens, theirs, logits)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "reduced_vocab"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_is_unchanged_by_speculation(arch, method, model_dir, draft_dir, reference):
     folder = str(model_dir(arch))
@@ -106,7 +112,7 @@ def exact_marginal(folder, position: int, temperature: float, top_k: int) -> tor
             weights = joint.reshape(-1)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "reduced_vocab"])
 def test_sampled_tokens_follow_the_target_distribution(method, small_vocab):
     target, draft = small_vocab
     num = 3000
@@ -135,6 +141,8 @@ def test_bad_speculative_config_is_a_clear_error(model_dir, small_vocab):
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown key"),
         ("{not json", "JSON"),
         ({"model": str(small_vocab[1]), "num_speculative_tokens": 2}, "vocab_size"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_vocab_size": 8}, "draft model only"),
+        ({"model": str(model_dir("llama")), "num_speculative_tokens": 2, "draft_vocab_size": 8}, "draft_vocab.json"),
     ]:
         with pytest.raises(ValueError, match=match):
             LLM(folder, speculative_config=config)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pagedllm.spec_decode import draft_vocab
 from pagedllm.training.config import parse_job
 from pagedllm.training.trainer import RunOptions, run_training
 
@@ -29,7 +30,9 @@ def trained(tiny_paths, tmp_path_factory):
 def test_end_of_training_writes_hf_final_and_a_loss_curve(trained):
     folder = trained / "hf-final"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json"} <= {p.name for p in folder.iterdir()}
+            "generation_config.json", "draft_vocab.json"} <= {p.name for p in folder.iterdir()}
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    assert len(draft_vocab.read(folder, vocab)) == vocab  # ready to serve as a draft with a reduced vocabulary
     assert (trained / "loss_curve.png").stat().st_size > 1000
     records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9))
