@@ -2,6 +2,7 @@
 waiting on job states, and finding a job's processes by pid or by the launcher's environment tag."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -26,6 +27,16 @@ def job_body(paths: dict, ranks: int = 2, steps: int = 100, **sections) -> dict:
     if "checkpoint_dir" not in sections.get("checkpoint_config", {}):
         del body["checkpoint_config"]["checkpoint_dir"]
     return body
+
+
+def to_toml(body: dict) -> str:
+    """A job body as a TOML job file: top-level values, then one table per section. Enough for job
+    bodies (strings, numbers, booleans, lists of them; None values left out); JSON's scalar syntax is
+    TOML's for these."""
+    top = [f"{key} = {json.dumps(value)}" for key, value in body.items() if not isinstance(value, dict) and value is not None]
+    tables = [f"\n[{key}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in value.items() if v is not None)
+              for key, value in body.items() if isinstance(value, dict)]
+    return "\n".join(top) + "\n" + "".join(tables)
 
 
 class JobServer:
