@@ -2,10 +2,11 @@
 // from /v1/completions) with the OpenAI protocol the API serves to any client, sampling controls,
 // and per-reply timing: time to first token, tokens, and generation speed.
 //
-// Speed is (tokens - 1) / (time of the last chunk - time of the first): the decode rate after
-// the first token, as `pagedllm bench serve` reports TPOT. The token count is the server's
-// (stream_options.include_usage); while streaming, chunks stand in for tokens (one per token
-// unless the browser falls behind and the server coalesces).
+// Speed is tokens / (time of the last chunk - time the request was sent), measured in the
+// browser: it includes the prompt's prefill and the network, and cannot be inflated when the
+// server coalesces several tokens into one chunk (which a rate between first and last chunk would
+// be). The token count is the server's (stream_options.include_usage); while streaming, chunks
+// stand in for tokens.
 
 import { streamEvents } from "./api.js";
 import { $, fmtSeconds, h, showError } from "./dom.js";
@@ -63,8 +64,8 @@ class Timing {
     const parts = [];
     if (this.first !== null) parts.push(`TTFT ${fmtSeconds((this.first - this.start) / 1000)}`);
     parts.push(`${tokens} tokens${this.tokens === null ? " (chunks)" : ""}`);
-    const span = (this.last - this.first) / 1000;
-    if (tokens > 1 && span > 0) parts.push(`${((tokens - 1) / span).toFixed(1)} tok/s`);
+    const span = (this.last - this.start) / 1000;
+    if (tokens > 0 && span > 0) parts.push(`${(tokens / span).toFixed(1)} tok/s`);
     if (finish) parts.push(`finish: ${finish}`);
     return parts.join(" · ");
   }
@@ -93,6 +94,14 @@ async function send(text) {
   const timing = new Timing();
   let finish = null;
   let answer = "";
+  // Text is painted once per frame, not once per chunk: layout per chunk would slow the reading
+  // of the stream (and the measured speed) to the page's rendering speed.
+  let painting = false;
+  const paint = () => {
+    painting = false;
+    reply.content.textContent = answer;
+    scrollDown();
+  };
   controller = new AbortController();
   setBusy(true);
   const speed = $("#chat-speed");
@@ -104,8 +113,10 @@ async function send(text) {
         if (piece) {
           timing.chunk();
           answer += piece;
-          reply.content.textContent = answer;
-          scrollDown();
+          if (!painting) {
+            painting = true;
+            requestAnimationFrame(paint);
+          }
         }
         if (choice.finish_reason) finish = choice.finish_reason;
       }
@@ -118,6 +129,7 @@ async function send(text) {
       throw error;
     }
   } finally {
+    paint();
     reply.el.classList.remove("streaming");
     reply.meta.textContent = timing.summary(finish);
     speed.textContent = reply.meta.textContent;

@@ -172,7 +172,10 @@ class JobDetail {
     try {
       const view = await getJSON(this.path);
       if (this.view && this.view.status !== view.status) refreshList().catch(() => {});
+      // an ended job changes no more: read its metrics, log and checkpoints once after it ended
+      const settled = this.view && !ACTIVE.has(view.status) && this.view.updated_at === view.updated_at;
       this.view = view;
+      if (settled) return;
       await Promise.all([this.pollMetrics(view), this.pollLog(), this.pollCheckpoints(view)]);
       this.render(view);
       showError(this.error, null);
