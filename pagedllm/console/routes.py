@@ -15,6 +15,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
+from starlette.responses import Response
 
 from pagedllm.entrypoints.openai.models import ModelRegistry
 
@@ -105,6 +106,16 @@ async def console_stats(request: Request) -> ConsoleStats:
     return ConsoleStats(time=time.time(), models=readings)
 
 
+class RevalidatedFiles(StaticFiles):
+    """Static files the browser revalidates on every load (a 304 when unchanged), so a page served
+    by an upgraded server never runs with modules cached from the old one."""
+
+    def file_response(self, *args, **kwargs) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
+
+
 def install_console(app: FastAPI) -> None:
     app.include_router(console_router)
-    app.mount(ASSETS, StaticFiles(directory=STATIC), name="console-static")
+    app.mount(ASSETS, RevalidatedFiles(directory=STATIC), name="console-static")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.helpers import kill_leftovers
+from jobs.helpers import no_job_processes_left
 from tiny_models import build_model
 from training.conftest import tiny_paths  # noqa: F401  (the training tests' stdlib corpus and tokenizer)
 
@@ -36,14 +36,8 @@ def server(console_models, tmp_path_factory):
     args = ["--model", str(console_models / "tiny"), "--model-dir", str(console_models), "--api-key", API_KEY,
             "--num-kv-blocks", "256", "--train-slots", "1"]
     srv = ConsoleServer.start(args, root)
-    try:
+    with no_job_processes_left(srv.data_dir, srv.stop):
         yield srv
-    finally:
-        try:
-            srv.stop()
-        finally:
-            leftovers = kill_leftovers(srv.data_dir)
-        assert not leftovers, f"job processes left behind: {leftovers}"
 
 
 @pytest.fixture(scope="session")

@@ -77,6 +77,7 @@ def test_page_and_assets_are_open_and_the_api_is_not(server):
     assert '<script type="module" src="/console/static/js/main.js">' in page.text
     script = httpx.get(server.url + "/console/static/js/main.js")
     assert script.status_code == 200 and "javascript" in script.headers["content-type"]
+    assert script.headers["cache-control"] == "no-cache" and script.headers["etag"]  # revalidated, then 304
     for path in ("/console/api/stats", "/console/api/models", "/v1/models", "/v1/training/jobs"):
         assert httpx.get(server.url + path).status_code == 401, path
         assert server.http.get(path).status_code == 200, path
@@ -129,9 +130,25 @@ def test_chat_streams_the_greedy_reply(page, server, artifacts):
     p.wait_for_function("document.querySelectorAll('.message.assistant:not(.streaming) .meta').length === 2")
     assert p.locator(".message.user").count() == 2
 
+    # "JSON object" output sends response_format: the reply is the API's constrained one
+    p.click("#chat-clear")
+    p.fill("#s-max_tokens", "64")
+    p.select_option("#s-format", "json_object")
+    p.fill("#chat-text", "Reply in JSON.")
+    p.press("#chat-text", "Enter")
+    p.wait_for_selector(".message.assistant:not(.streaming) .meta:has-text('finish')")
+    expected = server.http.post("/v1/chat/completions", json={
+        "model": MODEL, "temperature": 0, "max_tokens": 64, "response_format": {"type": "json_object"},
+        "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Reply in JSON."}],
+    }).json()["choices"][0]
+    assert p.text_content(".message.assistant .content") == expected["message"]["content"]
+    assert expected["message"]["content"].startswith("{")
+    p.select_option("#s-format", "text")
+
     # text completion mode against /v1/completions
     p.click("#chat-clear")
     p.select_option("#chat-mode", "completion")
+    p.fill("#s-max_tokens", str(REPLY))
     p.fill("#chat-text", "def fibonacci(n):")
     p.press("#chat-text", "Enter")
     p.wait_for_selector(".message.assistant:not(.streaming) .meta:has-text('finish')")

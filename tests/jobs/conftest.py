@@ -6,21 +6,15 @@ import pytest
 
 from training.conftest import tiny_paths  # noqa: F401  (the training tests' stdlib corpus and tokenizer)
 
-from .helpers import JobServer, kill_leftovers
+from .helpers import JobServer, no_job_processes_left
 
 
 def serving(tmp_path_factory, name: str, slots: int = 2):
     """A started JobServer; at exit: stopped, and no process of its jobs may be left."""
     root = tmp_path_factory.mktemp(name)
     server = JobServer(root / "data", slots, root)
-    try:
+    with no_job_processes_left(server.data_dir, server.stop):
         yield server.start()
-    finally:
-        try:
-            server.stop()
-        finally:
-            leftovers = kill_leftovers(server.data_dir)
-        assert not leftovers, f"job processes left behind: {leftovers}"
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -140,6 +142,19 @@ def tagged(key: str, value: str) -> list[psutil.Process]:
 
 def job_processes(job_id: str) -> list[psutil.Process]:
     return tagged(JOB_ID_ENV, job_id)
+
+
+@contextmanager
+def no_job_processes_left(data_dir: Path, stop: Callable[[], None]) -> Iterator[None]:
+    """At exit: `stop()` the server, SIGKILL any process of its jobs, and fail if there was one."""
+    try:
+        yield
+    finally:
+        try:
+            stop()
+        finally:
+            leftovers = kill_leftovers(data_dir)
+        assert not leftovers, f"job processes left behind: {leftovers}"
 
 
 def kill_leftovers(data_dir: Path) -> list[int]:
