@@ -22,6 +22,9 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 _DTYPES = {
@@ -33,6 +36,32 @@ _DTYPES = {
 
 class ModelLoadError(ValueError):
     """A model folder that is missing, incomplete, corrupt or of an unsupported architecture."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts model's feed-forward: which layers route, to how many experts."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    renormalize: bool  # the kept top-k router weights are rescaled to sum to 1
+    shared_expert_intermediate_size: int  # 0: none (Qwen2-MoE has one, gated by a sigmoid)
+    sparse_layers: tuple[bool, ...]  # per layer: routed experts (True) or a dense MLP
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], model_type: str, num_layers: int, intermediate: int) -> "MoEConfig | None":
+        if model_type == "mixtral":
+            return cls(int(raw.get("num_local_experts", 8)), int(raw.get("num_experts_per_tok", 2)), intermediate,
+                       True, 0, (True,) * num_layers)
+        if model_type not in ("qwen2_moe", "qwen3_moe"):
+            return None
+        num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)  # transformers 5 writes the latter
+        step, dense = int(raw.get("decoder_sparse_step", 1)), set(raw.get("mlp_only_layers") or [])
+        sparse = tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+        return cls(num_experts, int(raw.get("num_experts_per_tok", 1)), int(raw.get("moe_intermediate_size", intermediate)),
+                   bool(raw.get("norm_topk_prob", model_type == "qwen3_moe")),
+                   int(raw.get("shared_expert_intermediate_size", 0)) if model_type == "qwen2_moe" else 0, sparse)
 
 
 @dataclass(frozen=True)
@@ -62,6 +91,12 @@ class ModelConfig:
     config_dtype: str | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    moe: MoEConfig | None = None
+
+    @property
+    def family(self) -> str:
+        """The attention-and-MLP family the model code follows (qwen2_moe attends like qwen2)."""
+        return self.model_type.removesuffix("_moe")
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
@@ -118,14 +153,15 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(raw.get("attention_bias", False)),
             o_bias=model_type == "llama" and bool(raw.get("attention_bias", False)),
             mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_windows=_sliding_windows(raw, model_type, num_layers),
             config_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            moe=MoEConfig.from_dict(raw, model_type, num_layers, intermediate),
         )
 
 
@@ -161,9 +197,9 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 def _sliding_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return (int(window) if window else None,) * num_layers
-    if model_type in ("qwen2", "qwen3") and raw.get("use_sliding_window") and window:
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and raw.get("use_sliding_window") and window:
         kinds = raw.get("layer_types") or ["sliding_attention"] * num_layers
         return tuple(int(window) if k == "sliding_attention" else None for k in kinds)
     return (None,) * num_layers

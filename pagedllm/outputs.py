@@ -55,3 +55,24 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass
+class BeamSearchSequence:
+    """One hypothesis of a beam search (vLLM's shape): `tokens` and `text` include the prompt;
+    `score` is what the search ranked it by (cumulative logprob / generated length ** length_penalty,
+    transformers' `sequences_scores`)."""
+
+    tokens: list[int]
+    logprobs: SampleLogprobs
+    cum_logprob: float
+    score: float
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's beam search result: `beam_width` hypotheses, best first."""
+
+    sequences: list[BeamSearchSequence]

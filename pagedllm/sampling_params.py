@@ -131,3 +131,25 @@ def _number(name: str, value: object) -> None:
 def _int_at_least(name: str, value: object, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search (vLLM's `BeamSearchParams`): keep the `beam_width` most likely continuations
+    at every step, scored as transformers' `num_beams` generate scores them — cumulative logprob
+    divided by generated length ** `length_penalty`, early-stopping heuristic included — so the
+    results equal transformers' for the same weights. Deterministic: `temperature` must be 0."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _int_at_least("beam_width", self.beam_width, 1)
+        _int_at_least("max_tokens", self.max_tokens, 1)
+        _number("temperature", self.temperature)
+        if self.temperature != 0:
+            raise ValueError(f"beam search is deterministic: temperature must be 0, got {self.temperature}")
+        _number("length_penalty", self.length_penalty)

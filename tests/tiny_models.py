@@ -50,7 +50,8 @@ def build_tokenizer(folder: Path, vocab_size: int = VOCAB, chat_template: bool =
 
 
 def model_config(arch: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     common = dict(
         vocab_size=VOCAB,
@@ -84,6 +85,16 @@ def model_config(arch: str, **overrides):
         return Qwen2Config(**common)
     if arch == "qwen3":
         return Qwen3Config(**{**common, "head_dim": 32})
+    # Mixture-of-experts: 4 experts, top 2; Qwen3-MoE keeps a dense MLP in its second layer
+    # and renormalises the kept router weights, Qwen2-MoE adds a gated shared expert.
+    if arch == "mixtral":
+        return MixtralConfig(**{**common, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None})
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**{**common, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                 "norm_topk_prob": True, "mlp_only_layers": [1], "head_dim": 32})
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**{**common, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                 "shared_expert_intermediate_size": 96, "norm_topk_prob": False})
     raise ValueError(arch)
 
 

@@ -1,12 +1,14 @@
 """Offline throughput: pagedllm vs transformers' batched generate on the same requests.
 
 A nano-vLLM-style workload sized for a 2-core CPU: N requests with random prompt lengths and
-random output lengths (ignore_eos), on a randomly initialised model with SmolLM2-135M's shape.
+random output lengths (ignore_eos), on a randomly initialised model with SmolLM2-135M's shape
+(`--shape mixtral-small`: a small Mixtral, 8 experts, top 2).
 The baseline runs the same requests through transformers' `generate` as one left-padded batch,
 which must run every sequence to the longest output; both are credited only with the tokens
 each request asked for. The share of the machine's fp32 matmul peak (measured in this run) is
 computed from the useful FLOPs: 2 x parameters per token processed (lm_head only where a token
-is sampled) plus attention's 4 x context x hidden per layer.
+is sampled; for a mixture of experts, the router and the top-k experts a token uses) plus
+attention's 4 x context x hidden per layer.
 """
 from __future__ import annotations
 
@@ -26,6 +28,12 @@ SMOLLM2_135M = dict(
     intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048,
     rms_norm_eps=1e-5, rope_theta=100000.0,
 )
+MIXTRAL_SMALL = dict(
+    hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+    intermediate_size=1024, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+    tie_word_embeddings=False, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=1000000.0,
+)
+SHAPES = {"smollm2-135m": ("LlamaConfig", SMOLLM2_135M), "mixtral-small": ("MixtralConfig", MIXTRAL_SMALL)}
 
 
 @dataclass
@@ -48,14 +56,16 @@ def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
     return Workload(prompts, lens)
 
 
-def build_model(folder: Path) -> Path:
-    """A random model with SmolLM2-135M's shape, cached between runs (weights are not the point)."""
+def build_model(folder: Path, shape: str = "smollm2-135m") -> Path:
+    """A random model of the shape, cached between runs (weights are not the point)."""
     if (folder / "config.json").is_file():
         return folder
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    import transformers
 
+    config_class, cfg = SHAPES[shape]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**SMOLLM2_135M, initializer_range=0.02), dtype=torch.float32)
+    config = getattr(transformers, config_class)(**cfg, initializer_range=0.02)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
     return folder
 
@@ -64,7 +74,9 @@ def useful_flops(cfg: dict, workload: Workload) -> float:
     hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     head_dim = hidden // cfg["num_attention_heads"]
     kv = cfg["num_key_value_heads"] * head_dim
-    per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * cfg["intermediate_size"]
+    experts = cfg.get("num_local_experts")
+    mlp = 3 * hidden * cfg["intermediate_size"] * (cfg["num_experts_per_tok"] if experts else 1) + hidden * (experts or 0)
+    per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + mlp
     lm_head = hidden * cfg["vocab_size"]
     total = 0.0
     for prompt, out in zip(workload.prompts, workload.output_lens):
@@ -116,15 +128,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--fixed-output-len", type=int, default=None, help="every request asks for this many tokens")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "pagedllm-bench-smollm2-135m-random")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="the random model's shape")
+    parser.add_argument("--model-cache", type=Path, default=None,
+                        help="where the random model is kept between runs (default: the temp dir, by shape)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--skip-transformers", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
-    folder = build_model(args.model_cache)
-    workload = make_workload(args, SMOLLM2_135M["vocab_size"])
-    print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
+    shape = SHAPES[args.shape][1]
+    folder = build_model(args.model_cache or Path(tempfile.gettempdir()) / f"pagedllm-bench-{args.shape}-random", args.shape)
+    workload = make_workload(args, shape["vocab_size"])
+    print(f"{args.shape}, workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
           f"{workload.output_tokens} output tokens ({min(workload.output_lens)}-{max(workload.output_lens)} per request), "
           f"{torch.get_num_threads()} threads")
     peak = measure_matmul_peak()  # measured again at the end; the best is the machine's ceiling
@@ -132,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     ours = run_pagedllm(folder, workload, engine_args)
     theirs = None if args.skip_transformers else run_transformers(folder, workload)
     peak = max(peak, measure_matmul_peak())
-    flops = useful_flops(SMOLLM2_135M, workload)
+    flops = useful_flops(shape, workload)
     print(f"fp32 matmul peak (best of before and after, this run): {peak / 1e9:.1f} GFLOP/s")
     for name, seconds in (("pagedllm", ours), ("transformers", theirs)):
         if seconds is not None:

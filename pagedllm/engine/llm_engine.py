@@ -15,12 +15,13 @@ from typing import Any, Union
 import torch
 
 from pagedllm.config import EngineConfig, ModelConfig
+from pagedllm.engine.beam_search import BeamSearch, BeamState
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -88,17 +89,27 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | BeamSearchParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
+        """Queue a request. With `BeamSearchParams` it is a beam search, whose only output is
+        its `beam_width` best hypotheses when it finishes."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
+        beam = params if isinstance(params, BeamSearchParams) else None
+        if beam is not None:
+            # Each beam decodes greedily and reports its row's top-K continuations.
+            params = SamplingParams(temperature=0, max_tokens=beam.max_tokens, ignore_eos=True)
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"sampling_params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
-        self._validate(token_ids, params)
+        search = None
+        if beam is not None:
+            search = BeamSearch(beam, self.eos_token_ids, min(beam.max_tokens, self.max_model_len - len(token_ids)))
+            params.logprobs = search.num_candidates
+        self._validate(token_ids, params, beam)
         request = Request(
             request_id=request_id,
             prompt=text,
@@ -109,6 +120,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
         seq = Sequence(request, 0, list(token_ids))
+        if search is not None:
+            request.beam_search, seq.beam = search, BeamState()
         if params.structured_outputs is not None:
             seq.grammar = self._matcher(params)
         request.seqs.append(seq)
@@ -134,7 +147,7 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, _token_list(prompt)
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, token_ids: list[int], params: SamplingParams, beam: BeamSearchParams | None = None) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -152,6 +165,13 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, more than the whole KV cache holds "
                 f"({pool_tokens} tokens in {self.block_manager.num_blocks} blocks)"
             )
+        if beam is not None:
+            if params.logprobs > min(MAX_LOGPROBS, vocab):
+                raise ValueError(
+                    f"beam_width={beam.beam_width} is too wide: each step ranks {params.logprobs} continuations "
+                    f"per beam, and at most {min(MAX_LOGPROBS, vocab)} are available"
+                )
+            return
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:

@@ -28,9 +28,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pagedllm.engine.beam_search import Continuation
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.scheduler_output import PromptLogprobsRequest, SampleRow, ScheduledChunk, SchedulerOutput
-from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
 
@@ -131,10 +132,18 @@ class Scheduler:
         step = _Step()
         budget = self._schedule_running(step, self.config.max_num_batched_tokens)
         if not step.preempted:
-            budget = self._schedule_swapped(step, budget)
-            if not self.swapped:
-                self._schedule_waiting(step, budget)
+            budget = self._schedule_queued(step, budget)
+            if not step.scheduled and self._blocked_by_idle_beams():
+                self._preempt_idle_beams(step)
+                self._schedule_queued(step, budget)
         return self._finalize(step)
+
+    def _schedule_queued(self, step: _Step, budget: int) -> int:
+        """Swapped-out sequences come back before waiting ones are admitted."""
+        budget = self._schedule_swapped(step, budget)
+        if all(_awaits_siblings(seq) for seq in self.swapped):
+            self._schedule_waiting(step, budget)
+        return budget
 
     def _finalize(self, step: _Step) -> SchedulerOutput:
         """Turn the scheduled sequences into the runner's plain metadata, forking extra samples."""
@@ -198,6 +207,7 @@ class Scheduler:
         later (its slots stay in the sequence's table)."""
         changed = {seq.seq_id: seq for seq in self._ended}
         self._ended = []
+        beam_requests: dict[str, Request] = {}
         for item in self._scheduled:
             seq = item.seq
             changed[seq.seq_id] = seq
@@ -209,9 +219,16 @@ class Scheduler:
             seq.num_draft_computed = output.draft_computed.get(seq.seq_id, seq.num_draft_computed)
             computed_ids = seq.token_ids + [t.token_id for t in tokens[:accepted]]
             self.block_manager.cache_full_blocks(seq.seq_id, computed_ids, seq.num_computed_tokens)
+            if seq.beam is not None:
+                if tokens:  # the beam's next-token distribution: its continuations this round
+                    seq.beam.candidates = tokens[0].top
+                    beam_requests[seq.request.request_id] = seq.request
+                continue
             self._append(seq, tokens, on_token)
             seq.spec_token_ids = output.spec_token_ids.get(seq.seq_id, []) if not seq.finished else []
         self._scheduled = []
+        for request in beam_requests.values():
+            self._advance_beams(request)
         for seq_id, tokens in output.sampled.items():
             seq = self.live.get(seq_id)
             if seq is not None and seq_id not in changed:  # a sample forked this step
@@ -280,15 +297,16 @@ class Scheduler:
 
     def _schedule_swapped(self, step: _Step, budget: int) -> int:
         self.swapped.sort(key=self._keep_key)
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.swapped[0]
+        for seq in [s for s in self.swapped if not _awaits_siblings(s)]:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             if self._exceeds_pool(seq):
                 self._end_for_capacity(seq)
                 continue
             extra = self.block_manager.blocks_for(seq.num_tokens) - len(self.block_manager.cpu_tables[seq.seq_id])
             if not self.block_manager.can_swap_in(seq.seq_id, max(extra, 0)):
                 break
-            self.swapped.pop(0)
+            self.swapped.remove(seq)
             step.out.blocks_to_swap_in.extend(self.block_manager.swap_in(seq.seq_id))
             seq.set_status(SequenceStatus.RUNNING)
             num_new, spec = self._plan(seq, budget)
@@ -305,12 +323,13 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        for seq in [s for s in self.waiting if not _awaits_siblings(s)]:
+            if budget <= 0:
+                break
             if self._exceeds_pool(seq):
                 self._end_for_capacity(seq)
                 continue
-            samples = 1 if seq.request.forked else seq.request.params.best_of
+            samples = 1 if seq.request.forked else seq.request.num_samples
             if self.running and len(self.running) + samples > self.config.max_num_seqs:
                 break
             use_cache = seq.request.params.prompt_logprobs is None
@@ -322,7 +341,7 @@ class Scheduler:
                 break
             if use_cache:
                 bm.record_prefix_query(seq.num_tokens, cached)
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.num_computed_tokens = seq.num_draft_computed = cached
             if not seq.request.forked:
                 seq.request.num_cached_tokens = cached
@@ -330,6 +349,65 @@ class Scheduler:
             self.running.append(seq)
             step.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
+
+    # ---- beam search -------------------------------------------------------------------------
+    def _advance_beams(self, request: Request) -> None:
+        """Once every live beam has its continuations, take the search's step: beams chosen
+        several times are forked (sharing blocks, copy-on-write), unchosen ones are dropped, and
+        each survivor appends its token. When the search is over every beam ends."""
+        beams = [seq for seq in request.seqs if not seq.finished]
+        if any(seq.beam.candidates is None for seq in beams):
+            return  # a beam is still to be computed (preempted, or not scheduled yet)
+        search = request.beam_search
+        going_on = search.step(beams)
+        request.forked = True  # the beams now come and go as forks, admitted one by one
+        by_parent: dict[int, list[Continuation]] = {}
+        for cont in going_on:
+            by_parent.setdefault(cont.parent.seq_id, []).append(cont)
+        survivors: list[tuple[Sequence, Continuation]] = []
+        for seq in beams:
+            conts = by_parent.get(seq.seq_id, [])
+            survivors += zip([seq] + [self._fork_beam(seq) for _ in conts[1:]], conts)
+            if not conts:
+                self.finish(seq, SequenceStatus.FINISHED_ABORTED)  # pruned: the search has no use for it
+        for seq, cont in survivors:
+            seq.token_ids.append(cont.token_id)
+            seq.cumulative_logprob = cont.score
+            seq.beam.token_logprobs.append((cont.logprob, cont.rank))
+            seq.beam.candidates = None
+        request.seqs = [seq for seq in request.seqs if not seq.finished]
+        now = time.time()
+        request.metrics.first_token_time = request.metrics.first_token_time or now
+        request.metrics.last_token_time = now
+
+    def _fork_beam(self, parent: Sequence) -> Sequence:
+        """A second continuation of `parent`: shares its blocks when it has them on the device,
+        otherwise (preempted) waits to be recomputed from its tokens."""
+        child = Sequence(parent.request, parent.index, list(parent.token_ids))
+        child.cumulative_logprob = parent.cumulative_logprob
+        child.beam = parent.beam.fork()
+        self.live[child.seq_id] = child
+        parent.request.seqs.append(child)
+        if parent.status is SequenceStatus.RUNNING:
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = child.num_draft_computed = parent.num_computed_tokens
+            child.set_status(SequenceStatus.RUNNING)
+            self.running.append(child)
+        else:
+            bisect.insort(self.waiting, child, key=self._arrival_key)
+        return child
+
+    def _blocked_by_idle_beams(self) -> bool:
+        """Nothing could run, and beams holding blocks while they wait for the rest of their
+        round may be what keeps the others (perhaps that rest) from getting blocks."""
+        queued = any(not _awaits_siblings(seq) for seq in self.waiting + self.swapped)
+        return queued and any(_awaits_siblings(seq) for seq in self.running)
+
+    def _preempt_idle_beams(self, step: _Step) -> None:
+        """Idle beams give up their KV (by the preemption mode) and keep their continuations."""
+        for seq in [seq for seq in self.running if _awaits_siblings(seq)]:
+            self.running.remove(seq)
+            self._preempt(seq, step)
 
     # ---- preemption --------------------------------------------------------------------------
     def _exceeds_pool(self, seq: Sequence) -> bool:
@@ -357,6 +435,12 @@ class Scheduler:
         seq.spec_token_ids = []
         seq.set_status(SequenceStatus.WAITING)
         bisect.insort(self.waiting, seq, key=self._arrival_key)
+
+
+def _awaits_siblings(seq: Sequence) -> bool:
+    """A beam whose continuations are known, waiting for the rest of its round: it has nothing to
+    compute until the search's next step."""
+    return seq.beam is not None and seq.beam.candidates is not None
 
 
 def _advance_grammar(seq: Sequence, token: int) -> SequenceStatus | None:

@@ -7,10 +7,11 @@ from typing import Any, Sequence as Seq
 
 from tqdm.auto import tqdm
 
+from pagedllm.engine.beam_search import beam_score
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedllm.paths import DEFAULT_MODEL
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -43,6 +44,29 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        return self._add_and_run(prompt_list, params_list, priorities, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's `LLM.beam_search`): each prompt's `beam_width`
+        best hypotheses, best first. The beams run in the engine as sequences forked from each
+        other, sharing KV blocks copy-on-write."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompt_list = _as_prompt_list(prompts)
+        outputs = self._add_and_run(prompt_list, [params] * len(prompt_list), [0] * len(prompt_list), use_tqdm)
+        tokenizer = self.get_tokenizer()
+        results = []
+        for output in outputs:
+            sequences = []
+            for c in output.outputs:
+                tokens = output.prompt_token_ids + c.token_ids
+                text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
+                score = beam_score(c.cumulative_logprob, len(c.token_ids), params.length_penalty)
+                sequences.append(BeamSearchSequence(tokens, c.logprobs, c.cumulative_logprob, score, text, c.finish_reason))
+            results.append(BeamSearchOutput(sequences))
+        return results
+
+    def _add_and_run(self, prompt_list: list[PromptType], params_list: list, priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
         ids = []
         try:
             for prompt, sp, prio in zip(prompt_list, params_list, priorities):

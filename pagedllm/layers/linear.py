@@ -36,6 +36,8 @@ class Linear(nn.Linear):
     """nn.Linear that, once packed, runs through oneDNN with its pre-reordered weight."""
 
     packed_weight: torch.Tensor | None = None
+    # A fused projection's output rows, split as the checkpoint's separate projections (q|k|v).
+    shard_sizes: tuple[int, ...] | None = None
 
     def pack(self, keep_dense: bool) -> None:
         """Reorder the weight for oneDNN. The dense copy is dropped unless something else shares
@@ -59,6 +61,10 @@ class GateUpLinear(Linear):
 
     gate_packed: torch.Tensor | None = None
     up_packed: torch.Tensor | None = None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
+        self.shard_sizes = (out_features // 2, out_features // 2)
 
     def pack(self, keep_dense: bool) -> None:
         gate, up = self.weight.detach().chunk(2)

@@ -7,6 +7,8 @@ fills the fused weights shard by shard from the checkpoint's separate tensors.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -24,6 +26,7 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -42,22 +45,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = GateUpLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        intermediate_size = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = GateUpLinear(cfg.hidden_size, 2 * intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))  # silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, sliding_window: int | None):
+    def __init__(self, cfg: ModelConfig, sliding_window: int | None, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(rope, self.input_layernorm(x), meta)
@@ -65,11 +69,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, max_position: int, dtype: torch.dtype, make_mlp: Callable[[int], nn.Module]):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, w) for w in cfg.sliding_windows)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w, make_mlp(i)) for i, w in enumerate(cfg.sliding_windows))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -81,7 +85,9 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Module names follow transformers' checkpoints (model.*, lm_head) so weights map by name."""
+    """Module names follow transformers' checkpoints (model.*, lm_head) so weights map by name.
+    Subclasses for other families change the feed-forward (`make_mlp`) and where checkpoint
+    tensors go (`checkpoint_target`)."""
 
     # checkpoint projection -> (fused parameter, shard index)
     packed_modules = {
@@ -95,17 +101,29 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int, dtype: torch.dtype):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_position, dtype)
+        self.model = DecoderModel(cfg, max_position, dtype, self.make_mlp)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def shard_sizes(self, fused: str) -> list[int]:
-        cfg = self.config
-        if fused == "qkv_proj":
-            kv = cfg.num_kv_heads * cfg.head_dim
-            return [cfg.num_heads * cfg.head_dim, kv, kv]
-        return [cfg.intermediate_size, cfg.intermediate_size]
+    def make_mlp(self, layer_index: int) -> nn.Module:
+        return MLP(self.config)
+
+    def checkpoint_target(self, key: str) -> tuple[str, int, Callable[[torch.Tensor], torch.Tensor]]:
+        """Where checkpoint tensor `key` goes: (parameter name, shard id, the part of the
+        parameter it fills). Separate q/k/v and gate/up projections fill shards of fused ones."""
+        for ckpt_name, (fused, index) in self.packed_modules.items():
+            if f".{ckpt_name}." in key:
+                name = key.replace(f".{ckpt_name}.", f".{fused}.")
+                sizes = self.get_submodule(name.rsplit(".", 1)[0]).shard_sizes
+                return name, index, lambda p: p.narrow(0, sum(sizes[:index]), sizes[index])
+        return key, 0, lambda p: p
+
+    def expected_shards(self, name: str) -> set[int]:
+        """The shard ids that must all be loaded into parameter `name`."""
+        module = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
+        sizes = getattr(module, "shard_sizes", None)
+        return set(range(len(sizes))) if sizes else {0}
 
     def pack_linears(self) -> None:
         """Reorder every projection's weight for oneDNN (see layers/linear.py); the lm_head keeps

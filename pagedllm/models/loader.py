@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from pagedllm.config import ModelConfig, ModelLoadError
 from pagedllm.layers.linear import packing_available
 from pagedllm.models.llama import CausalLM
+from pagedllm.models.registry import model_class
 
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
 
@@ -41,7 +42,7 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device) -> CausalLM:
     with torch.device("meta"):
-        model = CausalLM(cfg, max_position, dtype)
+        model = model_class(cfg)(cfg, max_position, dtype)
     model.to_empty(device=device)
     model = model.to(dtype)
     # Rotary tables are computed, not loaded: rebuild them on the real device.
@@ -58,7 +59,7 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
 
 def _load_weights(model: CausalLM, folder: Path) -> None:
     params = dict(model.named_parameters())
-    pending = {name: _expected_shards(model, name) for name in params}
+    pending = {name: model.expected_shards(name) for name in params}
     for file in checkpoint_files(folder):
         try:
             with safe_open(str(file), framework="pt") as reader:
@@ -73,28 +74,14 @@ def _load_weights(model: CausalLM, folder: Path) -> None:
         raise ModelLoadError(f"{folder} lacks weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
-def _expected_shards(model: CausalLM, name: str) -> set[int]:
-    for fused in ("qkv_proj", "gate_up_proj"):
-        if f".{fused}." in name:
-            return set(range(len(model.shard_sizes(fused))))
-    return {0}
-
-
 def _assign(model: CausalLM, params: dict, pending: dict, key: str, tensor: torch.Tensor, file: Path) -> None:
-    name, shard = key, None
-    for ckpt_name, (fused, index) in model.packed_modules.items():
-        if f".{ckpt_name}." in key:
-            name, shard = key.replace(f".{ckpt_name}.", f".{fused}."), index
-            break
+    name, shard, part = model.checkpoint_target(key)
     if name == "lm_head.weight" and model.config.tie_word_embeddings:
         return  # tied: the embedding already provides it
     if name not in params:
         raise ModelLoadError(f"{file.name} holds {key!r}, which this {model.config.architecture} has no place for")
-    target = params[name].data
-    if shard is not None:
-        sizes = model.shard_sizes(name.split(".")[-2])
-        target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+    target = part(params[name].data)
     if tuple(target.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"{key} in {file.name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
     target.copy_(tensor)
-    pending[name].discard(shard or 0)
+    pending[name].discard(shard)

@@ -3,7 +3,7 @@
 Runs on CPU-only CI (see tests/device_guard.py for what is watched and why it matters on a GPU),
 over requests that exercise every path of a step: prefill chunks after a cached prefix, decodes,
 sliding windows, both decode-attention backends, penalties, seeds, top-k/p, min-p, n > 1,
-logprobs and prompt logprobs, preemption by swap.
+logprobs and prompt logprobs, beam search, preemption by swap.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from device_guard import StepGuard
-from pagedllm import LLMEngine, SamplingParams
+from pagedllm import BeamSearchParams, LLMEngine, SamplingParams
 
 # One device->host read per step (the sampled tokens with their logprobs), and a fixed number of
 # host->device transfers however many sequences share the step.
@@ -47,6 +47,7 @@ def run_guarded(folder: str, device: str, **engine_args) -> StepGuard:
     prompts = ["def parse(args):\n    ", "import os\nimport sys\n" * 3, "class Shape:\n    def area(self):", "x = 1"]
     for index in range(12):
         engine.add_request(str(index), prompts[index % len(prompts)] + " " * (index % 3), PARAMS[index % len(PARAMS)])
+    engine.add_request("beams", prompts[1], BeamSearchParams(beam_width=3, max_tokens=8))
     while engine.has_unfinished_requests():
         engine.step()
     return guard

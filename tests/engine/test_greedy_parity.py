@@ -13,7 +13,7 @@ from pagedllm.layers.paged_decode import compiler
 from parity import MAX_TOKENS, MODES, PROMPTS, assert_matches, assert_mode_happened
 from tiny_models import load_reference
 
-ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)

@@ -62,3 +62,37 @@ def test_exported_folder_gives_the_same_greedy_tokens_in_transformers_and_pagedl
         expected.append(out[0, ids.shape[1]:].tolist())
     outputs = LLM(str(folder)).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+
+
+@pytest.fixture(scope="module")
+def trained_moe(tiny_paths, tmp_path_factory):
+    """A tiny mixture of experts trained a few steps, exported as a MixtralForCausalLM folder."""
+    ckpt = tmp_path_factory.mktemp("export-moe") / "run"
+    model = {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 2, "initializer_range": 0.1}
+    job = tiny_job(tiny_paths, ckpt, model_config=model, optimization_config={"total_steps": 6})
+    run_training(parse_job(job), RunOptions(peak_flops=1e10))
+    return ckpt / "hf-final"
+
+
+def test_exported_moe_serves_the_same_greedy_tokens_as_transformers(trained_moe, tmp_path):
+    """The trainer's MoE, exported, through a real `pagedllm serve` and the openai client."""
+    import openai
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedllm.entrypoints.serve import launch
+
+    assert json.loads((trained_moe / "config.json").read_text())["architectures"] == ["MixtralForCausalLM"]
+    tokenizer = AutoTokenizer.from_pretrained(trained_moe)
+    hf = AutoModelForCausalLM.from_pretrained(trained_moe)
+    server = launch(["--model", str(trained_moe), "--served-model-name", "moe", "--data-dir", str(tmp_path / "data")],
+                    tmp_path / "server.log", timeout=120)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            with torch.no_grad():
+                expected = hf.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+            answer = client.completions.create(model="moe", prompt=prompt, max_tokens=12, temperature=0)
+            assert answer.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True), prompt
+    finally:
+        server.stop()

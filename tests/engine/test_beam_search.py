@@ -1,0 +1,117 @@
+"""Beam search against transformers' `num_beams` generate, and its KV sharing.
+
+Two tiny models: the suite's Llama, and a Qwen3 whose EOS row of the LM head points along the
+mean final hidden state, so EOS is among the top few tokens almost everywhere — hypotheses end
+on EOS, the early-stopping heuristic ends searches before max_tokens, and both must match.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedllm import LLM, BeamSearchParams
+from tiny_models import build_model, load_reference
+
+PROMPTS = [[random.Random(n).randrange(3, 380) for _ in range(n)] for n in (3, 9, 17, 30, 5)]
+SCORE_TOLERANCE = 1e-4
+
+MODES = {
+    "defaults": dict(block_size=4),
+    "prefix_caching": dict(block_size=4, enable_prefix_caching=True),
+    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=8),
+    "preempt_recompute": dict(block_size=4, num_kv_blocks=10, preemption_mode="recompute"),
+    "preempt_swap": dict(block_size=4, num_kv_blocks=10, preemption_mode="swap", swap_space=1 << 20),
+}
+
+# (beam width, max tokens, length penalty); the engine modes run the first only.
+SEARCHES = [(4, 9, 0.0), (3, 10, 1.0), (2, 12, 2.0)]
+
+
+@pytest.fixture(scope="module")
+def eos_model(tmp_path_factory):
+    folder = build_model(tmp_path_factory.mktemp("eos-heavy"), "qwen3", seed=3)
+    model = load_reference(folder)
+    ids = torch.tensor([PROMPTS[3] + PROMPTS[1]])
+    with torch.no_grad():
+        direction = model.model(ids).last_hidden_state[0].mean(0)
+        model.lm_head.weight[1] = direction / direction.norm()
+    model.save_pretrained(folder)
+    return folder
+
+
+def transformers_beams(model, prompt: list[int], width: int, max_tokens: int, length_penalty: float):
+    out = model.generate(
+        torch.tensor([prompt]), num_beams=width, num_return_sequences=width, max_new_tokens=max_tokens,
+        do_sample=False, length_penalty=length_penalty, early_stopping=False, output_scores=True,
+        return_dict_in_generate=True, pad_token_id=2,
+    )
+    results = []
+    for row, score in zip(out.sequences, out.sequences_scores):
+        tokens = row[len(prompt):].tolist()
+        eos_at = tokens.index(1) if 1 in tokens else None  # shorter hypotheses are padded after their EOS
+        results.append((tokens[: eos_at + 1] if eos_at is not None else tokens, float(score)))
+    return results
+
+
+def check_against_transformers(folder, mode_args: dict, searches: list[tuple]) -> dict:
+    reference = load_reference(folder)
+    llm = LLM(str(folder), **mode_args)
+    seen = {"eos": 0, "early": 0, "preemptions": 0}
+    for width, max_tokens, penalty in searches:
+        params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=penalty)
+        outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+        for prompt, output in zip(PROMPTS, outputs):
+            theirs = transformers_beams(reference, prompt, width, max_tokens, penalty)
+            ours = [(seq.tokens[len(prompt):], seq.score) for seq in output.sequences]
+            assert [t for t, _ in ours] == [t for t, _ in theirs], f"width {width}, penalty {penalty}, prompt {prompt}"
+            for (_, our_score), (_, their_score) in zip(ours, theirs):
+                assert abs(our_score - their_score) < SCORE_TOLERANCE
+            for seq in output.sequences:
+                assert seq.tokens[: len(prompt)] == prompt
+                assert abs(sum(next(iter(d.values())).logprob for d in seq.logprobs) - seq.cum_logprob) < 1e-6
+            seen["eos"] += sum(seq.finish_reason == "stop" for seq in output.sequences)
+            seen["early"] += all(len(t) < max_tokens for t, _ in ours)
+    seen["preemptions"] = llm.get_stats()["num_preemptions"]
+    return seen
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_beams_equal_transformers_with_eos_endings(eos_model, mode):
+    seen = check_against_transformers(eos_model, MODES[mode], SEARCHES if mode == "defaults" else SEARCHES[:1])
+    assert seen["eos"] > 0 and seen["early"] > 0, f"the EOS paths were not exercised: {seen}"
+    if mode.startswith("preempt"):
+        assert seen["preemptions"] > 0
+
+
+def test_beams_equal_transformers_llama(model_dir):
+    check_against_transformers(model_dir("llama"), MODES["defaults"], SEARCHES[1:])
+
+
+def test_beams_share_blocks_and_copy_only_on_write(model_dir):
+    """Mid-search, the beams of one request hold the prompt's blocks once between them."""
+    llm = LLM(str(model_dir("llama")), block_size=4)
+    engine, prompt = llm.llm_engine, PROMPTS[3]  # 30 tokens: 7 full blocks and a partial one
+    engine.add_request("beams", {"prompt_token_ids": prompt}, BeamSearchParams(beam_width=4, max_tokens=12))
+    shared_steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        request = engine.requests.get("beams")
+        tables = [engine.block_manager.tables.get(seq.seq_id, []) for seq in request.seqs] if request else []
+        if len(tables) == 4 and all(tables):
+            shared_steps += 1
+            assert all(t[:7] == tables[0][:7] for t in tables), "beams should share the prompt's full blocks"
+            used = engine.block_manager.num_used_blocks
+            assert used < sum(len(t) for t in tables), "shared blocks must not be counted (copied) per beam"
+    assert shared_steps > 5
+
+
+def test_beam_search_rejects_bad_parameters(model_dir):
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match="temperature"):
+        BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.5)
+    llm = LLM(str(model_dir("llama")))
+    with pytest.raises(ValueError, match="beam_width=11 is too wide"):
+        llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=11, max_tokens=4))
