@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +92,25 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     moe: MoEConfig | None = None
+
+    def shard(self, tensor_parallel_size: int) -> "ModelConfig":
+        """One rank's part under tensor parallelism: attention heads, KV heads, the MLP's and the
+        experts' intermediate widths split evenly (the vocabulary is padded instead)."""
+        tp = tensor_parallel_size
+        if tp == 1:
+            return self
+        widths = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                  "intermediate_size": self.intermediate_size}
+        if self.moe is not None:
+            widths["moe_intermediate_size"] = self.moe.expert_intermediate_size
+            widths["shared_expert_intermediate_size"] = self.moe.shared_expert_intermediate_size
+        for name, value in widths.items():
+            if value % tp:
+                raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={value}")
+        moe = self.moe and replace(self.moe, expert_intermediate_size=self.moe.expert_intermediate_size // tp,
+                                   shared_expert_intermediate_size=self.moe.shared_expert_intermediate_size // tp)
+        return replace(self, num_heads=self.num_heads // tp, num_kv_heads=self.num_kv_heads // tp,
+                       intermediate_size=self.intermediate_size // tp, moe=moe)
 
     @property
     def family(self) -> str:
@@ -239,6 +258,12 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     kv_cache_memory_fraction: float = 0.25
+    # Split the model across this many processes on this host (gloo on CPU, NCCL on CUDA).
+    tensor_parallel_size: int = 1
+    # Layer-wise KV offload: the pool lives in host memory, the device holds two layers' buffers
+    # of `kv_offload_device_memory` bytes in all (default: two layers of the whole pool).
+    kv_offload: bool = False
+    kv_offload_device_memory: int | None = None
     # {"model": DIR, "num_speculative_tokens": k} or {"method": "ngram", ...}; JSON text from the CLI
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -268,6 +293,19 @@ class EngineConfig:
         if not 0 < self.kv_cache_memory_fraction <= 0.9:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.9]")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
+            raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
+        if self.kv_offload_device_memory is not None:
+            _positive("kv_offload_device_memory", self.kv_offload_device_memory)
+        if self.kv_offload:
+            clashes = {"preemption_mode='swap'": self.preemption_mode == "swap",
+                       "speculative_config": self.speculative_config is not None,
+                       "tensor_parallel_size > 1": self.tensor_parallel_size > 1}
+            for name, clash in clashes.items():
+                if clash:
+                    raise ValueError(f"kv_offload is not supported with {name} (the pool already lives in host memory)"
+                                     if "swap" in name else f"kv_offload is not supported with {name}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
@@ -275,10 +313,12 @@ class EngineConfig:
         extra = {k: v for k, v in kwargs.items() if k not in known}
         return cls(model=model, extra=extra, **{k: v for k, v in kwargs.items() if k in known})
 
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+    def torch_device(self, rank: int = 0) -> torch.device:
+        """The device of tensor-parallel rank `rank`: on CUDA, GPU `rank` (of an unindexed device)."""
+        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device)
+        if device.type == "cuda" and device.index is None and self.tensor_parallel_size > 1:
+            return torch.device("cuda", rank)
+        return device
 
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
         return resolve_dtype(self.dtype, model_config.config_dtype, self.torch_device())

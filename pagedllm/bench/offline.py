@@ -2,7 +2,8 @@
 
 A nano-vLLM-style workload sized for a 2-core CPU: N requests with random prompt lengths and
 random output lengths (ignore_eos), on a randomly initialised model with SmolLM2-135M's shape
-(`--shape mixtral-small`: a small Mixtral, 8 experts, top 2).
+(`--shape llama-160m`: 12 heads, which tensor parallelism can split; `--shape mixtral-small`: a
+small Mixtral, 8 experts, top 2).
 The baseline runs the same requests through transformers' `generate` as one left-padded batch,
 which must run every sequence to the longest output; both are credited only with the tokens
 each request asked for. The share of the machine's fp32 matmul peak (measured in this run) is
@@ -33,7 +34,13 @@ MIXTRAL_SMALL = dict(
     intermediate_size=1024, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
     tie_word_embeddings=False, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=1000000.0,
 )
-SHAPES = {"smollm2-135m": ("LlamaConfig", SMOLLM2_135M), "mixtral-small": ("MixtralConfig", MIXTRAL_SMALL)}
+LLAMA_160M = dict(  # JackFram/llama-160m's shape: heads an even number of ranks can split
+    hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+    intermediate_size=3072, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=2048,
+    rms_norm_eps=1e-6, rope_theta=10000.0,
+)
+SHAPES = {"smollm2-135m": ("LlamaConfig", SMOLLM2_135M), "llama-160m": ("LlamaConfig", LLAMA_160M),
+          "mixtral-small": ("MixtralConfig", MIXTRAL_SMALL)}
 
 
 @dataclass
@@ -98,6 +105,7 @@ def run_pagedllm(folder: Path, workload: Workload, engine_args: dict) -> float:
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert produced == workload.output_tokens, (produced, workload.output_tokens)
+    llm.llm_engine.shutdown()
     del llm
     return elapsed
 
@@ -133,6 +141,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the random model is kept between runs (default: the temp dir, by shape)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--kv-offload-device-memory", type=int, default=None,
+                        help="also run pagedllm with layer-wise KV offload and this device KV budget in bytes")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="also run pagedllm split across this many processes (tp=1 runs too, for the ratio)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,14 +157,24 @@ def run(args: argparse.Namespace) -> int:
     peak = measure_matmul_peak()  # measured again at the end; the best is the machine's ceiling
     engine_args = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     ours = run_pagedllm(folder, workload, engine_args)
+    tp = args.tensor_parallel_size
+    split = run_pagedllm(folder, workload, {**engine_args, "tensor_parallel_size": tp}) if tp > 1 else None
+    budget = args.kv_offload_device_memory
+    offload = None if budget is None else run_pagedllm(folder, workload, {**engine_args, "kv_offload": True,
+                                                                          "kv_offload_device_memory": budget})
     theirs = None if args.skip_transformers else run_transformers(folder, workload)
     peak = max(peak, measure_matmul_peak())
     flops = useful_flops(shape, workload)
     print(f"fp32 matmul peak (best of before and after, this run): {peak / 1e9:.1f} GFLOP/s")
-    for name, seconds in (("pagedllm", ours), ("transformers", theirs)):
+    for name, seconds in (("pagedllm", ours), (f"pagedllm tp={tp}", split), ("pagedllm offload", offload),
+                          ("transformers", theirs)):
         if seconds is not None:
-            print(f"{name + ':':13s} {seconds:7.1f} s  {workload.output_tokens / seconds:8.1f} output tok/s  "
+            print(f"{name + ':':17s} {seconds:7.1f} s  {workload.output_tokens / seconds:8.1f} output tok/s  "
                   f"{flops / seconds / 1e9:6.1f} GFLOP/s useful = {flops / seconds / peak:5.1%} of peak")
     if theirs is not None:
         print(f"speed-up: {theirs / ours:.2f}x")
+    if split is not None:
+        print(f"tp={tp} vs tp=1: {ours / split:.2f}x")
+    if offload is not None:
+        print(f"layer-wise KV offload ({budget / 2**20:.0f} MiB of device KV) vs resident: {ours / offload:.2f}x")
     return 0

@@ -47,7 +47,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         max_batched = config.resolve_max_num_batched_tokens(self.max_model_len)
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        self.runner = _make_runner(config, self.model_config, self.max_model_len)
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size) if self.tokenizer else None
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks, config.enable_prefix_caching
@@ -61,6 +61,7 @@ class LLMEngine:
                 preemption_mode=config.preemption_mode,
                 preemption_policy=config.preemption_policy,
                 num_lookahead_slots=self.runner.speculator.num_lookahead_slots if self.runner.speculator else 0,
+                max_step_blocks=self.runner.max_step_blocks,
             ),
             self.block_manager,
             self.structured,
@@ -159,11 +160,12 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
                 "(the prompt must leave room for at least one generated token)"
             )
-        pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        capacity = self.scheduler.capacity_blocks
+        pool_tokens = capacity * self.block_manager.block_size
         if len(token_ids) + 1 > pool_tokens:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, more than the whole KV cache holds "
-                f"({pool_tokens} tokens in {self.block_manager.num_blocks} blocks)"
+                f"({pool_tokens} tokens in {capacity} blocks)"
             )
         if beam is not None:
             if params.logprobs > min(MAX_LOGPROBS, vocab):
@@ -189,6 +191,13 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         request.metrics.finished_time = time.time()
         self._aborted.append(request)
+
+    def shutdown(self) -> None:
+        """Release what outlives the engine's objects: tensor-parallel worker processes. (They
+        also go when this process ends, however it ends.)"""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -255,6 +264,14 @@ class LLMEngine:
             "spec_decode_target_time_s": target_s,
             "spec_decode_draft_time_share": draft_s / (draft_s + target_s) if draft_s + target_s else 0.0,
         }
+
+
+def _make_runner(config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(config, model_config, max_model_len)
+    from pagedllm.distributed.executor import TensorParallelRunner
+
+    return TensorParallelRunner(config, model_config, max_model_len)
 
 
 def _token_list(values: Any) -> list[int]:

@@ -61,6 +61,7 @@ class _Step:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     out: SchedulerOutput = field(default_factory=SchedulerOutput)
     preempted: list[Sequence] = field(default_factory=list)
+    num_blocks: int = 0  # block-table entries of the scheduled sequences (shared blocks counted twice)
 
 
 @dataclass
@@ -73,6 +74,8 @@ class SchedulerConfig:
     preemption_policy: str
     # Slots reserved past a decode's last position for the draft model's proposals.
     num_lookahead_slots: int = 0
+    # The most KV blocks one step may use (layer-wise KV offload's device buffer); None: the pool.
+    max_step_blocks: int | None = None
 
 
 class Scheduler:
@@ -275,10 +278,10 @@ class Scheduler:
                 self._end_for_capacity(seq)
                 continue
             num_new, spec = self._plan(seq, budget)
-            if num_new == 0:
+            slots = num_new + self._lookahead(seq, num_new)
+            if num_new == 0 or not self._fits_step(step, seq.num_computed_tokens + slots):
                 kept.append(seq)  # no budget left this step; it keeps its blocks
                 continue
-            slots = num_new + self._lookahead(seq, num_new)
             copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, slots)
             while copies is None:
                 victim = queue.pop() if queue else seq
@@ -290,6 +293,7 @@ class Scheduler:
                 continue
             step.out.blocks_to_copy.extend(copies)
             step.scheduled.append(ScheduledSequence(seq, num_new, spec))
+            step.num_blocks += len(self.block_manager.block_table(seq.seq_id))
             kept.append(seq)
             budget -= num_new
         self.running = kept
@@ -335,7 +339,8 @@ class Scheduler:
             use_cache = seq.request.params.prompt_logprobs is None
             cached = bm.allocate_prefix(seq.seq_id, seq.token_ids, use_cache=use_cache)
             num_new = self._chunk(seq, seq.num_tokens - cached, budget)
-            copies = bm.allocate_slots(seq.seq_id, cached, num_new) if num_new else None
+            fits = self._fits_step(step, cached + num_new)
+            copies = bm.allocate_slots(seq.seq_id, cached, num_new) if num_new and fits else None
             if copies is None:
                 bm.free(seq.seq_id)
                 break
@@ -348,6 +353,7 @@ class Scheduler:
             seq.set_status(SequenceStatus.RUNNING)
             self.running.append(seq)
             step.scheduled.append(ScheduledSequence(seq, num_new))
+            step.num_blocks += len(bm.block_table(seq.seq_id))
             budget -= num_new
 
     # ---- beam search -------------------------------------------------------------------------
@@ -410,8 +416,18 @@ class Scheduler:
             self._preempt(seq, step)
 
     # ---- preemption --------------------------------------------------------------------------
+    def _fits_step(self, step: _Step, num_tokens: int) -> bool:
+        """Whether a sequence with `num_tokens` positions fits the step's block bound too."""
+        limit = self.config.max_step_blocks
+        return limit is None or step.num_blocks + self.block_manager.blocks_for(num_tokens) <= limit
+
+    @property
+    def capacity_blocks(self) -> int:
+        """The most blocks one sequence can ever use: the pool, or the per-step bound."""
+        return min(self.block_manager.num_blocks, self.config.max_step_blocks or self.block_manager.num_blocks)
+
     def _exceeds_pool(self, seq: Sequence) -> bool:
-        return self.block_manager.blocks_for(seq.num_tokens) > self.block_manager.num_blocks
+        return self.block_manager.blocks_for(seq.num_tokens) > self.capacity_blocks
 
     def _end_for_capacity(self, seq: Sequence) -> None:
         """A sequence longer than the whole pool can never run: end it rather than loop."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 import os
 import socket
@@ -31,13 +32,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' (default: $PAGEDLLM_API_KEY; /health and /metrics stay open)")
+                        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and the docs "
+                             "(default: $PAGEDLLM_API_KEY)")
+    parser.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too")
     parser.add_argument("--max-waiting-requests", type=int, default=None,
-                        help="per model: answer 503 while this many requests already wait (default: unlimited)")
+                        help="per model: answer 503 with Retry-After while this many requests already wait (default: unlimited)")
+    parser.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                        help="abort a generation not finished this long after it arrived (waiting included) with 504 "
+                             "(default: none)")
     parser.add_argument("--data-dir", default=str(default_data_dir()),
                         help="training job store, job logs and default checkpoint folders (default: %(default)s)")
     parser.add_argument("--train-slots", type=int, default=None,
                         help="processes training jobs may use at once (default: the GPUs, else the CPU cores)")
+    parser.add_argument("--allowed-path", action="append", default=[], metavar="DIR",
+                        help="a folder training jobs may read and write besides the data dir (repeatable; "
+                             "every path a job names must resolve under one of them)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(parser)
 
@@ -67,11 +76,31 @@ def build_settings(args: argparse.Namespace):
         models=models,
         model_dir=args.model_dir,
         api_key=args.api_key or None,
+        protect_metrics=args.protect_metrics,
         max_waiting_requests=args.max_waiting_requests,
+        request_timeout_s=args.request_timeout,
         engine_args=engine,
         data_dir=args.data_dir,
         train_slots=args.train_slots,
+        allowed_paths=args.allowed_path,
     )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost: assume it is reachable from outside
+        return False
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """What to tell the operator when the server listens beyond this machine without a key."""
+    if api_key or is_loopback(host):
+        return None
+    return (f"pagedllm serve: WARNING: listening on {host} without an API key: anyone who can reach this port can "
+            "generate, load models and run training jobs. Pass --api-key KEY (or set PAGEDLLM_API_KEY).")
 
 
 def banner(settings, args: argparse.Namespace) -> str:
@@ -102,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedllm.entrypoints.openai.app import create_app
 
+    warning = exposure_warning(args.host, settings.api_key)
+    if warning:  # printed whatever --log-level says
+        print(warning, file=sys.stderr, flush=True)
     print(banner(settings, args), file=sys.stderr, flush=True)
     config = uvicorn.Config(
         create_app(settings), host=args.host, port=args.port, log_level=args.log_level,

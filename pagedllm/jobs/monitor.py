@@ -80,7 +80,7 @@ class JobMonitor:
             if kind == "step":
                 steps.append({k: event[k] for k in METRIC_KEYS if k in event})
             elif kind == "started":
-                self._started(event)
+                transitions += self._started(event)
             elif kind == "checkpoint":
                 transitions += self._checkpoint(event)
             elif kind == "failed":
@@ -93,23 +93,36 @@ class JobMonitor:
         self.job.updated_at = time.time()
         self.store.save(self.job, transitions)
 
-    def _started(self, event: dict) -> None:
+    def _started(self, event: dict) -> list[Transition]:
         self.job.processes = [{"rank": p.get("rank"), "pid": p.get("pid"), "host": p.get("host")}
                               for p in event.get("processes") or []]
         self.run.start_step = event.get("step")
+        self.run.resumed_from = event.get("resumed_from") or self.run.resumed_from
         self.store.save_run(self.job.job_id, self.run)
+        if not self.run.resumed_from or self.run.start_step is None:
+            return []
+        # the steps after the checkpoint are trained again: the dead run's records of them go
+        self.store.drop_metrics_after(self.job.job_id, self.run.start_step)
+        return [Transition(self.job.status, time.time(),
+                           f"run {self.run.run} resumed from checkpoint {self.run.resumed_from} at step {self.run.start_step}")]
 
     def _checkpoint(self, event: dict) -> list[Transition]:
         sync_checkpoints(self.store, self.job)
         status, checkpoint_id = event.get("status"), event.get("checkpoint_id")
         if status == CheckpointStatus.SAVING.value and self.job.status is JobState.RUNNING:
             return [change_status(self.job, JobState.CHECKPOINTING, f"saving checkpoint {checkpoint_id} at step {event.get('step')}")]
+        notes = []
+        if status == CheckpointStatus.CORRUPT.value:
+            what = ("could not be saved" if event.get("during") == "save"
+                    else "failed verification (an older COMPLETE checkpoint is used)")
+            notes.append(Transition(self.job.status, time.time(), f"checkpoint {checkpoint_id} (step {event.get('step')}) "
+                                                                  f"{what} and is marked CORRUPT: {event.get('reason')}"))
         if status in (CheckpointStatus.COMPLETE.value, CheckpointStatus.CORRUPT.value):
             if checkpoint_id == self.job.requested_checkpoint_id:
                 self.job.requested_checkpoint_id = None
             if self.job.status is JobState.CHECKPOINTING and self.job.requested_checkpoint_id is None:
-                return [change_status(self.job, JobState.RUNNING, f"checkpoint {checkpoint_id} {status.lower()}")]
-        return []
+                return [*notes, change_status(self.job, JobState.RUNNING, f"checkpoint {checkpoint_id} {status.lower()}")]
+        return notes
 
 
 def sync_checkpoints(store: JobStore, job: JobRecord) -> None:

@@ -36,7 +36,7 @@ class JobRecord:
     events_offset: int = 0  # bytes of the events file already applied
     cancel_requested: bool = False
     requested_checkpoint_id: str | None = None  # asked for, not yet COMPLETE
-    resume_from: str | None = None  # checkpoint_id the current run resumed from
+    resume_from: str | None = None  # checkpoint_id the caller named for the current run (None: newest intact)
     exit_code: int | None = None
     processes: list[dict] = field(default_factory=list)  # the ranks: {"rank", "pid", "host"}
     failures: list[dict] = field(default_factory=list)  # "failed" events of the current run

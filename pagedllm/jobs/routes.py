@@ -16,6 +16,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from pagedllm.entrypoints.openai.errors import BadRequestError, ConflictError, NotFoundError, ServiceUnavailableError
+from pagedllm.entrypoints.openai.openapi import error_responses
 from pagedllm.jobs import logs
 from pagedllm.jobs.records import JobState
 from pagedllm.jobs.schemas import (
@@ -35,7 +36,7 @@ from pagedllm.jobs.service import JobNotFound, JobService, Unavailable, WrongSta
 from pagedllm.jobs.views import checkpoint_views, job_view
 from pagedllm.training.config import ConfigError
 
-jobs_router = APIRouter(tags=["training"])
+jobs_router = APIRouter(tags=["training"], responses=error_responses(400, 404, 409, 503))
 JOB = "/v1/training/jobs/{job_id}"
 
 
@@ -145,7 +146,8 @@ async def job_metrics(request: Request, job_id: str, since_step: int = Query(0, 
 
 
 @jobs_router.get(JOB + "/logs", response_model=LogChunk,
-                 responses={200: {"description": "JSON, or text/plain streamed until the job ends when follow=true"}})
+                 responses={200: {"description": "JSON, or text/plain streamed until the job ends when follow=true",
+                                  "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def job_logs(request: Request, job_id: str,
                    offset: int | None = Query(None, ge=0, description="byte offset to read from (default 0)"),
                    tail: int | None = Query(None, ge=1, description="start at the last N lines instead"),

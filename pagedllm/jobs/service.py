@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.jobs.cluster import ClusterMonitor, default_slots
+from pagedllm.jobs.confinement import AllowedRoots, check_confined
 from pagedllm.jobs.launcher import JobPaths, LaunchSpec, ProcessRef, kill_all, signal_launcher, spawn, train_command
 from pagedllm.jobs.monitor import JobMonitor, abandon_unfinished_saves, change_status, outcome, sync_checkpoints
 from pagedllm.jobs.records import RESUMABLE, JobRecord, JobState, RunRecord, Transition
@@ -72,6 +73,7 @@ class JobService:
     def __init__(self, config: JobServiceConfig | None, unavailable: str | None = None) -> None:
         self.config = config
         self.unavailable = unavailable  # why the routes answer 503, if they do
+        self.roots = AllowedRoots(config.data_dir, config.allowed_paths) if config is not None else None
         self.store: JobStore | None = None
         self.cluster: ClusterMonitor | None = None
         self.active: dict[str, Active] = {}  # job_id -> the job's processes and monitor
@@ -79,10 +81,11 @@ class JobService:
         self._lock_fd: int | None = None
 
     @classmethod
-    def from_settings(cls, data_dir: str | None, slots: int | None) -> JobService:
+    def from_settings(cls, data_dir: str | None, slots: int | None, allowed_paths: list[str] | tuple[str, ...] = ()) -> JobService:
         if data_dir is None:
             return cls(None, unavailable="the training job service needs a data dir (pagedllm serve --data-dir DIR)")
-        return cls(JobServiceConfig(Path(data_dir).expanduser().resolve(), slots or default_slots()))
+        return cls(JobServiceConfig(Path(data_dir).expanduser().resolve(), slots or default_slots(),
+                                    allowed_paths=tuple(Path(p) for p in allowed_paths)))
 
     # ---- lifecycle ----
 
@@ -233,6 +236,7 @@ class JobService:
         store = self.require()
         paths = JobPaths.of(self.config.data_dir, job.job_id)
         try:
+            check_confined(job.config, self.roots)  # a symlink changed, or this server allows fewer folders
             check_runnable(job.config, job.world_size, paths.root)
         except ConfigError as exc:  # e.g. the dataset went away while the job waited
             job.failure_reason = f"invalid config at launch: {exc}"
@@ -252,7 +256,8 @@ class JobService:
         job.pid, job.pid_create_time, job.started_at = launcher.pid, launcher.create_time, time.time()
         run = RunRecord(run=job.run, started_at=job.started_at, resumed_from=job.resume_from)
         store.save_run(job.job_id, run)
-        what = f"resumed from checkpoint {job.resume_from}" if job.resume_from else "started"
+        what = (f"resumed from checkpoint {job.resume_from}" if job.resume_from
+                else "resuming from the newest intact checkpoint" if job.run > 1 else "started")
         store.save(job, [change_status(job, JobState.RUNNING, f"run {job.run} {what} (pid {launcher.pid}, {job.world_size} processes)")])
         self._follow(job, run, launcher, popen)
 
@@ -286,7 +291,7 @@ class JobService:
         """Validate and store a new job as PENDING (the next tick starts it when slots are free)."""
         store = self.require()
         job_id = str(uuid.uuid4())
-        config, world = build_config(body, job_id, self.config.data_dir, self.config.slots)
+        config, world = build_config(body, job_id, self.roots, self.config.slots)
         owners = {j.config["checkpoint_config"]["checkpoint_dir"]: j.job_id for j in store.jobs()}
         check_checkpoint_dir(config, job_id, owners)
         now = time.time()
@@ -352,10 +357,15 @@ class JobService:
         sync_checkpoints(store, job)
         abandon_unfinished_saves(store, job)
         record = self._resume_point(job, checkpoint_id)
-        job.resume_from, job.queue_seq = record["checkpoint_id"], store.next_queue_seq()
+        # A named checkpoint is used or the run fails; otherwise the trainer takes the newest COMPLETE checkpoint
+        # whose checksums still match, falling back to older ones (and says so in the history and the log).
+        job.resume_from = record["checkpoint_id"] if checkpoint_id is not None else None
+        job.queue_seq = store.next_queue_seq()
         job.failure_reason, job.finished_at = None, None
-        store.save(job, [change_status(job, JobState.PENDING,
-                                       f"resume from checkpoint {record['checkpoint_id']} (step {record['step']}) requested")])
+        what = (f"resume from checkpoint {record['checkpoint_id']} (step {record['step']}) requested" if checkpoint_id
+                else f"resume requested: from the newest intact COMPLETE checkpoint (now {record['checkpoint_id']}, "
+                     f"step {record['step']})")
+        store.save(job, [change_status(job, JobState.PENDING, what)])
         self.schedule()
         return self.get(job_id).status
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -20,3 +20,4 @@ class JobServiceConfig:
     slots: int  # processes jobs may run at once (GPUs, or CPU worker slots)
     cancel_grace_s: float = 10.0  # SIGTERM -> SIGKILL
     poll_interval_s: float = 0.25  # how often running jobs' events are read
+    allowed_paths: tuple[Path, ...] = field(default_factory=tuple)  # besides data_dir: folders jobs may use

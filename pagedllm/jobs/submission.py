@@ -3,8 +3,8 @@
 The checks are the trainer's own: the body is parsed as the training package's TrainingJob (field
 errors), then run through `pagedllm train`'s `prepare_job` for the world size the job will launch
 with (cross-field rules, dataset and tokenizer paths). Every failure is a ConfigError naming the
-field. Paths are made absolute here, because the job may be launched or resumed by a server started
-from another directory.
+field. Every path is resolved under the server's allowed roots (confinement.py) and stored absolute,
+because the job may be launched or resumed by a server started from another directory.
 """
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pagedllm.jobs.confinement import AllowedRoots, confine_checkpoint_dir, confine_data
 from pagedllm.training.cli import prepare_job
 from pagedllm.training.config import ConfigError, TrainingJob, parse_job
-from pagedllm.training.corpus import STDLIB_ALIAS
 
 SERVICE_FIELDS = ("job_id", "status", "created_at", "updated_at")
 NOT_SAVED = {"status", "created_at", "updated_at"}
 
 
-def build_config(body: dict[str, Any], job_id: str, data_dir: Path, slots: int) -> tuple[dict, int]:
+def build_config(body: dict[str, Any], job_id: str, roots: AllowedRoots, slots: int) -> tuple[dict, int]:
     """(the job's config as JSON-ready dict by alias, its world size); ConfigError if it cannot run."""
     for name in SERVICE_FIELDS:
         if name in body:
@@ -33,33 +33,24 @@ def build_config(body: dict[str, Any], job_id: str, data_dir: Path, slots: int) 
         raise ConfigError("parallelism_config",
                           f"the job needs {world} processes (tensor x pipeline x context x data parallel sizes), "
                           f"more than the {slots} training slots of this server (--train-slots)")
-    job = _with_absolute_paths(job, job_id, data_dir)
+    job = _with_confined_paths(job, job_id, roots)
     config = job.model_dump(mode="json", by_alias=True, exclude=NOT_SAVED)
-    check_runnable(config, world, data_dir)
+    check_runnable(config, world, roots.data_dir)
     return config, world
 
 
-def _with_absolute_paths(job: TrainingJob, job_id: str, data_dir: Path) -> TrainingJob:
-    """Default checkpoint_dir: <data_dir>/jobs/<id>/checkpoints; a relative one is under the data dir."""
+def _with_confined_paths(job: TrainingJob, job_id: str, roots: AllowedRoots) -> TrainingJob:
+    """Default checkpoint_dir: <data_dir>/jobs/<id>/checkpoints; every path resolved under the allowed roots."""
     ckpt = job.checkpoint
     if "checkpoint_dir" in ckpt.model_fields_set:
-        checkpoint_dir = data_dir / Path(ckpt.checkpoint_dir).expanduser()  # an absolute path stays as it is
+        checkpoint_dir = confine_checkpoint_dir(ckpt.checkpoint_dir, roots)
     else:
-        checkpoint_dir = data_dir / "jobs" / job_id / "checkpoints"
-    data = job.data
-    updates = {"tokenizer_path": _absolute(data.tokenizer_path)}
-    if data.dataset_path != STDLIB_ALIAS:
-        updates["dataset_path"] = _absolute(data.dataset_path)
-    if data.cache_dir:
-        updates["cache_dir"] = _absolute(data.cache_dir)
+        checkpoint_dir = roots.data_dir / "jobs" / job_id / "checkpoints"
+    data = confine_data(job.data.model_dump(), roots)
     return job.model_copy(update={
-        "checkpoint": ckpt.model_copy(update={"checkpoint_dir": str(checkpoint_dir.resolve())}),
-        "data": data.model_copy(update=updates),
+        "checkpoint": ckpt.model_copy(update={"checkpoint_dir": str(checkpoint_dir)}),
+        "data": job.data.model_copy(update=data),
     })
-
-
-def _absolute(path: str) -> str:
-    return str(Path(path).expanduser().resolve())
 
 
 def check_runnable(config: dict, world_size: int, scratch: Path) -> None:

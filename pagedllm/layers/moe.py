@@ -28,6 +28,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 class FusedMoE(nn.Module):
+    # Tensor parallelism splits each expert's intermediate width: the rows of a checkpoint's gate
+    # and up tensors, the columns of its down tensor (see models/loader.py).
+    tp_dims = {"w13": 0, "w2": 1}
+
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize

@@ -13,10 +13,18 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.group import ParallelGroup
+from pagedllm.layers.embedding import VocabParallelEmbedding
 from pagedllm.layers.attention import AttentionMetadata, PagedAttention
 from pagedllm.layers.linear import GateUpLinear, Linear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import Rope, RotaryEmbedding, apply_rotary
+
+# Which dimension of a checkpoint tensor tensor parallelism splits across ranks: the output rows
+# of a column-parallel projection, the input columns of a row-parallel one (whose partial sums an
+# all-reduce adds up after it).
+COLUMN_PARALLEL = {"weight": 0, "bias": 0}
+ROW_PARALLEL = {"weight": 1}
 
 
 class Attention(nn.Module):
@@ -27,7 +35,9 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        self.qkv_proj.tp_dims = COLUMN_PARALLEL
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj.tp_dims = ROW_PARALLEL
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sliding_window)
@@ -49,45 +59,67 @@ class MLP(nn.Module):
         super().__init__()
         intermediate_size = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = GateUpLinear(cfg.hidden_size, 2 * intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj.tp_dims = COLUMN_PARALLEL
         self.down_proj = Linear(intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj.tp_dims = ROW_PARALLEL
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))  # silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, sliding_window: int | None, mlp: nn.Module):
+    """Under tensor parallelism the attention and the feed-forward each end in one all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, sliding_window: int | None, mlp: nn.Module, group: ParallelGroup | None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
+        self.group = group
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.group is None:
+            x = x + self.self_attn(rope, self.input_layernorm(x), meta)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.group.all_reduce(self.self_attn(rope, self.input_layernorm(x), meta))
+        return x + self.group.all_reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int, dtype: torch.dtype, make_mlp: Callable[[int], nn.Module]):
+    def __init__(self, cfg: ModelConfig, max_position: int, dtype: torch.dtype, make_mlp: Callable[[int], nn.Module],
+                 group: ParallelGroup | None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if group is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, w, make_mlp(i)) for i, w in enumerate(cfg.sliding_windows))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, w, make_mlp(i), group) for i, w in enumerate(cfg.sliding_windows))
+        self.layer_hook = None  # layer-wise KV offload (worker/kv_offload.py): before_layer / after_layer
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)  # the same rows for every layer
-        for layer in self.layers:
+        if self.layer_hook is None:
+            for layer in self.layers:
+                x = layer(rope, x, meta)
+            return self.norm(x)
+        for index, layer in enumerate(self.layers):
+            self.layer_hook.before_layer(index)
             x = layer(rope, x, meta)
+            self.layer_hook.after_layer(index)
         return self.norm(x)
 
 
 class CausalLM(nn.Module):
     """Module names follow transformers' checkpoints (model.*, lm_head) so weights map by name.
     Subclasses for other families change the feed-forward (`make_mlp`) and where checkpoint
-    tensors go (`checkpoint_target`)."""
+    tensors go (`checkpoint_target`).
+
+    Under tensor parallelism (`group`), `cfg` is this rank's part of the model (ModelConfig.shard)
+    and the vocabulary is split by rows; rank 0 gathers the logits."""
 
     # checkpoint projection -> (fused parameter, shard index)
     packed_modules = {
@@ -98,11 +130,14 @@ class CausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, max_position: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, max_position: int, dtype: torch.dtype, group: ParallelGroup | None = None):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_position, dtype, self.make_mlp)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.group = group
+        self.model = DecoderModel(cfg, max_position, dtype, self.make_mlp, group)
+        vocab_rows = self.model.embed_tokens.num_embeddings  # this rank's rows
+        self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False)
+        self.lm_head.tp_dims = {"weight": 0}
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -118,6 +153,11 @@ class CausalLM(nn.Module):
                 sizes = self.get_submodule(name.rsplit(".", 1)[0]).shard_sizes
                 return name, index, lambda p: p.narrow(0, sum(sizes[:index]), sizes[index])
         return key, 0, lambda p: p
+
+    def tp_dim(self, name: str) -> int | None:
+        """The dimension of parameter `name`'s checkpoint tensors that ranks split, if any."""
+        module_name, _, attr = name.rpartition(".")
+        return getattr(self.get_submodule(module_name), "tp_dims", {}).get(attr)
 
     def expected_shards(self, name: str) -> set[int]:
         """The shard ids that must all be loaded into parameter `name`."""
@@ -138,5 +178,10 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] float32 logits; under tensor parallelism on rank 0 only (None elsewhere)."""
+        logits = self.lm_head(hidden).float()
+        if self.group is None:
+            return logits
+        logits = self.group.gather_columns(logits)
+        return logits[:, : self.config.vocab_size] if logits is not None else None

@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig, ModelLoadError
+from pagedllm.distributed.group import ParallelGroup, shard_of
 from pagedllm.layers.linear import packing_available
 from pagedllm.models.llama import CausalLM
 from pagedllm.models.registry import model_class
@@ -40,9 +41,12 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device,
+               group: ParallelGroup | None = None) -> CausalLM:
+    """The whole model, or under tensor parallelism (`group`) this rank's part of it."""
+    local = cfg.shard(group.size) if group is not None else cfg
     with torch.device("meta"):
-        model = model_class(cfg)(cfg, max_position, dtype)
+        model = model_class(cfg)(local, max_position, dtype, group)
     model.to_empty(device=device)
     model = model.to(dtype)
     # Rotary tables are computed, not loaded: rebuild them on the real device.
@@ -51,13 +55,13 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     rotary.cos, rotary.sin = fresh.cos, fresh.sin
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    _load_weights(model, Path(cfg.path))
+    _load_weights(model, Path(cfg.path), group)
     if packing_available(device, dtype):
         model.pack_linears()
     return model.eval()
 
 
-def _load_weights(model: CausalLM, folder: Path) -> None:
+def _load_weights(model: CausalLM, folder: Path, group: ParallelGroup | None) -> None:
     params = dict(model.named_parameters())
     pending = {name: model.expected_shards(name) for name in params}
     for file in checkpoint_files(folder):
@@ -66,21 +70,33 @@ def _load_weights(model: CausalLM, folder: Path) -> None:
                 for key in reader.keys():
                     if _IGNORED.search(key):
                         continue
-                    _assign(model, params, pending, key, reader.get_tensor(key), file)
+                    _assign(model, params, pending, key, reader.get_tensor(key), file, group)
         except SafetensorError as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from exc
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
         raise ModelLoadError(f"{folder} lacks weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if group is not None and not group.is_first:
+        for name, param in params.items():  # a row-parallel bias is added once, by rank 0
+            if name.endswith(".bias") and model.tp_dim(name[: -len("bias")] + "weight") == 1:
+                param.data.zero_()
 
 
-def _assign(model: CausalLM, params: dict, pending: dict, key: str, tensor: torch.Tensor, file: Path) -> None:
+def _assign(model: CausalLM, params: dict, pending: dict, key: str, tensor: torch.Tensor, file: Path,
+            group: ParallelGroup | None) -> None:
     name, shard, part = model.checkpoint_target(key)
     if name == "lm_head.weight" and model.config.tie_word_embeddings:
         return  # tied: the embedding already provides it
     if name not in params:
         raise ModelLoadError(f"{file.name} holds {key!r}, which this {model.config.architecture} has no place for")
     target = part(params[name].data)
+    dim = model.tp_dim(name) if group is not None else None
+    if dim is not None and tensor.dim() > dim:
+        whole, part_size = tensor.shape[dim], target.shape[dim]
+        if not whole > part_size * (group.size - 1) or whole > part_size * group.size:  # only a vocabulary pads
+            raise ModelLoadError(f"{key} in {file.name} has {whole} rows/columns along dim {dim}, "
+                                 f"which {group.size} ranks of {part_size} do not split")
+        tensor = shard_of(tensor, dim, group.rank, part_size)
     if tuple(target.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"{key} in {file.name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
     target.copy_(tensor)

@@ -9,8 +9,11 @@ Layout of one checkpoint, `<checkpoint_dir>/step-00000042/`:
 
 Status goes SAVING (written before any shard) -> COMPLETE (after every rank's files are on disk and
 hashed). Resume verifies the sha256 of every file first: a mismatch marks the checkpoint CORRUPT and
-the next newest COMPLETE one is tried. Keeping max_checkpoints_to_keep, older COMPLETE checkpoints
-lose their data and become DELETED (the manifest stays, as a record).
+the next newest COMPLETE one is tried. A save that fails (a full disk: ENOSPC) removes its partial
+files, is marked CORRUPT with the cause, and raises CheckpointSaveError naming it; the checkpoints
+saved before it are untouched (pruning runs only after a save is COMPLETE). Keeping
+max_checkpoints_to_keep, older COMPLETE checkpoints lose their data and become DELETED (the manifest
+stays, as a record).
 
 With async_save, DCP stages the state to memory and writes from a background thread over a separate
 gloo group; training goes on, and at each step boundary the ranks agree (one all-reduce) on whether
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, Field
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -52,6 +56,18 @@ log = logging.getLogger("pagedllm.training")
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the message names the cause and the newest COMPLETE checkpoint left."""
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (which gathers every rank's failure)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        first, _ = exc.failures[min(exc.failures)]
+        return root_cause(first)
+    return exc
 
 
 class CheckpointStatus(str, enum.Enum):
@@ -263,9 +279,17 @@ class CheckpointManager:
 
     def save(self, step: int, metadata: CheckpointMetadata, checkpoint_id: uuid.UUID | None = None,
              blocking: bool = False) -> uuid.UUID:
-        """Start a checkpoint of the current state; with async_save (and not `blocking`) return at once."""
+        """Start a checkpoint of the current state; with async_save (and not `blocking`) return at once.
+        A failed write raises CheckpointSaveError (after removing the partial files)."""
         self.wait()
         step_dir = self.dir / step_dir_name(step)
+        try:
+            return self._save(step, step_dir, metadata, checkpoint_id, blocking)
+        except (Exception, CheckpointException) as exc:
+            raise self._save_failed(step, step_dir, exc) from exc
+
+    def _save(self, step: int, step_dir: Path, metadata: CheckpointMetadata, checkpoint_id: uuid.UUID | None,
+              blocking: bool) -> uuid.UUID:
         manifest = Checkpoint(checkpoint_id=checkpoint_id or uuid.uuid4(), job_id=self.job.job_id, step=step,
                               timestamp=datetime.now(timezone.utc), status=CheckpointStatus.SAVING,
                               metadata=metadata, world_size=self.world)
@@ -298,23 +322,49 @@ class CheckpointManager:
         done = torch.tensor([int(all(f.done() for f in self.pending.futures))])
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item():
-            self._finalize()
+            self._finalize_or_raise()
 
     def wait(self) -> None:
         """Block until the pending save (if any) is written and marked COMPLETE."""
         if self.pending is not None:
-            for future in self.pending.futures:
-                future.result()
+            self._finalize_or_raise()
+
+    def _finalize_or_raise(self) -> None:
+        pending = self.pending
+        assert pending is not None
+        try:
             self._finalize()
+        except (Exception, CheckpointException) as exc:
+            raise self._save_failed(pending.manifest.step, pending.step_dir, exc) from exc
+
+    def _save_failed(self, step: int, step_dir: Path, exc: BaseException) -> CheckpointSaveError:
+        """Free what the failed save wrote (on a full disk, that room is what the job needs next) and record why."""
+        self.pending = None
+        cause = root_cause(exc)
+        reason = f"save failed: {type(cause).__name__}: {cause}".strip()
+        if self.rank == 0:
+            for sub in ("model", "optim"):
+                shutil.rmtree(step_dir / sub, ignore_errors=True)
+            try:
+                manifest = mark(step_dir, CheckpointStatus.CORRUPT, reason)
+                self.on_event("checkpoint", status="CORRUPT", checkpoint_id=str(manifest.checkpoint_id), step=step,
+                              path=str(step_dir), reason=reason, during="save")
+            except (OSError, ValueError, AssertionError):  # no manifest was written: nothing to mark
+                pass
+        complete = [m.step for _, m in list_checkpoints(self.dir) if m.status is CheckpointStatus.COMPLETE]
+        left = f"the newest COMPLETE checkpoint is step {complete[-1]}" if complete else "no COMPLETE checkpoint exists"
+        return CheckpointSaveError(f"the checkpoint at step {step} could not be saved ({reason}; in {step_dir}); "
+                                   f"its partial files were removed and {left}")
 
     def _finalize(self) -> None:
-        pending, self.pending = self.pending, None
+        pending = self.pending
         assert pending is not None
         for future in pending.futures:
             future.result()  # re-raise a failed background write here, on every rank
         local = {"files": self._hash_own_files(pending.step_dir), "rng": pending.rng.model_dump()}
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, local)
+        self.pending = None
         if self.rank == 0:
             manifest = self._complete_manifest(pending, gathered)
             write_manifest(pending.step_dir, manifest)
@@ -397,7 +447,7 @@ class CheckpointManager:
                       step_dir, manifest.step, reason)
             mark(step_dir, CheckpointStatus.CORRUPT, reason)
             self.on_event("checkpoint", status="CORRUPT", checkpoint_id=str(manifest.checkpoint_id),
-                          step=manifest.step, path=str(step_dir), reason=reason)
+                          step=manifest.step, path=str(step_dir), reason=reason, during="resume")
         dist.barrier()
 
     def _load_state(self, step_dir: Path, manifest: Checkpoint) -> None:

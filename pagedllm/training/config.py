@@ -187,8 +187,8 @@ class DataConfig(_Section):
 
 class CheckpointConfig(_Section):
     checkpoint_dir: str = "checkpoints"
-    checkpoint_interval_steps: int | None = Field(None, ge=1, description="None = no step-based saves")
-    checkpoint_interval_minutes: float | None = Field(None, gt=0, description="None = no time-based saves")
+    checkpoint_interval_steps: int | None = Field(None, ge=0, description="None or 0 = no step-based saves")
+    checkpoint_interval_minutes: float | None = Field(None, ge=0, description="None or 0 = no time-based saves")
     max_checkpoints_to_keep: int = Field(3, ge=1)
     async_save: bool = False
     # Not in the seed.

@@ -16,13 +16,23 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+def bytes_per_layer_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return bytes_per_block(cfg, block_size, dtype) // cfg.num_layers
+
+
 class KVCache:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, num_cpu_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    """`host_pool`: the pool itself lives in host memory (layer-wise offload, worker/kv_offload.py),
+    pinned when the compute device is a GPU."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, num_cpu_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, host_pool: bool = False):
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: masked-out slots of a gathered block are multiplied by 0 weights,
         # and 0 * NaN from uninitialised memory would poison the output.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        pool_device = torch.device("cpu") if host_pool else device
+        pin = host_pool and device.type == "cuda"
+        self.k = torch.zeros(shape, dtype=dtype, device=pool_device, pin_memory=pin)
+        self.v = torch.zeros(shape, dtype=dtype, device=pool_device, pin_memory=pin)
         cpu_shape = (cfg.num_layers, num_cpu_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         pin = device.type == "cuda"
         self.k_cpu = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)

@@ -9,10 +9,12 @@ on the device and reads the results back in one copy (worker/step_results.py).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
 from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
+from pagedllm.distributed.group import ParallelGroup
 from pagedllm.engine.scheduler_output import SampleRow, SchedulerOutput
 from pagedllm.layers.paged_decode import kernel_supported, load
 from pagedllm.layers.sampler import Sampler
@@ -20,7 +22,8 @@ from pagedllm.models.loader import load_model
 from pagedllm.spec_decode.rejection import rejection_sample
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.worker.input_batch import attention_metadata, stage_batch
-from pagedllm.worker.kv_cache import KVCache, bytes_per_block
+from pagedllm.worker.kv_cache import KVCache, bytes_per_block, bytes_per_layer_block
+from pagedllm.worker.kv_offload import LayerwiseKVOffload
 from pagedllm.worker.malloc import keep_freed_memory
 from pagedllm.worker.runner_output import ModelRunnerOutput
 from pagedllm.worker.sampling_inputs import sampling_metadata, stage_sampling
@@ -29,23 +32,30 @@ from pagedllm.worker.step_results import fetch_results, score_prompt_tokens, sta
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    """Under tensor parallelism there is one runner per rank (`group`), each with its part of the
+    model and of every KV block, all given the same `pool_sizes`; only rank 0 samples."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 group: ParallelGroup | None = None, pool_sizes: tuple[int, int] | None = None):
         self.config = config
         self.model_config = model_config
-        self.device = config.torch_device()
+        self.group = group
+        self.device = config.torch_device(group.rank if group is not None else 0)
         self.dtype = config.torch_dtype(model_config)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model = load_model(model_config, max_model_len, self.dtype, self.device)
+        self.model = load_model(model_config, max_model_len, self.dtype, self.device, group)
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(config.speculative_config, model_config, max_model_len, self.block_size, self.dtype, self.device)
-        self.num_blocks, self.num_cpu_blocks = self._pool_sizes()
-        self.kv_cache = KVCache(model_config, self.num_blocks, self.num_cpu_blocks, self.block_size, self.dtype, self.device)
+        self.num_blocks, self.num_cpu_blocks = pool_sizes or self._pool_sizes()
+        self.kv_cache = KVCache(self.model.config, self.num_blocks, self.num_cpu_blocks, self.block_size, self.dtype,
+                                self.device, host_pool=config.kv_offload)
+        self.offload = self._offload() if config.kv_offload else None
         for index, attn in enumerate(self.model.attention_layers()):
-            attn.bind_cache(*self.kv_cache.layer(index))
+            attn.bind_cache(*(self.offload.buffer(0) if self.offload else self.kv_cache.layer(index)))
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
         self.sampler = Sampler(config.seed, self.device)
         self.kernel_decode = self._choose_decode_backend()
@@ -54,10 +64,26 @@ class ModelRunner:
         self.target_time_s = 0.0  # in execute() before proposing
         self.generators: dict[int, torch.Generator] = {}  # seq id -> a seeded sequence's own generator
 
+    def _offload(self) -> LayerwiseKVOffload:
+        per_layer_block = bytes_per_layer_block(self.model.config, self.block_size, self.dtype)
+        budget = self.config.kv_offload_device_memory
+        buffer_blocks = min(self.num_blocks, budget // (2 * per_layer_block)) if budget is not None else self.num_blocks
+        if buffer_blocks < 1:
+            raise ValueError(f"kv_offload_device_memory={budget} bytes holds no block of two layers "
+                             f"({2 * per_layer_block} bytes)")
+        offload = LayerwiseKVOffload(self.kv_cache, self.model.attention_layers(), buffer_blocks, self.device)
+        self.model.model.layer_hook = offload
+        return offload
+
+    @property
+    def max_step_blocks(self) -> int | None:
+        """The most KV blocks one step may use (layer-wise offload's buffer), if bounded."""
+        return self.offload.buffer_blocks if self.offload is not None else None
+
     def _choose_decode_backend(self) -> bool:
         """The C decode kernel for fp32 on CPU when it builds (auto), else SDPA."""
         backend = self.config.attention_backend
-        k_cache, _ = self.kv_cache.layer(0)
+        k_cache = self.model.attention_layers()[0].k_cache  # the pool, or the offload buffer
         if backend == "sdpa" or (backend == "auto" and not kernel_supported(k_cache)):
             return False
         if not kernel_supported(k_cache):
@@ -72,34 +98,16 @@ class ModelRunner:
         return False
 
     def _pool_sizes(self) -> tuple[int, int]:
-        per_block = bytes_per_block(self.model_config, self.block_size, self.dtype)
-        if self.speculator is not None:
-            per_block += self.speculator.bytes_per_block()  # the draft's mirror pool
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            num_blocks = cfg.num_kv_blocks
-        elif cfg.kv_cache_memory is not None:
-            num_blocks = cfg.kv_cache_memory // per_block
-            if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory} bytes is less than one KV block ({per_block} bytes)")
-        else:
-            # A safe share of free memory, but no more than the most the scheduler could use.
-            budget = int(available_memory_bytes() * cfg.kv_cache_memory_fraction) // per_block
-            num_blocks = max(1, min(budget, self._most_useful_blocks()))
-        num_cpu_blocks = 0
-        if cfg.preemption_mode == "swap":
-            num_cpu_blocks = min(cfg.swap_space // per_block, self._most_useful_blocks())
-        return num_blocks, num_cpu_blocks
-
-    def _most_useful_blocks(self) -> int:
-        """More blocks than max_num_seqs full-length sequences need could never be used."""
-        return self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        extra = self.speculator.bytes_per_block() if self.speculator is not None else 0  # the draft's mirror pool
+        return kv_pool_sizes(self.config, self.model.config, self.max_model_len, extra)
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         started = time.perf_counter()
         self._forget(sched.finished_seq_ids)
+        if self.offload is not None:
+            sched = self._offload_step(sched)
         staging = Staging()
         _stage_block_maps(sched, staging)
         if not sched.chunks:
@@ -119,6 +127,8 @@ class ModelRunner:
         meta = attention_metadata(layout, views, self.kernel_decode, self.block_size, self.windows, self.dtype)
         hidden = self.model(views["input_ids"], views["positions"], meta)
         logits = self.model.compute_logits(hidden.index_select(0, views["logit_rows"]))
+        if logits is None:
+            return ModelRunnerOutput()  # a tensor-parallel worker: rank 0 samples
         groups = []
         if plain:
             plain_meta = sampling_metadata(plain_plan, views, lambda r: self._generator(plain[r]))
@@ -133,6 +143,13 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.propose(sched, result, self.sampler, self._generator)
         return result
+
+    def _offload_step(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """Copy-on-write happens in the host pool; the step then sees its blocks renumbered."""
+        if sched.blocks_to_copy:
+            sources, destinations = zip(*sched.blocks_to_copy)
+            self.kv_cache.copy(torch.tensor(sources), torch.tensor(destinations))
+        return self.offload.plan(replace(sched, blocks_to_copy=[]))
 
     def _forget(self, seq_ids: list[int]) -> None:
         """Drop per-sequence state of sequences that finished."""
@@ -164,6 +181,28 @@ class ModelRunner:
             generator.manual_seed((row.params.seed * 1_000_003 + row.sample_index) % (1 << 63))
             self.generators[row.seq_id] = generator
         return generator
+
+
+def kv_pool_sizes(config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                  extra_bytes_per_block: int = 0, num_ranks: int = 1) -> tuple[int, int]:
+    """(device blocks, host swap blocks) for one rank holding `model_config`'s part of each
+    block. The default budget (a share of free memory) is split between the ranks of one host."""
+    per_block = bytes_per_block(model_config, config.block_size, config.torch_dtype(model_config)) + extra_bytes_per_block
+    most_useful = config.max_num_seqs * -(-max_model_len // config.block_size)  # more could never be used
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif config.kv_cache_memory is not None:
+        num_blocks = config.kv_cache_memory // (per_block * num_ranks)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than one KV block "
+                             f"({per_block * num_ranks} bytes)")
+    else:
+        budget = int(available_memory_bytes() * config.kv_cache_memory_fraction) // (per_block * num_ranks)
+        num_blocks = max(1, min(budget, most_useful))
+    num_cpu_blocks = 0
+    if config.preemption_mode == "swap":
+        num_cpu_blocks = min(config.swap_space // (per_block * num_ranks), most_useful)
+    return num_blocks, num_cpu_blocks
 
 
 def _stage_block_maps(sched: SchedulerOutput, staging: Staging) -> None:

@@ -33,8 +33,9 @@ def console_models(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(console_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("console-server")
+    # the training corpus and tokenizer live under pytest's base temp folder
     args = ["--model", str(console_models / "tiny"), "--model-dir", str(console_models), "--api-key", API_KEY,
-            "--num-kv-blocks", "256", "--train-slots", "1"]
+            "--num-kv-blocks", "256", "--train-slots", "1", "--allowed-path", str(tmp_path_factory.getbasetemp())]
     srv = ConsoleServer.start(args, root)
     with no_job_processes_left(srv.data_dir, srv.stop):
         yield srv

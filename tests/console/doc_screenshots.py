@@ -1,11 +1,13 @@
 """Writes the screenshots in docs/ (console-chat.png, console-training.png) from a real session:
 the default model served, a completion streamed in the playground, and a small training job on the
-standard library's json package with the default model's tokenizer, watched until it completes.
+standard library's json package with the default model's tokenizer (copied under the server's
+data dir, where jobs may read), watched until it completes.
 
     .venv/bin/python tests/console/doc_screenshots.py        # from the repository root (paths are relative to it)
 """
 from __future__ import annotations
 
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +28,7 @@ JOB = {
                      "tie_word_embeddings": True},
     "optimization_config": {"learning_rate": 0.003, "warmup_steps": 10, "total_steps": 150},
     "memory_config": {"zero_stage": 0},
-    "data_config": {"dataset_path": "@stdlib", "file_glob": "json/*.py", "tokenizer_path": "models/pagedllm-py-tiny",
+    "data_config": {"dataset_path": "@stdlib", "file_glob": "json/*.py", "tokenizer_path": "tokenizers/pagedllm-py-tiny",
                     "sequence_length": 128, "global_batch_size": 8, "micro_batch_size": 8,
                     "validation_split": 0.1, "eval_interval_steps": 25, "eval_sequences": 32},
     "checkpoint_config": {"checkpoint_interval_steps": 50},
@@ -35,6 +37,11 @@ JOB = {
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
+        # the default model's tokenizer, where a job may read it: under the server's data dir
+        tokenizer = Path(tmp) / "data" / "tokenizers" / "pagedllm-py-tiny"
+        tokenizer.mkdir(parents=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(ROOT / "models/pagedllm-py-tiny" / name, tokenizer / name)
         server = ConsoleServer.start(["--model", str(ROOT / "models/pagedllm-py-tiny"), "--kv-cache-memory", "268435456",
                                       "--train-slots", "1"], Path(tmp))
         try:

@@ -12,7 +12,8 @@ from .helpers import JobServer, no_job_processes_left
 def serving(tmp_path_factory, name: str, slots: int = 2):
     """A started JobServer; at exit: stopped, and no process of its jobs may be left."""
     root = tmp_path_factory.mktemp(name)
-    server = JobServer(root / "data", slots, root)
+    # the tests' corpora, tokenizers and checkpoint folders live under pytest's base temp folder
+    server = JobServer(root / "data", slots, root, allowed=(tmp_path_factory.getbasetemp(),))
     with no_job_processes_left(server.data_dir, server.stop):
         yield server.start()
 

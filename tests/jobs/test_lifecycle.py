@@ -8,11 +8,15 @@ import hashlib
 import os
 import re
 import signal
+import time
 from pathlib import Path
+
+from soak import record
 
 from .helpers import alive, assert_error, job_body, job_pids, job_processes
 
 STEPS = 120  # ~0.1 s a step: long enough to act on the job while it runs
+KILL_TO_FAILED_S = 15  # gloo sees the dead peer at once, torchrun tears down, the service polls every 0.25 s
 
 
 def test_checkpoint_kill_resume_complete(server, tiny_paths):
@@ -34,13 +38,18 @@ def test_checkpoint_kill_resume_complete(server, tiny_paths):
     asked = history.index(("CHECKPOINTING", f"checkpoint {checkpoint_id} requested"))
     assert ("RUNNING", f"checkpoint {checkpoint_id} complete") in history[asked + 1:]
 
-    # SIGKILL one rank: torchrun tears the group down, the job FAILS with a reason
+    # SIGKILL one rank a few steps past the checkpoint: torchrun tears the group down, the job FAILS with a reason
+    saved = server.wait_step(job_id, checkpoint_step + 5)
     pids = job_pids(saved)
+    killed_at = time.monotonic()
     os.kill(saved["processes"][1]["pid"], signal.SIGKILL)
     failed = server.wait_status(job_id, "FAILED", timeout=120)
+    seconds_to_failed = time.monotonic() - killed_at
+    assert seconds_to_failed < KILL_TO_FAILED_S, f"FAILED only {seconds_to_failed:.1f} s after the kill"
     assert failed["failure_reason"].startswith("the launcher exited with code "), failed["failure_reason"]
     assert "killed" in failed["failure_reason"]
     assert not [pid for pid in pids if alive(pid)] and not job_processes(job_id)
+    first_run = {m["step"]: m["loss"] for m in http.get(f"/v1/training/jobs/{job_id}/metrics").json()["data"]}
     assert_error(http.post(f"/v1/training/jobs/{job_id}/checkpoint"), 409)
     assert_error(http.delete(f"/v1/training/jobs/{job_id}"), 409)
     assert_error(http.post(f"/v1/training/jobs/{job_id}/resume", json={"checkpoint_id": "7d4bd1a1-53d1-4b4f-9ad2-07c1f1cbe6cb"}),
@@ -56,6 +65,13 @@ def test_checkpoint_kill_resume_complete(server, tiny_paths):
     assert (first["outcome"], second["outcome"]) == ("FAILED", "COMPLETED")
     assert second["resumed_from"] == checkpoint_id and second["start_step"] == checkpoint_step
     assert_metrics_continue(http, job_id, checkpoint_step)
+    # the steps the killed run had trained past its checkpoint come out of the resumed run identical
+    again = {m["step"]: m["loss"] for m in http.get(f"/v1/training/jobs/{job_id}/metrics").json()["data"]
+             if checkpoint_step < m["step"] <= max(first_run)}
+    assert again and all(loss == first_run[step] for step, loss in again.items()), (first_run, again)
+    record("fault_kill_rank", {"ranks": 2, "killed": "rank 1 (SIGKILL)", "seconds_to_failed": round(seconds_to_failed, 2),
+                               "failure_reason": failed["failure_reason"], "processes_left": 0,
+                               "resumed_from_step": checkpoint_step, "steps_compared_exactly": len(again)})
     assert_checkpoints_listed(http, job_id, checkpoint_id, checkpoint_step)
     assert_logs(http, job_id)
     assert_error(http.post(f"/v1/training/jobs/{job_id}/resume"), 409)

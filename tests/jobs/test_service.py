@@ -17,6 +17,8 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from pathlib import Path
+
 import psutil
 import pytest
 
@@ -28,8 +30,8 @@ from pagedllm.jobs.settings import JobServiceConfig
 from .helpers import alive, job_body, job_processes
 
 
-def service(data_dir, slots: int = 2, grace: float = 10.0) -> JobService:
-    return JobService(JobServiceConfig(data_dir, slots, cancel_grace_s=grace, poll_interval_s=0.05))
+def service(data_dir, slots: int = 2, grace: float = 10.0, allowed: tuple[Path, ...] = ()) -> JobService:
+    return JobService(JobServiceConfig(data_dir, slots, cancel_grace_s=grace, poll_interval_s=0.05, allowed_paths=allowed))
 
 
 def running_record(tmp_path, launcher: ProcessRef) -> JobRecord:
@@ -123,7 +125,7 @@ def test_reattached_job_ignoring_sigterm_is_killed_after_the_grace_period(tmp_pa
 
 
 def test_pending_job_is_cancelled_without_starting(tmp_path, tiny_paths):
-    with opened(tmp_path / "data") as svc:
+    with opened(tmp_path / "data", allowed=(tiny_paths["corpus"].parent,)) as svc:
         job = svc.submit(job_body(tiny_paths, ranks=1, steps=3))
         assert asyncio.run(svc.cancel(job.job_id)) is JobState.CANCELLED
         svc.tick()  # nothing to start

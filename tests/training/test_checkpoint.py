@@ -90,3 +90,43 @@ def test_resume_from_a_corrupt_named_checkpoint_fails(tiny_paths, tmp_path):
     with pytest.raises(ValueError, match="--resume-from: checkpoint .* is corrupt: optim/__0_0.distcp checksum"):
         run(tiny_paths, ckpt, RunOptions(peak_flops=1e10, export_hf=False, resume_from="step-00000006"))
     assert statuses(ckpt) == {6: "CORRUPT"}
+
+
+def test_interval_zero_means_off(tiny_paths, tmp_path):
+    ckpt = tmp_path / "run"
+    result = run(tiny_paths, ckpt, checkpoint_config={"checkpoint_interval_minutes": 0, "checkpoint_interval_steps": 0})
+    assert result.reason == "completed" and statuses(ckpt) == {6: "COMPLETE"}  # only the final checkpoint
+
+
+def test_a_full_disk_during_save_keeps_the_previous_checkpoint(tiny_paths, tmp_path, monkeypatch):
+    """ENOSPC injected where DCP opens its files (the job service's test fills a real tmpfs instead): the run
+    fails naming the cause, the failed save's files are gone, the earlier checkpoints verify, and a resume
+    from them reproduces the uninterrupted losses."""
+    import errno
+    from contextlib import contextmanager
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    whole = run(tiny_paths, tmp_path / "whole", checkpoint_config={"checkpoint_interval_steps": 2})
+    original = FileSystem.create_stream
+
+    @contextmanager
+    def full_disk(self, path, mode):
+        if "step-00000006" in str(path) and "w" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        with original(self, path, mode) as stream:
+            yield stream
+
+    monkeypatch.setattr(FileSystem, "create_stream", full_disk)
+    ckpt = tmp_path / "run"
+    with pytest.raises(Exception, match=r"checkpoint at step 6 could not be saved \(save failed: OSError: \[Errno 28\] "
+                                        r"No space left on device.*newest COMPLETE checkpoint is step 4"):
+        run(tiny_paths, ckpt, checkpoint_config={"checkpoint_interval_steps": 2})
+    monkeypatch.undo()
+    assert statuses(ckpt) == {2: "COMPLETE", 4: "COMPLETE", 6: "CORRUPT"}
+    failed = dict((m.step, (p, m)) for p, m in list_checkpoints(ckpt))[6]
+    assert failed[1].status_reason.startswith("save failed: OSError") and not (failed[0] / "model").exists()
+    for step_dir, manifest in list_checkpoints(ckpt)[:2]:
+        assert verify(step_dir, manifest) == []
+    resumed = run(tiny_paths, ckpt, checkpoint_config={"checkpoint_interval_steps": 2})
+    assert resumed.start_step == 4 and resumed.losses == {5: whole.losses[5], 6: whole.losses[6]}

@@ -21,6 +21,7 @@ from pagedllm.entrypoints.openai.auth import OPEN_PATHS, APIKeyMiddleware
 from pagedllm.entrypoints.openai.errors import install_error_handlers
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.models import ModelRegistry
+from pagedllm.entrypoints.openai.openapi import install_openapi
 from pagedllm.entrypoints.openai.routes import inference_router, ops_router
 from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.jobs.routes import jobs_router
@@ -39,7 +40,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics()
     registry = ModelRegistry(settings, metrics)
     metrics.collect_engine_stats(registry.snapshots)
-    jobs = JobService.from_settings(settings.data_dir, settings.train_slots)
+    jobs = JobService.from_settings(settings.data_dir, settings.train_slots, settings.allowed_paths)
     services: list[Service] = [registry, jobs]
 
     @asynccontextmanager
@@ -62,9 +63,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.jobs = jobs
     app.state.services = services
     install_error_handlers(app)
+    open_paths = (OPEN_PATHS - {"/metrics"} if settings.protect_metrics else OPEN_PATHS) | PAGE_PATHS
     if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key,
-                           open_paths=OPEN_PATHS | PAGE_PATHS, open_prefixes=ASSET_PREFIXES)
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths,
+                           open_prefixes=ASSET_PREFIXES)
+    install_openapi(app, protected=bool(settings.api_key), open_paths=open_paths)
     app.include_router(inference_router)
     app.include_router(ops_router)
     app.include_router(jobs_router)

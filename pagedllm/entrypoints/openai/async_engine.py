@@ -45,6 +45,10 @@ class Disconnected(Exception):
     """The consumer's cancellation check fired (its HTTP client went away)."""
 
 
+class RequestTimeout(RuntimeError):
+    """The request group outlived its deadline (the server's --request-timeout, queue time included)."""
+
+
 @dataclass
 class _Add:
     group: "RequestGroup"
@@ -76,6 +80,8 @@ class RequestGroup:
         self._open = set(request_ids)
         self._wakeup = asyncio.Event()
         self._error: BaseException | None = None
+        self.deadline: float | None = None  # time.monotonic() after which waiting raises RequestTimeout
+        self.timeout_s: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -105,9 +111,13 @@ class RequestGroup:
         """Yield the outputs that changed since the last yield, until every request finished.
 
         `is_cancelled` is checked at least every `poll_interval` seconds, also while tokens flow,
-        so a vanished client is noticed even if nothing is ever written to it."""
+        so a vanished client is noticed even if nothing is ever written to it. Past the group's
+        deadline it raises RequestTimeout (leaving `submit` then aborts what has not finished)."""
         last_check = time.monotonic()
         while True:
+            if self.deadline is not None and time.monotonic() > self.deadline and not self.finished:
+                raise RequestTimeout(f"the request did not finish within the server's request timeout "
+                                     f"({self.timeout_s:g} s, time in the waiting queue included)")
             if self._changed:
                 changed = list(self._changed.values())
                 self._changed.clear()
@@ -118,8 +128,9 @@ class RequestGroup:
                 return
             else:
                 self._wakeup.clear()
+                wait = poll_interval if self.deadline is None else max(0.0, min(poll_interval, self.deadline - time.monotonic()))
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), poll_interval)
+                    await asyncio.wait_for(self._wakeup.wait(), wait)
                 except asyncio.TimeoutError:
                     pass
             if is_cancelled is not None and time.monotonic() - last_check >= poll_interval:
@@ -137,10 +148,12 @@ class AsyncEngine:
         name: str = "engine",
         max_waiting_requests: int | None = None,
         on_step: StepObserver | None = None,
+        request_timeout_s: float | None = None,
     ):
         self.engine = engine
         self.name = name
         self.max_waiting_requests = max_waiting_requests
+        self.request_timeout_s = request_timeout_s
         self._on_step = on_step
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -181,6 +194,9 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine of model {self.name!r} stopped: {self.error!r}")
         assert self._loop is not None, "AsyncEngine.start() was not called"
         group = RequestGroup([request_id for request_id, _ in prompts], self._loop)
+        if self.request_timeout_s is not None:
+            group.timeout_s = self.request_timeout_s
+            group.deadline = time.monotonic() + self.request_timeout_s
         self._send(_Add(group, prompts, params, arrival_time or time.time(), priority))
         try:
             await group.accepted
@@ -234,8 +250,15 @@ class AsyncEngine:
             self._post(_fail_groups, set(self._groups.values()), dead)
             self._groups.clear()
         finally:
+            self._shutdown_engine()
             self._ended.set()
             self._drain_rejecting()
+
+    def _shutdown_engine(self) -> None:
+        try:
+            self.engine.shutdown()
+        except Exception:  # a dead tensor-parallel group cannot say goodbye; its workers are killed
+            logger.exception("shutting the engine of model %r down failed", self.name)
 
     def _next_commands(self) -> list[Any]:
         commands = []

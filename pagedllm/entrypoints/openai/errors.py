@@ -15,10 +15,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from pagedllm.entrypoints.openai.async_engine import Disconnected
 
 logger = logging.getLogger("pagedllm.server")
+
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
 class APIError(Exception):
@@ -28,11 +31,13 @@ class APIError(Exception):
     error_type = "invalid_request_error"
     default_code: str | None = None
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code or self.default_code
+        self.headers = headers
 
 
 class BadRequestError(APIError):
@@ -67,12 +72,21 @@ class ServiceUnavailableError(APIError):
     default_code = "service_unavailable"
 
 
+class RequestTimeoutError(APIError):
+    """The request did not finish within the server's --request-timeout (queue time included)."""
+
+    status_code = 504
+    error_type = "server_error"
+    default_code = "timeout"
+
+
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code), status_code=exc.status_code)
+    return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code), status_code=exc.status_code,
+                        headers=exc.headers)
 
 
 def param_from_message(message: str, fields: Sequence[str]) -> str | None:
@@ -131,7 +145,17 @@ async def _http_handler(request: Request, exc: Exception) -> JSONResponse:
     error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
     codes = {404: "not_found", 405: "method_not_allowed"}
     body = error_body(str(exc.detail), error_type, None, codes.get(exc.status_code))
-    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+    headers = dict(getattr(exc, "headers", None) or {})
+    if exc.status_code == 405:
+        headers["Allow"] = ", ".join(allowed_methods(request))
+    return JSONResponse(body, status_code=exc.status_code, headers=headers or None)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette's own 405 names only the first route's)."""
+    routes = request.app.router.routes
+    return [method for method in HTTP_METHODS
+            if any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes)]
 
 
 async def _disconnected_handler(request: Request, exc: Exception) -> JSONResponse:

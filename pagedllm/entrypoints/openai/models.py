@@ -43,6 +43,12 @@ class ServedModel:
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
 
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the whole KV pool holds (fixed at load; read-only here, so safe off the engine thread)."""
+        manager = self.engine.engine.block_manager
+        return manager.num_blocks * manager.block_size
+
     def card(self) -> ModelCard:
         return ModelCard(id=self.name, created=self.created, max_model_len=self.max_model_len)
 
@@ -95,7 +101,8 @@ class ModelRegistry:
         if served is not None:
             return served
         if name in self._loading:
-            raise ServiceUnavailableError(f"model {name!r} is still loading; retry shortly", code="model_loading")
+            raise ServiceUnavailableError(f"model {name!r} is still loading; retry shortly", code="model_loading",
+                                          headers={"Retry-After": "1"})
         if self.path_for(name) is not None:
             raise ModelNotFoundError(f"model {name!r} is not loaded; load it with POST /v1/models/{name}/load")
         raise ModelNotFoundError(f"the model {name!r} does not exist")
@@ -172,7 +179,8 @@ class ModelRegistry:
             raise
         finally:
             self._loading.pop(name, None)
-        async_engine = AsyncEngine(engine, name, self.settings.max_waiting_requests, self.metrics.observer(name))
+        async_engine = AsyncEngine(engine, name, self.settings.max_waiting_requests, self.metrics.observer(name),
+                                   request_timeout_s=self.settings.request_timeout_s)
         async_engine.start()
         served = ServedModel(name, path, async_engine, tokenizer, int(time.time()))
         self._ready[name] = served

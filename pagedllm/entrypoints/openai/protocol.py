@@ -16,7 +16,8 @@ Seed = Field(default=None, ge=-(2**63), le=2**64 - 1)
 
 class RequestModel(BaseModel):
     # NaN/Infinity (which Python's JSON parser accepts) would poison sampling: reject them here.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # Strict types, as the OpenAPI document says: "1" is not an integer, "yes" or 1 not a boolean.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(RequestModel):

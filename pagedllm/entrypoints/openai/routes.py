@@ -12,6 +12,7 @@ from starlette.responses import Response
 from pagedllm.entrypoints.openai.health import server_health
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.models import ModelRegistry
+from pagedllm.entrypoints.openai.openapi import error_responses
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -31,10 +32,19 @@ from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completions import create_completion
 from pagedllm.entrypoints.openai.serving_tokenization import detokenize, tokenize, tokenizer_info
 
-inference_router = APIRouter()
+inference_router = APIRouter(responses=error_responses(400, 404, 503))
 ops_router = APIRouter()
 
-SSE_DOC = {200: {"description": "JSON, or `text/event-stream` chunks when stream=true"}}
+# Before Open API 3.2, an event stream's `schema` describes one event (as Schemathesis reads it).
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON chunk (`*.chunk` objects, OpenAI's streaming format), an "
+                                              "`{\"error\": ...}` object if the request fails mid-stream, or `[DONE]`"},
+    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+GENERATION_DOC = {
+    200: {"description": "JSON, or `text/event-stream` chunks when stream=true",
+          "content": {"text/event-stream": {"schema": SSE_EVENT}}},
+    **error_responses(504),
+}
 
 
 def models(request: Request) -> ModelRegistry:
@@ -48,12 +58,12 @@ def json_response(body: BaseModel | Response, status_code: int = 200) -> Respons
 
 
 # ---- OpenAI API ------------------------------------------------------------------------------
-@inference_router.post("/v1/completions", response_model=CompletionResponse, responses=SSE_DOC)
+@inference_router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_DOC)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return json_response(await create_completion(body, models(request).get(body.model), request))
 
 
-@inference_router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=SSE_DOC)
+@inference_router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_DOC)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return json_response(await create_chat_completion(body, models(request).get(body.model), request))
 
@@ -68,7 +78,8 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
     return json_response(models(request).card(model_id))
 
 
-@inference_router.post("/v1/models/{model_id:path}/load", response_model=ModelStatus)
+@inference_router.post("/v1/models/{model_id:path}/load", response_model=ModelStatus, responses={
+    202: {"model": ModelStatus, "description": "loading has started (without ?wait=true)"}, **error_responses(409)})
 async def load_model(
     model_id: str, request: Request,
     wait: bool = Query(False, description="answer only once the model is ready (or failed)"),
@@ -106,7 +117,8 @@ async def health(request: Request) -> Response:
     return json_response(report, 503 if report.status == "unhealthy" else 200)
 
 
-@ops_router.get("/metrics", response_class=Response)
+@ops_router.get("/metrics", response_class=Response, responses={
+    200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST
 

@@ -26,11 +26,13 @@ from pagedllm.entrypoints.openai.async_engine import (
     EngineStoppedError,
     QueueFullError,
     RequestGroup,
+    RequestTimeout,
 )
 from pagedllm.entrypoints.openai.errors import (
     APIError,
     BadRequestError,
     ModelNotFoundError,
+    RequestTimeoutError,
     ServiceUnavailableError,
     error_body,
     param_from_message,
@@ -43,6 +45,8 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 logger = logging.getLogger("pagedllm.server")
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+# A full waiting queue drains as requests finish; one second is the usual back-off for a client to retry.
+QUEUE_FULL_RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -122,13 +126,25 @@ def sampling_params(req: SamplingFields, served: ServedModel, **fields: Any) -> 
     return params
 
 
-def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens") -> None:
-    """vLLM's and OpenAI's rule: prompt + requested tokens must fit the context. (A prompt that
-    alone is too long is left to the engine, whose message names the limit.)"""
-    if max_tokens is not None and prompt_len < max_model_len < prompt_len + max_tokens:
+def check_context_length(prompt_len: int, max_tokens: int | None, served: ServedModel, param: str = "max_tokens") -> None:
+    """vLLM's and OpenAI's rule: prompt + requested tokens must fit the context — and the whole KV
+    cache, which may hold fewer tokens than max_model_len: a sequence longer than the pool could
+    never run. (A prompt that alone is too long is left to the engine, whose message names the limit.)"""
+    if max_tokens is None:
+        return
+    total = prompt_len + max_tokens
+    max_model_len, pool = served.max_model_len, served.kv_cache_tokens
+    if prompt_len < max_model_len < total:
         raise BadRequestError(
-            f"this model's maximum context length is {max_model_len} tokens, but {prompt_len + max_tokens} were "
+            f"this model's maximum context length is {max_model_len} tokens, but {total} were "
             f"requested ({prompt_len} in the prompt, {max_tokens} for the completion); reduce {param} or the prompt",
+            param,
+        )
+    if prompt_len < pool < total:
+        raise BadRequestError(
+            f"{total} tokens were requested ({prompt_len} in the prompt, {max_tokens} for the completion), but the "
+            f"KV cache of model {served.name!r} holds {pool} tokens in all: the request could never run; reduce {param} "
+            "or the prompt",
             param,
         )
 
@@ -141,7 +157,9 @@ def api_error(exc: Exception, prompt_param: str, constraint_param: str | None = 
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFullError):
-        return ServiceUnavailableError(str(exc), code="queue_full")
+        return ServiceUnavailableError(str(exc), code="queue_full", headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)})
+    if isinstance(exc, RequestTimeout):
+        return RequestTimeoutError(str(exc))
     if isinstance(exc, EngineStoppedError):
         return ModelNotFoundError(str(exc))
     if isinstance(exc, EngineDeadError):
@@ -177,7 +195,7 @@ async def final_outputs(group: RequestGroup, raw: Request, prompt_param: str) ->
     try:
         async for _ in group.updates(raw.is_disconnected):
             pass
-    except (EngineDeadError, EngineStoppedError) as exc:
+    except (EngineDeadError, EngineStoppedError, RequestTimeout) as exc:
         raise api_error(exc, prompt_param) from exc
     return [group.outputs[request_id] for request_id in group.request_ids]
 

@@ -81,7 +81,7 @@ async def create_chat_completion(req: ChatCompletionRequest, served: ServedModel
     prompt = render_chat(req, served)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    check_context_length(len(prompt.token_ids), max_tokens, served.max_model_len, param)
+    check_context_length(len(prompt.token_ids), max_tokens, served, param)
     constraint, constraint_param = output_constraint(req)
     params = sampling_params(
         req, served, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,

@@ -70,7 +70,7 @@ def _in_vocab(ids: list[int], served: ServedModel) -> bool:
 async def create_completion(req: CompletionRequest, served: ServedModel, raw: Request) -> Response | CompletionResponse:
     prompts = to_prompts(req, served)
     for prompt in prompts:
-        check_context_length(len(prompt.token_ids), req.max_tokens, served.max_model_len)
+        check_context_length(len(prompt.token_ids), req.max_tokens, served)
     score_only = req.max_tokens == 0
     constraint, constraint_param = structured_outputs(req)
     params = sampling_params(

@@ -18,7 +18,9 @@ class ServerSettings:
     models: list[ModelSpec] = field(default_factory=list)  # loaded at start-up
     model_dir: str | None = None  # its sub-folders can be loaded on demand, by folder name
     api_key: str | None = None
-    max_waiting_requests: int | None = None  # per model; beyond it requests get 503
+    protect_metrics: bool = False  # /metrics needs the API key too (it names the models served)
+    max_waiting_requests: int | None = None  # per model; beyond it requests get 503 with Retry-After
+    request_timeout_s: float | None = None  # a generation not finished by then (queue time included) gets 504
     engine_args: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields, for every model
     # /health says "degraded" from these on (None: max_waiting_requests * 0.8, else max_num_seqs)
     degraded_waiting_requests: int | None = None
@@ -26,6 +28,7 @@ class ServerSettings:
     # training job service (pagedllm/jobs): None disables it (`pagedllm serve` always passes a data dir)
     data_dir: str | None = None  # job store, job logs and default checkpoint folders
     train_slots: int | None = None  # processes training jobs may use at once (None: GPUs, else CPU cores)
+    allowed_paths: list[str] = field(default_factory=list)  # besides data_dir: folders training jobs may use
 
     def __post_init__(self) -> None:
         names = [spec.name for spec in self.models]
@@ -33,6 +36,10 @@ class ServerSettings:
             raise ValueError(f"served model names must be unique, got {names}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.protect_metrics and not self.api_key:
+            raise ValueError("protect_metrics needs an api_key (--protect-metrics needs --api-key)")
         if self.train_slots is not None and self.train_slots < 1:
             raise ValueError(f"train_slots must be >= 1, got {self.train_slots}")
         if not 0 < self.degraded_kv_cache_usage <= 1:

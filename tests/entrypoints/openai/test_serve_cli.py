@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from pagedllm.entrypoints.serve import build_settings, main, register
+from pagedllm.entrypoints.serve import build_settings, exposure_warning, main, register
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -35,6 +35,8 @@ def test_flags_become_settings(model_dir):
         (["--block-size", "0"], "block_size must be a positive integer"),
         (["--dtype", "int3"], "dtype must be one of"),
         (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens must be a positive integer"),
+        (["--protect-metrics"], "--protect-metrics needs --api-key"),
+        (["--request-timeout", "0"], "request_timeout_s must be > 0"),
     ],
 )
 def test_bad_arguments_exit_2_with_the_reason(model_dir, capsys, argv, message):
@@ -42,3 +44,24 @@ def test_bad_arguments_exit_2_with_the_reason(model_dir, capsys, argv, message):
         argv = ["--model", str(model_dir("llama")), *argv]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_reliability_flags_become_settings(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDLLM_API_KEY", "from-env")
+    args = parse("--allowed-path", str(tmp_path / "a"), "--allowed-path", str(tmp_path / "b"), "--request-timeout", "30",
+                 "--protect-metrics")
+    settings = build_settings(args)
+    assert settings.allowed_paths == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert (settings.request_timeout_s, settings.protect_metrics, settings.api_key) == (30.0, True, "from-env")
+
+
+@pytest.mark.parametrize("host, key, warns", [
+    ("127.0.0.1", None, False), ("localhost", None, False), ("::1", None, False), ("127.0.0.2", None, False),
+    ("0.0.0.0", None, True), ("::", None, True), ("10.1.2.3", None, True), ("myhost.example", None, True),
+    ("0.0.0.0", "k", False),
+])
+def test_listening_beyond_loopback_without_a_key_warns(host, key, warns):
+    warning = exposure_warning(host, key)
+    assert (warning is not None) == warns
+    if warns:
+        assert host in warning and "--api-key" in warning

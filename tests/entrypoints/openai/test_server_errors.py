@@ -1,6 +1,7 @@
 """Every error is answered with its status and OpenAI's shape: 400, 401, 404, 503, never 500."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -92,6 +93,9 @@ def test_unknown_model_and_route(http, client):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
     assert_error(http.get("/v1/nothing"), 404)
     assert_error(http.put("/v1/completions"), 405)
+    # Allow names every method served at the path, not only the first route's
+    assert http.options("/v1/models/" + MAIN).headers["Allow"] == "GET, DELETE"
+    assert http.options("/v1/training/jobs").headers["Allow"] == "GET, POST"
 
 
 def test_api_key_enforced_but_health_and_metrics_open(server):
@@ -133,8 +137,10 @@ def test_queue_full_is_503_and_a_waiting_client_that_leaves_is_aborted(queue_ser
         waiter = threading.Thread(target=lambda: waiting_status.append(_post_and_leave(url, long)))
         waiter.start()
         _wait_for(lambda: srv.metric("pagedllm_num_requests_waiting", model_name="tiny-llama") == 1)
-        error = assert_error(httpx.post(url, json={"prompt": "x", "max_tokens": 1}), 503, None, "full")
+        full = httpx.post(url, json={"prompt": "x", "max_tokens": 1})
+        error = assert_error(full, 503, None, "full")
         assert error["code"] == "queue_full" and error["type"] == "server_error"
+        assert full.headers["Retry-After"] == "1"  # clients back off instead of hammering a full queue
         assert httpx.get(srv.url + "/health").json()["status"] == "degraded"
         waiter.join()
         assert waiting_status == ["left"]
@@ -160,3 +166,61 @@ def _wait_for(condition, timeout: float = 20) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.05)
+
+
+# ---- a request timeout and a KV pool smaller than the context -----------------------------------
+POOL_TOKENS = 64 * 16  # --num-kv-blocks 64 x --block-size 16, below --max-model-len 2048
+
+
+@pytest.fixture(scope="module")
+def limits_server(serve_models, tmp_path_factory):
+    args = ["--model", str(serve_models / "tiny-llama"), "--served-model-name", MAIN, "--max-model-len", "2048",
+            "--num-kv-blocks", "64", "--block-size", "16", "--request-timeout", "0.5", "--api-key", API_KEY,
+            "--protect-metrics"]
+    server = start_server(args, tmp_path_factory.mktemp("logs") / "limits.log")
+    yield server
+    server.stop()
+    log = server.log.read_text()
+    assert "Traceback" not in log, log[-6000:]
+
+
+def test_request_timeout_is_504_and_frees_the_request(limits_server):
+    srv, auth = limits_server, {"Authorization": f"Bearer {API_KEY}"}
+    long = {"model": MAIN, "prompt": "import", "max_tokens": POOL_TOKENS - 8, "ignore_eos": True}
+    started = time.monotonic()
+    error = assert_error(httpx.post(srv.base_url + "/completions", json=long, headers=auth, timeout=30), 504, None, "0.5 s")
+    assert error["code"] == "timeout" and time.monotonic() - started < 5
+    with httpx.stream("POST", srv.base_url + "/completions", json={**long, "stream": True}, headers=auth, timeout=30) as stream:
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "timeout" and "choices" in events[0]  # tokens, then the error in-stream
+    metrics = httpx.get(srv.url + "/metrics", headers=auth).text
+    assert 'pagedllm_request_success_total{finished_reason="abort",model_name="tiny"} 2.0' in metrics
+    deadline = time.monotonic() + 10
+    while 'pagedllm_kv_cache_usage_perc{model_name="tiny"} 0.0' not in httpx.get(srv.url + "/metrics", headers=auth).text:
+        assert time.monotonic() < deadline, "KV blocks not freed after the timeouts"
+        time.sleep(0.05)
+    quick = httpx.post(srv.base_url + "/completions", json={**long, "max_tokens": 4}, headers=auth, timeout=30)
+    assert quick.status_code == 200 and quick.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_request_that_can_never_fit_the_kv_pool_is_400_at_admission(limits_server):
+    srv, auth = limits_server, {"Authorization": f"Bearer {API_KEY}"}
+    url = srv.base_url + "/completions"
+    too_much = httpx.post(url, json={"model": MAIN, "prompt": "x", "max_tokens": POOL_TOKENS}, headers=auth)
+    assert_error(too_much, 400, "max_tokens", f"holds {POOL_TOKENS} tokens in all")
+    prompt = [5 + i % 300 for i in range(POOL_TOKENS)]  # under max_model_len, over the pool
+    assert_error(httpx.post(url, json={"model": MAIN, "prompt": prompt, "max_tokens": 1}, headers=auth), 400, "prompt",
+                 "more than the whole KV cache holds")
+    chat = {"model": MAIN, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": POOL_TOKENS}
+    assert_error(httpx.post(srv.base_url + "/chat/completions", json=chat, headers=auth), 400, "max_completion_tokens")
+
+
+def test_protected_metrics_need_the_key(limits_server):
+    assert_error(httpx.get(limits_server.url + "/metrics"), 401)
+    assert httpx.get(limits_server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    assert httpx.get(limits_server.url + "/health").status_code == 200
+    schema = httpx.get(limits_server.url + "/openapi.json").json()
+    assert schema["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    assert "401" in schema["paths"]["/metrics"]["get"]["responses"]
+    assert "401" not in schema["paths"]["/health"]["get"]["responses"]
+    assert "422" not in json.dumps(schema["paths"])  # validation errors are 400s, documented as such

@@ -11,11 +11,12 @@ const ACTIVE = new Set(["PENDING", "RUNNING", "CHECKPOINTING"]);
 const LOG_KEEP = 200_000; // characters of log kept on the page
 
 // The form: [section, field, label, kind, default]; kind "int" | "float" | "text" | [choices].
-// Defaults: a small model on the default model's corpus and tokenizer that trains in minutes.
+// Defaults: a small model on the standard library that trains in minutes. Paths are the server's:
+// relative ones are under its data dir, others must be under an --allowed-path (docs/jobs.md).
 const FORM = [
   ["", "job_name", "name", "text", "console-job"],
   ["data_config", "dataset_path", "dataset (file, folder, JSONL or @stdlib)", "text", "@stdlib"],
-  ["data_config", "tokenizer_path", "tokenizer (folder or tokenizer.json)", "text", "models/pagedllm-py-tiny"],
+  ["data_config", "tokenizer_path", "tokenizer (folder or tokenizer.json, on the server)", "text", ""],
   ["model_config", "architecture", "architecture", ["llama", "mistral", "qwen2", "qwen3"], "llama"],
   ["model_config", "num_layers", "layers", "int", 2],
   ["model_config", "hidden_size", "hidden size", "int", 64],
@@ -44,7 +45,8 @@ function buildForm() {
     const id = fieldId(section, field);
     const input = Array.isArray(kind)
       ? h("select", { id }, ...kind.map((c) => h("option", { value: c, selected: c === value }, c)))
-      : h("input", { id, type: kind === "text" ? "text" : "number", step: kind === "float" ? "any" : "1", value });
+      : h("input", { id, type: kind === "text" ? "text" : "number", step: kind === "float" ? "any" : "1", value,
+          placeholder: kind === "text" ? "under the data dir or an --allowed-path" : null });
     form.append(h("label", {}, h("span", {}, label), input));
   }
   form.append(h("div", { class: "row" },

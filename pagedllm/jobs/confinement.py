@@ -1,0 +1,111 @@
+"""Where a training job submitted over HTTP may read and write.
+
+The job service runs jobs with the server's own rights, so every path a caller names is taken as a
+request, not an order: it is resolved to its real path (symlinks followed, `..` folded) and must lie
+under one of the allowed roots — the server's data dir, plus the folders the operator listed with
+`pagedllm serve --allowed-path DIR`. Otherwise a caller could write checkpoints into system folders,
+or train on (and read back through the model) files nobody meant to share. Relative paths are taken
+under the data dir: the server's working directory means nothing to a remote caller. `@stdlib` (the
+interpreter's own standard library, a public corpus) stays allowed.
+
+Paths are stored resolved, so a symlink changed after submission cannot redirect the job; and they
+are checked again before each launch, against the roots of the server that launches it.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+
+from pagedllm.training.config import ConfigError
+from pagedllm.training.corpus import STDLIB_ALIAS
+
+CHECKPOINT_DIR = "checkpoint_config.checkpoint_dir"
+DATASET_PATH = "data_config.dataset_path"
+TOKENIZER_PATH = "data_config.tokenizer_path"
+CACHE_DIR = "data_config.cache_dir"
+FILE_GLOB = "data_config.file_glob"
+
+
+def real_path(path: str | Path) -> Path:
+    """`path` with `~` expanded, symlinks resolved and `..` folded (the path need not exist)."""
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+class AllowedRoots:
+    """The folders jobs may use; the first is the data dir, which relative paths are taken under."""
+
+    def __init__(self, data_dir: str | Path, extra: Iterable[str | Path] = ()) -> None:
+        self.data_dir = real_path(data_dir)
+        roots = [self.data_dir]
+        for root in extra:
+            resolved = real_path(root)
+            if resolved not in roots:
+                roots.append(resolved)
+        self.roots = tuple(roots)
+
+    def describe(self) -> str:
+        extra = ", ".join(str(r) for r in self.roots[1:])
+        return f"the data dir {self.data_dir}" + (f" and --allowed-path {extra}" if extra else " (no --allowed-path given)")
+
+    def resolve(self, field: str, value: str) -> Path:
+        """The real path `value` stands for; ConfigError naming `field` unless it is under an allowed root."""
+        if not value or "\x00" in value:
+            raise ConfigError(field, "must be a non-empty path without NUL characters")
+        path = Path(value).expanduser()
+        try:
+            resolved = real_path(path if path.is_absolute() else self.data_dir / path)
+            looped = any(part.is_symlink() for part in (resolved, *resolved.parents))  # realpath stops inside a loop
+        except (OSError, ValueError, RuntimeError) as exc:  # e.g. a name too long
+            raise ConfigError(field, f"cannot be resolved: {type(exc).__name__}: {exc.args[-1] if exc.args else ''}") from exc
+        if looped:
+            raise ConfigError(field, f"{value!r} cannot be resolved: it goes through a symlink loop")
+        if not any(resolved == root or resolved.is_relative_to(root) for root in self.roots):
+            raise ConfigError(field, f"{value!r} is outside the folders this server lets jobs use: {self.describe()} "
+                                     "(symlinks are followed; the operator can add a folder with pagedllm serve --allowed-path)")
+        return resolved
+
+    def check_unchanged(self, field: str, value: str) -> None:
+        """A stored (resolved) path still resolves to itself under an allowed root: checked before each launch."""
+        if self.resolve(field, value) != Path(value):
+            raise ConfigError(field, f"{value!r} now resolves elsewhere (a symlink changed since the job was submitted)")
+
+
+def check_file_glob(pattern: str) -> None:
+    """A dataset folder's glob must stay in the folder: relative, and without `..`."""
+    parts = PurePosixPath(pattern).parts
+    if not pattern or "\x00" in pattern or PurePosixPath(pattern).is_absolute() or ".." in parts or "\\" in pattern:
+        raise ConfigError(FILE_GLOB, f"{pattern!r} must be a non-empty relative pattern without '..' (e.g. '**/*.py')")
+
+
+def confine_data(data: dict, roots: AllowedRoots) -> dict:
+    """The data_config section with its paths resolved under the allowed roots."""
+    check_file_glob(data.get("file_glob", "**/*"))
+    updates = {"tokenizer_path": str(roots.resolve(TOKENIZER_PATH, data["tokenizer_path"]))}
+    if data["dataset_path"] != STDLIB_ALIAS:
+        updates["dataset_path"] = str(roots.resolve(DATASET_PATH, data["dataset_path"]))
+    if data.get("cache_dir"):
+        updates["cache_dir"] = str(roots.resolve(CACHE_DIR, data["cache_dir"]))
+    return {**data, **updates}
+
+
+def confine_checkpoint_dir(value: str, roots: AllowedRoots) -> Path:
+    """checkpoint_dir resolved under the allowed roots, and never a folder holding the service's own files."""
+    resolved = roots.resolve(CHECKPOINT_DIR, value)
+    if roots.data_dir.is_relative_to(resolved) or resolved == roots.data_dir / "jobs":
+        raise ConfigError(CHECKPOINT_DIR, f"{value!r} would hold the job service's own files ({roots.data_dir}); "
+                                          "name a folder of its own")
+    return resolved
+
+
+def check_confined(config: dict, roots: AllowedRoots) -> None:
+    """Before a launch: every stored path of the job still lies, unchanged, under this server's roots."""
+    data = config["data_config"]
+    check_file_glob(data.get("file_glob", "**/*"))
+    fields = [(CHECKPOINT_DIR, config["checkpoint_config"]["checkpoint_dir"]), (TOKENIZER_PATH, data["tokenizer_path"])]
+    if data["dataset_path"] != STDLIB_ALIAS:
+        fields.append((DATASET_PATH, data["dataset_path"]))
+    if data.get("cache_dir"):
+        fields.append((CACHE_DIR, data["cache_dir"]))
+    for field, value in fields:
+        roots.check_unchanged(field, value)
