@@ -3,6 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The browser the console's tests drive (Playwright's own download needs a CDN these machines
+# cannot reach; Debian's package comes from the registry). Installed once, system-wide.
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: run generate test soak bench clean
 
@@ -19,8 +23,12 @@ run: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/pagedllm generate --prompt "def fibonacci(n):" --max-tokens 64
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest -q tests
+
+$(CHROMIUM):
+	$(SUDO) apt-get update -q
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 
 # Not in `make test`: schemathesis at 100 examples per operation (> 2,000 cases), five 200-client disconnect
 # storms, the training faults. Figures land in soak-results/*.json; docs/reliability.md quotes the last run.

@@ -6,11 +6,13 @@ request the job's state does not allow 409, a service without its data dir 503.
 """
 from __future__ import annotations
 
+import json
+import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fastapi import APIRouter, Body, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from pagedllm.entrypoints.openai.errors import BadRequestError, ConflictError, NotFoundError, ServiceUnavailableError
@@ -56,9 +58,34 @@ def api_errors() -> Iterator[None]:
         raise ServiceUnavailableError(str(exc)) from exc
 
 
-@jobs_router.post("/v1/training/jobs", response_model=JobCreated)
-async def submit_job(request: Request, body: dict[str, Any] = Body(
-        description="seed 000's TrainingJob without job_id and status (the schema of `pagedllm train --config`)")) -> JobCreated:
+TOML_TYPES = ("application/toml", "text/x-toml", "text/toml")
+JOB_BODY = {"requestBody": {"required": True, "description": (
+    "a TrainingJob without job_id and status (the schema of `pagedllm train --config`), as JSON, "
+    "or as the TOML of a job file with Content-Type: application/toml"), "content": {
+        "application/json": {"schema": {"type": "object"}},
+        "application/toml": {"schema": {"type": "string"}},
+    }}}
+
+
+async def job_request_body(request: Request) -> dict[str, Any]:
+    """The submitted job as a dict: TOML when the content type says so (a job file pasted or
+    posted as it is, read by the same parser as `pagedllm train --config job.toml`), else JSON."""
+    raw = await request.body()
+    content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    language = "TOML" if content_type in TOML_TYPES else "JSON"
+    try:
+        text = raw.decode("utf-8")
+        body = tomllib.loads(text) if language == "TOML" else json.loads(text)
+    except (UnicodeDecodeError, ValueError) as exc:  # TOMLDecodeError and JSONDecodeError are ValueErrors
+        raise BadRequestError(f"the request body is not valid {language}: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequestError(f"the request body must be a {'TOML table' if language == 'TOML' else 'JSON object'}")
+    return body
+
+
+@jobs_router.post("/v1/training/jobs", response_model=JobCreated, openapi_extra=JOB_BODY)
+async def submit_job(request: Request) -> JobCreated:
+    body = await job_request_body(request)
     with api_errors():
         job = service(request).submit(body)
     return JobCreated(job_id=job.job_id, status=job.status)

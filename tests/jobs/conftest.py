@@ -6,7 +6,7 @@ import pytest
 
 from training.conftest import tiny_paths  # noqa: F401  (the training tests' stdlib corpus and tokenizer)
 
-from .helpers import JobServer, kill_leftovers
+from .helpers import JobServer, no_job_processes_left
 
 
 def serving(tmp_path_factory, name: str, slots: int = 2):
@@ -14,14 +14,8 @@ def serving(tmp_path_factory, name: str, slots: int = 2):
     root = tmp_path_factory.mktemp(name)
     # the tests' corpora, tokenizers and checkpoint folders live under pytest's base temp folder
     server = JobServer(root / "data", slots, root, allowed=(tmp_path_factory.getbasetemp(),))
-    try:
+    with no_job_processes_left(server.data_dir, server.stop):
         yield server.start()
-    finally:
-        try:
-            server.stop()
-        finally:
-            leftovers = kill_leftovers(server.data_dir)
-        assert not leftovers, f"job processes left behind: {leftovers}"
 
 
 @pytest.fixture(scope="session")

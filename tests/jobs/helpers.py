@@ -2,9 +2,12 @@
 waiting on job states, and finding a job's processes by pid or by the launcher's environment tag."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -26,6 +29,16 @@ def job_body(paths: dict, ranks: int = 2, steps: int = 100, **sections) -> dict:
     if "checkpoint_dir" not in sections.get("checkpoint_config", {}):
         del body["checkpoint_config"]["checkpoint_dir"]
     return body
+
+
+def to_toml(body: dict) -> str:
+    """A job body as a TOML job file: top-level values, then one table per section. Enough for job
+    bodies (strings, numbers, booleans, lists of them; None values left out); JSON's scalar syntax is
+    TOML's for these."""
+    top = [f"{key} = {json.dumps(value)}" for key, value in body.items() if not isinstance(value, dict) and value is not None]
+    tables = [f"\n[{key}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in value.items() if v is not None)
+              for key, value in body.items() if isinstance(value, dict)]
+    return "\n".join(top) + "\n" + "".join(tables)
 
 
 class JobServer:
@@ -130,6 +143,19 @@ def tagged(key: str, value: str) -> list[psutil.Process]:
 
 def job_processes(job_id: str) -> list[psutil.Process]:
     return tagged(JOB_ID_ENV, job_id)
+
+
+@contextmanager
+def no_job_processes_left(data_dir: Path, stop: Callable[[], None]) -> Iterator[None]:
+    """At exit: `stop()` the server, SIGKILL any process of its jobs, and fail if there was one."""
+    try:
+        yield
+    finally:
+        try:
+            stop()
+        finally:
+            leftovers = kill_leftovers(data_dir)
+        assert not leftovers, f"job processes left behind: {leftovers}"
 
 
 def kill_leftovers(data_dir: Path) -> list[int]:

@@ -4,12 +4,13 @@ key 401; and a server without --model serves the training routes."""
 from __future__ import annotations
 
 import json
+import tomllib
 import uuid
 
 import httpx
 import pytest
 
-from .helpers import assert_error, job_body
+from .helpers import assert_error, job_body, to_toml
 
 
 def nested(body: dict, path: str, value) -> dict:
@@ -56,6 +57,23 @@ def test_bodies_that_are_not_a_job(server):
     assert_error(http.post("/v1/training/jobs", json={}), 400, "data_config")
     assert_error(http.get("/v1/training/jobs", params={"status": "SLEEPING"}), 400)
     assert_error(http.post(f"/v1/training/jobs/{uuid.uuid4()}/resume", json={"checkpoint": "x"}), 400)
+
+
+def test_toml_bodies(server, tiny_paths):
+    """A job file posted as TOML goes through the same checks as JSON (the field is named)."""
+    toml = {"Content-Type": "application/toml"}
+    http = server.client
+    before = len(http.get("/v1/training/jobs").json()["data"])
+    body = to_toml(nested(job_body(tiny_paths), "model_config.num_layers", 0))
+    assert tomllib.loads(body)["model_config"]["num_layers"] == 0
+    error = assert_error(http.post("/v1/training/jobs", content=body, headers=toml), 400, "model_config.num_layers")
+    assert error["code"] == "invalid_config"
+    assert_error(http.post("/v1/training/jobs", content=b"[model_config\nnum_layers = 2", headers=toml), 400,
+                 contains="not valid TOML")
+    assert_error(http.post("/v1/training/jobs", content=b"\xff\xfe", headers=toml), 400, contains="not valid TOML")
+    assert_error(http.post("/v1/training/jobs", content=to_toml(job_body(tiny_paths)),
+                           headers={"Content-Type": "application/json"}), 400, contains="not valid JSON")
+    assert len(http.get("/v1/training/jobs").json()["data"]) == before
 
 
 @pytest.mark.parametrize("method, suffix", [

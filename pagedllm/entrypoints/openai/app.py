@@ -3,7 +3,8 @@
 `create_app(settings)` assembles components, each = an APIRouter plus (optionally) a *service*
 with `async start()` / `async stop()` run by the app's lifespan (started in order before the
 first request, stopped in reverse at shutdown). Today: the model registry (OpenAI routes, model
-management, tokenization) and the ops routes (/health, /metrics). To add a component — e.g. the
+management, tokenization), the ops routes (/health, /metrics), the training job service and the web
+console (the page at `/`, which has no service of its own). To add a component — e.g. the
 training job service — build its service from `settings`, append it to `services`, include its
 router, and put its state on `app.state`. Errors, the API key and OpenAPI apply to it unchanged.
 """
@@ -15,6 +16,7 @@ from typing import AsyncIterator, Protocol
 
 from fastapi import FastAPI
 
+from pagedllm.console.routes import ASSET_PREFIXES, PAGE_PATHS, install_console
 from pagedllm.entrypoints.openai.auth import OPEN_PATHS, APIKeyMiddleware
 from pagedllm.entrypoints.openai.errors import install_error_handlers
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
@@ -61,11 +63,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.jobs = jobs
     app.state.services = services
     install_error_handlers(app)
-    open_paths = OPEN_PATHS - {"/metrics"} if settings.protect_metrics else OPEN_PATHS
+    open_paths = (OPEN_PATHS - {"/metrics"} if settings.protect_metrics else OPEN_PATHS) | PAGE_PATHS
     if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths,
+                           open_prefixes=ASSET_PREFIXES)
     install_openapi(app, protected=bool(settings.api_key), open_paths=open_paths)
     app.include_router(inference_router)
     app.include_router(ops_router)
     app.include_router(jobs_router)
+    install_console(app)
     return app

@@ -102,6 +102,20 @@ class ServerMetrics:
     def observer(self, model_name: str) -> "RequestObserver":
         return RequestObserver(self, model_name)
 
+    def latency_totals(self, model_name: str) -> dict[str, dict[str, float]]:
+        """Sum and count of each latency histogram of one model, e.g. {"ttft": {"sum", "count"}}:
+        a client polling them gets the mean latency of any interval from two readings."""
+        histograms = {"ttft": self.ttft, "itl": self.itl, "e2e": self.e2e, "queue": self.queue}
+        totals = {}
+        for key, histogram in histograms.items():
+            found = {"sum": 0.0, "count": 0.0}
+            for family in histogram.collect():
+                for sample in family.samples:
+                    if sample.labels.get(LABEL) == model_name and sample.name.endswith(("_sum", "_count")):
+                        found[sample.name.rpartition("_")[2]] = sample.value
+            totals[key] = found
+        return totals
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -53,6 +53,16 @@ class ServedModel:
         return ModelCard(id=self.name, created=self.created, max_model_len=self.max_model_len)
 
 
+@dataclass(frozen=True)
+class CatalogEntry:
+    """A model a client can name, and where it stands: ready, loading, failed or available (loadable)."""
+
+    name: str
+    status: str
+    max_model_len: int | None = None
+    error: str | None = None
+
+
 class ModelRegistry:
     def __init__(self, settings: ServerSettings, metrics: ServerMetrics):
         self.settings = settings
@@ -105,6 +115,23 @@ class ModelRegistry:
         if name in self._failed:
             return ModelCard(id=name, created=int(time.time()), status="failed", error=self._failed[name])
         return self.get(name).card()  # raises the right 404
+
+    def catalog(self) -> list[CatalogEntry]:
+        """Every model loaded, loading, failed or loadable (start-up models and --model-dir folders),
+        by name; what the web console lists with load/unload buttons."""
+        names = set(self._startup_paths) | set(self._ready) | set(self._loading) | set(self._failed)
+        if self.settings.model_dir and Path(self.settings.model_dir).is_dir():
+            names |= {d.name for d in Path(self.settings.model_dir).iterdir() if (d / "config.json").is_file()}
+        return [self._entry(name) for name in sorted(names)]
+
+    def _entry(self, name: str) -> CatalogEntry:
+        if name in self._ready:
+            return CatalogEntry(name, "ready", self._ready[name].max_model_len)
+        if name in self._loading:
+            return CatalogEntry(name, "loading")
+        if name in self._failed:
+            return CatalogEntry(name, "failed", error=self._failed[name])
+        return CatalogEntry(name, "available")
 
     def path_for(self, name: str) -> str | None:
         """Where `name` loads from: a start-up model, or a model folder directly in model_dir."""
