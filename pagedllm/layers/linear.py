@@ -10,12 +10,21 @@ batch 64 and 1.3x at batch 2048 (prefill).
 It is also *batch-invariant*: a row's result is bitwise the same whatever else is in the batch
 (F.linear's is not), which is what makes "same seed, same tokens, whatever shares the batch"
 hold by construction. Results differ from MKL's in the last bits (~1e-6).
+
+For decode steps of a few rows the weights are also packed for the small-M kernel
+(layers/small_matmul.py), which the fused decode step reads; with `quantization="int8"` that copy
+is int8 with per-channel scales, and the module's own weight becomes its dequantized values, so
+the PyTorch path (prefills, large batches, the reference) computes with exactly the weights the
+int8 kernel uses.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.layers.quantization import dequantize_int8, quantize_int8
+from pagedllm.layers.small_matmul import PackedWeight, pack, pack_swiglu
 
 # Batch size oneDNN optimises the weight layout for. From 16 up, results are batch-invariant
 # and speed is flat across hints; 64 is a typical decode batch.
@@ -36,6 +45,24 @@ class Linear(nn.Linear):
     """nn.Linear that, once packed, runs through oneDNN with its pre-reordered weight."""
 
     packed_weight: torch.Tensor | None = None
+    small: PackedWeight | None = None  # panels for the small-M kernel (the fused decode step)
+    weight_scale: torch.Tensor | None = None  # int8: per-channel scales; the weight holds q * scale
+    _int8: torch.Tensor | None = None  # int8: q, until packed into panels
+
+    def quantize(self, method: str) -> None:
+        """Weight-only quantization (layers/quantization.py). The weight is replaced by a new
+        tensor of its dequantized values, which unties a tied LM head from the embedding: the
+        embedding lookup keeps the checkpoint's values, as llama.cpp and vLLM keep embeddings."""
+        if method != "int8":
+            raise ValueError(f"quantization must be 'int8', got {method!r}")
+        self._int8, self.weight_scale = quantize_int8(self.weight)
+        self.weight = nn.Parameter(dequantize_int8(self._int8, self.weight_scale).to(self.weight.dtype), requires_grad=False)
+
+    def pack_small(self, width: int) -> None:
+        """Pack the weight (int8 if quantized) into panels `width` channels wide."""
+        weight = self._int8 if self._int8 is not None else self.weight
+        self.small = pack(weight, width, self.bias, self.weight_scale)
+        self._int8 = None
 
     def pack(self, keep_dense: bool) -> None:
         """Reorder the weight for oneDNN. The dense copy is dropped unless something else shares
@@ -59,6 +86,12 @@ class GateUpLinear(Linear):
 
     gate_packed: torch.Tensor | None = None
     up_packed: torch.Tensor | None = None
+
+    def pack_small(self, width: int) -> None:
+        """Gate and up panels alternate, so the kernel finishes silu(gate) * up per panel pair."""
+        weight = self._int8 if self._int8 is not None else self.weight
+        self.small = pack_swiglu(weight, width, self.bias, self.weight_scale)
+        self._int8 = None
 
     def pack(self, keep_dense: bool) -> None:
         gate, up = self.weight.detach().chunk(2)

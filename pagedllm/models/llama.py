@@ -95,6 +95,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int, dtype: torch.dtype):
         super().__init__()
         self.config = cfg
+        self.fused = None  # the fused decode step (models/fused_decode.py), once attached
         self.model = DecoderModel(cfg, max_position, dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -107,12 +108,23 @@ class CausalLM(nn.Module):
             return [cfg.num_heads * cfg.head_dim, kv, kv]
         return [cfg.intermediate_size, cfg.intermediate_size]
 
+    def linears(self) -> list[Linear]:
+        return [module for module in self.modules() if isinstance(module, Linear)]
+
+    def quantize(self, method: str) -> None:
+        for linear in self.linears():
+            linear.quantize(method)
+
+    def pack_small_matmuls(self, width: int) -> None:
+        """Pack every projection and the LM head for the small-M kernel (layers/small_matmul.py)."""
+        for linear in self.linears():
+            linear.pack_small(width)
+
     def pack_linears(self) -> None:
         """Reorder every projection's weight for oneDNN (see layers/linear.py); the lm_head keeps
         its dense weight when it is the (tied) embedding table."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack(keep_dense=module is self.lm_head and self.config.tie_word_embeddings)
+        for module in self.linears():
+            module.pack(keep_dense=module.weight is self.model.embed_tokens.weight)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -122,3 +134,12 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def step_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                    logit_rows: torch.Tensor) -> torch.Tensor:
+        """The logits of a step's sampled rows: one fused C call for a small all-decode step
+        when the fused decode step is attached, else the modules (the reference)."""
+        if self.fused is not None and self.fused.accepts(meta, input_ids.shape[0]):
+            return self.fused(input_ids, positions, meta, logit_rows)
+        hidden = self(input_ids, positions, meta)
+        return self.compute_logits(hidden.index_select(0, logit_rows))

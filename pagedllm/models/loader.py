@@ -39,7 +39,11 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None, panel_width: int | None = None) -> CausalLM:
+    """`quantization`: "int8" quantizes every projection and the LM head at load
+    (layers/quantization.py). `panel_width`: also pack them for the small-M kernel whose panels
+    are that wide (the fused decode step); before oneDNN's packing drops the dense weights."""
     with torch.device("meta"):
         model = CausalLM(cfg, max_position, dtype)
     model.to_empty(device=device)
@@ -51,6 +55,10 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     _load_weights(model, Path(cfg.path))
+    if quantization is not None:
+        model.quantize(quantization)
+    if panel_width is not None:
+        model.pack_small_matmuls(panel_width)
     if packing_available(device, dtype):
         model.pack_linears()
     return model.eval()

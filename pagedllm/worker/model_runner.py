@@ -14,8 +14,10 @@ import torch
 
 from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
 from pagedllm.engine.scheduler_output import SampleRow, SchedulerOutput
+from pagedllm.layers import kernels
 from pagedllm.layers.paged_decode import kernel_supported, load
 from pagedllm.layers.sampler import Sampler
+from pagedllm.models.fused_decode import FusedDecoder
 from pagedllm.models.loader import load_model
 from pagedllm.spec_decode.rejection import rejection_sample
 from pagedllm.spec_decode.speculator import Speculator
@@ -38,7 +40,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model = load_model(model_config, max_model_len, self.dtype, self.device)
+        fused_library = self._fused_decode_library()
+        self.model = load_model(model_config, max_model_len, self.dtype, self.device, config.quantization,
+                                fused_library.panel_width() if fused_library is not None else None)
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(config.speculative_config, model_config, max_model_len, self.block_size, self.dtype, self.device)
@@ -49,10 +53,35 @@ class ModelRunner:
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
         self.sampler = Sampler(config.seed, self.device)
         self.kernel_decode = self._choose_decode_backend()
+        if fused_library is not None and self.kernel_decode:
+            self.model.fused = FusedDecoder(self.model, fused_library)
+        elif fused_library is not None:  # the attention kernel is off: the fused step cannot run
+            if config.decode_backend == "fused":
+                raise RuntimeError("decode_backend='fused' needs the C decode attention kernel, which is not in use")
+            for linear in self.model.linears():
+                linear.small = None
         if self.speculator is not None:
             self.speculator.allocate(self.num_blocks, self.num_cpu_blocks, self.kernel_decode)
         self.target_time_s = 0.0  # in execute() before proposing
         self.generators: dict[int, torch.Generator] = {}  # seq id -> a seeded sequence's own generator
+
+    def _fused_decode_library(self):
+        """The kernel library when the fused decode step can run (auto), else None; with
+        decode_backend='fused' a reason it cannot is an error."""
+        backend = self.config.decode_backend
+        if backend == "torch":
+            return None
+        reasons = []
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            reasons.append("it runs on CPUs in float32")
+        if self.model_config.head_dim % 8 or self.config.attention_backend == "sdpa":
+            reasons.append("it attends with the C decode kernel (attention_backend auto or kernel, head_dim a multiple of 8)")
+        library = kernels.load() if not reasons else None
+        if not reasons and library is None:
+            reasons.append("the CPU kernels could not be built (see the log)")
+        if reasons and backend == "fused":
+            raise ValueError("decode_backend='fused' cannot be used: " + "; ".join(reasons))
+        return library
 
     def _choose_decode_backend(self) -> bool:
         """The C decode kernel for fp32 on CPU when it builds (auto), else SDPA."""
@@ -117,8 +146,7 @@ class ModelRunner:
         views = staging.to(self.device)
         self._apply_block_maps(sched, views)
         meta = attention_metadata(layout, views, self.kernel_decode, self.block_size, self.windows, self.dtype)
-        hidden = self.model(views["input_ids"], views["positions"], meta)
-        logits = self.model.compute_logits(hidden.index_select(0, views["logit_rows"]))
+        logits = self.model.step_logits(views["input_ids"], views["positions"], meta, views["logit_rows"])
         groups = []
         if plain:
             plain_meta = sampling_metadata(plain_plan, views, lambda r: self._generator(plain[r]))
