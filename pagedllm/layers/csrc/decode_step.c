@@ -6,26 +6,32 @@
  * run as PyTorch ops a layer is ~15 dispatches, each paying the dispatcher's own cache misses
  * after a matmul has streamed its weights through the caches, and the matmuls themselves stop
  * short of the memory's speed. Here the threads enter one OpenMP parallel region for the whole
- * step and meet at a barrier only where the next stage needs all of the last one's outputs
- * (five times a layer). Between barriers each thread streams its own contiguous share of a
- * packed weight (small_matmul.c) and applies the epilogue — bias, residual add, SiLU x up —
- * while the outputs are in registers.
+ * step. A step is a fixed sequence of stages, each a set of chunks (a few panels of a packed
+ * weight, or one (row, KV head) of attention); a thread claims a stage's chunks one at a time
+ * from an atomic counter, streams its chunk's weights (small_matmul.c) and applies the epilogue
+ * — bias, residual add, SiLU x up — while the outputs are in registers, and moves to the next
+ * stage once every chunk of this one is done. Why not OpenMP barriers: on a machine whose cores
+ * are shared (a co-runner, or both threads put on one core) a barrier waits for every thread
+ * to *arrive*, so each of a step's ~180 barriers waited for a descheduled thread's next time
+ * slice, and libgomp's waiters spin before sleeping: a single-stream step went from 14 ms to
+ * 330 ms. Here a descheduled thread that holds no chunk blocks nobody (the other does the rest
+ * of the stage), and waiters yield the core after a short spin.
  *
- * A layer, for rows r and threads t:
- *   h_t   = rmsnorm(x) * w_in          (each thread its own copy: cheaper than a barrier)
- *   qkv   = h_t W_qkv^T (+ b)          (panels split over threads)                  | barrier
- *   per (row, KV head): q/k RMSNorm (Qwen3), rotary, K/V written to the row's slot  | barrier
- *   per (row, KV head): paged attention over the row's context (paged_decode.c)    | barrier
- *   x    += attn W_o^T (+ b)                                                        | barrier
- *   h_t   = rmsnorm(x) * w_post
- *   act   = silu(h_t W_gate^T) * (h_t W_up^T)                                       | barrier
- *   x    += act W_down^T (+ b)                                                      | barrier
+ * A layer's stages, for rows r (each thread first computes its own copy of a norm it needs):
+ *   qkv   = rmsnorm(x) W_qkv^T (+ b)                         chunks of panels
+ *   per (row, KV head): q/k RMSNorm (Qwen3), rotary, K/V written to the row's slot
+ *   per (row, KV head): paged attention over the row's context (paged_decode.c)
+ *   x    += attn W_o^T (+ b)                                  chunks of panels
+ *   act   = silu(h W_gate^T) * (h W_up^T), h = rmsnorm(x)    chunks of gate/up panel pairs
+ *   x    += act W_down^T (+ b)                                chunks of panels
  * then rmsnorm of the sampled rows and their logits over the (tied or not) LM head's panels.
  *
  * The arithmetic is that of the PyTorch modules (models/llama.py) in fp32, in a different order
  * of summation; results are tested against them.
  */
 #include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -101,38 +107,82 @@ typedef struct {
     int64_t qkv_ld, norm_ld;
 } Scratch;
 
+/* One stage's chunk counters, on their own cache line. */
+typedef struct {
+    _Atomic int64_t claimed, done;
+    char pad[64 - 2 * sizeof(int64_t)];
+} Stage;
+
+enum { STAGES_PER_LAYER = 6 };
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static inline int64_t claim(Stage *stage) { return atomic_fetch_add_explicit(&stage->claimed, 1, memory_order_relaxed); }
+
+static inline void finish(Stage *stage) { atomic_fetch_add_explicit(&stage->done, 1, memory_order_release); }
+
+/* Until all n chunks of the stage are done: a short spin, then yield the core (the thread we
+ * wait for may be waiting for it). */
+static void await(Stage *stage, int64_t n) {
+    for (int spins = 0; atomic_load_explicit(&stage->done, memory_order_acquire) < n; spins++) {
+        if (spins < 2000)
+            cpu_relax();
+        else
+            sched_yield();
+    }
+}
+
+/* Chunks of a matrix's panels: ~8 per thread, so a slow thread holds back little. */
+static inline int64_t chunk_panels(int64_t panels, int nt) {
+    const int64_t per = panels / (8 * nt);
+    return per > 0 ? per : 1;
+}
+
+static void matmul_stage(Stage *stage, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int mode,
+                         int nt) {
+    const int64_t per = chunk_panels(w->num_panels, nt), n = (w->num_panels + per - 1) / per;
+    for (int64_t c; (c = claim(stage)) < n; finish(stage)) {
+        const int64_t hi = (c + 1) * per < w->num_panels ? (c + 1) * per : w->num_panels;
+        matmul_panels(w, x, m, ldx, y, ldy, c * per, hi, mode);
+    }
+    await(stage, n);
+}
+
+static void swiglu_stage(Stage *stage, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact,
+                         int nt) {
+    const int64_t pairs = w->num_panels / 2, per = chunk_panels(pairs, nt), n = (pairs + per - 1) / per;
+    for (int64_t c; (c = claim(stage)) < n; finish(stage))
+        swiglu_panels(w, x, m, ldx, act, ldact, c * per, (c + 1) * per < pairs ? (c + 1) * per : pairs);
+    await(stage, n);
+}
+
 /* One layer, run by every thread of the region; returns nonzero if attention ran out of memory. */
-static int layer_step(const Model *md, const Layer *ly, const Step *st, const Scratch *sc, int t, int nt) {
+static int layer_step(const Model *md, const Layer *ly, const Step *st, const Scratch *sc, Stage *stages, int t, int nt) {
     const int64_t R = st->rows, H = md->hidden, D = md->head_dim, Hkv = md->num_kv_heads;
     const int64_t q_width = md->num_heads * D;
     const Shape shape = {md->block_size, Hkv, md->num_heads / Hkv, D};
     float *norm = sc->norm + t * sc->norm_ld;
-    int64_t lo, hi;
     int failed = 0;
 
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->input_norm, H, md->eps, norm + r * H);
-    thread_share(ly->qkv.num_panels, t, nt, &lo, &hi);
-    matmul_panels(&ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, lo, hi, STORE);
-#pragma omp barrier
-    thread_share(R * Hkv, t, nt, &lo, &hi);
-    for (int64_t i = lo; i < hi; i++) prepare_head(md, ly, st, sc->qkv, sc->qkv_ld, i / Hkv, i % Hkv);
-#pragma omp barrier
-    for (int64_t i = lo; i < hi; i++) {
+    matmul_stage(&stages[0], &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, nt);
+    for (int64_t i; (i = claim(&stages[1])) < R * Hkv; finish(&stages[1]))
+        prepare_head(md, ly, st, sc->qkv, sc->qkv_ld, i / Hkv, i % Hkv);
+    await(&stages[1], R * Hkv);
+    for (int64_t i; (i = claim(&stages[2])) < R * Hkv; finish(&stages[2])) {
         const int64_t r = i / Hkv, h = i % Hkv;
         failed |= attend_sequence(sc->qkv + r * sc->qkv_ld, ly->k_cache, ly->v_cache, st->block_tables + r * st->max_blocks,
                                   st->ctx_lens[r], ly->window, md->attn_scale, shape, h, h + 1, sc->attn + r * q_width);
     }
-#pragma omp barrier
-    thread_share(ly->o.num_panels, t, nt, &lo, &hi);
-    matmul_panels(&ly->o, sc->attn, R, q_width, sc->x, H, lo, hi, ACCUMULATE);
-#pragma omp barrier
+    await(&stages[2], R * Hkv);
+    matmul_stage(&stages[3], &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, nt);
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->post_norm, H, md->eps, norm + r * H);
-    thread_share(ly->gate_up.num_panels / 2, t, nt, &lo, &hi);
-    swiglu_panels(&ly->gate_up, norm, R, H, sc->act, md->intermediate, lo, hi);
-#pragma omp barrier
-    thread_share(ly->down.num_panels, t, nt, &lo, &hi);
-    matmul_panels(&ly->down, sc->act, R, md->intermediate, sc->x, H, lo, hi, ACCUMULATE);
-#pragma omp barrier
+    swiglu_stage(&stages[4], &ly->gate_up, norm, R, H, sc->act, md->intermediate, nt);
+    matmul_stage(&stages[5], &ly->down, sc->act, R, md->intermediate, sc->x, H, ACCUMULATE, nt);
     return failed;
 }
 
@@ -144,7 +194,12 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     sc.norm_ld = R * H;
     const int64_t floats = R * H + num_threads * sc.norm_ld + R * sc.qkv_ld + R * md->num_heads * D + R * md->intermediate;
     float *scratch = malloc(sizeof(float) * floats);
-    if (scratch == NULL) return 1;
+    Stage *stages = calloc(md->num_layers * STAGES_PER_LAYER + 1, sizeof(Stage));
+    if (scratch == NULL || stages == NULL) {
+        free(scratch);
+        free(stages);
+        return 1;
+    }
     sc.x = scratch;
     sc.norm = sc.x + R * H;
     sc.qkv = sc.norm + num_threads * sc.norm_ld;
@@ -156,13 +211,14 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (int64_t l = 0; l < md->num_layers; l++) failed |= layer_step(md, &md->layers[l], st, &sc, t, nt);
+        for (int64_t l = 0; l < md->num_layers; l++)
+            failed |= layer_step(md, &md->layers[l], st, &sc, stages + l * STAGES_PER_LAYER, t, nt);
         float *norm = sc.norm + t * sc.norm_ld;
         for (int64_t i = 0; i < st->num_logits; i++) rmsnorm(sc.x + st->logit_rows[i] * H, md->final_norm, H, md->eps, norm + i * H);
-        int64_t lo, hi;
-        thread_share(md->lm_head->num_panels, t, nt, &lo, &hi);
-        matmul_panels(md->lm_head, norm, st->num_logits, H, st->logits, md->vocab, lo, hi, STORE);
+        matmul_stage(&stages[md->num_layers * STAGES_PER_LAYER], md->lm_head, norm, st->num_logits, H, st->logits, md->vocab,
+                     STORE, nt);
     }
+    free(stages);
     free(scratch);
     return failed;
 }
