@@ -9,7 +9,9 @@ batch 64 and 1.3x at batch 2048 (prefill).
 
 It is also *batch-invariant*: a row's result is bitwise the same whatever else is in the batch
 (F.linear's is not), which is what makes "same seed, same tokens, whatever shares the batch"
-hold by construction. Results differ from MKL's in the last bits (~1e-6).
+hold by construction. Results differ from MKL's in the last bits (~1e-6). (Steps of at most 16
+decode rows run the fused decode step instead, itself batch-invariant; the two differ in the
+last bits, docs/engine.md.)
 
 For decode steps of a few rows the weights are also packed for the small-M kernel
 (layers/small_matmul.py), which the fused decode step reads; with `quantization="int8"` that copy

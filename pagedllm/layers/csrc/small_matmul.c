@@ -36,8 +36,14 @@ const char *kernel_isa(void) {
 
 int64_t panel_width(void) { return VW; }
 
-/* Software prefetch distance, in k steps of one panel (VW floats or VW bytes each). */
+/* Software prefetch distance, in k steps of one panel (VW floats or VW bytes each), and the
+ * locality hint. */
+#ifndef PREFETCH_K
 #define PREFETCH_K 16
+#endif
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 0
+#endif
 
 /* out[r] = sum over k of W_panel[k] * x[r][k], rows r < mb; mb is a constant after inlining. */
 static inline __attribute__((always_inline)) void dot_f32(const float *w, const float *x, int64_t ldx, int64_t K, const int mb,
@@ -47,7 +53,7 @@ static inline __attribute__((always_inline)) void dot_f32(const float *w, const 
     for (int r = 0; r < mb; r++) even[r] = odd[r] = (vf){0};
     int64_t k = 0;
     for (; k + 1 < K; k += 2) {
-        __builtin_prefetch(w + (k + PREFETCH_K) * VW, 0, 0);
+        if (PREFETCH_K > 0) __builtin_prefetch(w + (k + PREFETCH_K) * VW, 0, PREFETCH_LOCALITY);
         const vf w0 = loadv(w + k * VW), w1 = loadv(w + (k + 1) * VW);
 #pragma GCC unroll 8
         for (int r = 0; r < mb; r++) {
@@ -71,7 +77,7 @@ static inline __attribute__((always_inline)) void dot_i8(const int8_t *w, const 
     for (int r = 0; r < mb; r++) even[r] = odd[r] = (vf){0};
     int64_t k = 0;
     for (; k + 1 < K; k += 2) {
-        __builtin_prefetch(w + (k + 4 * PREFETCH_K) * VW, 0, 0);
+        if (PREFETCH_K > 0) __builtin_prefetch(w + (k + 4 * PREFETCH_K) * VW, 0, PREFETCH_LOCALITY);
         const vf w0 = loadv_i8(w + k * VW), w1 = loadv_i8(w + (k + 1) * VW);
 #pragma GCC unroll 8
         for (int r = 0; r < mb; r++) {
