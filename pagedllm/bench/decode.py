@@ -7,6 +7,10 @@ threads), the bytes of weights the engine reads per step (fp32 or int8 with its 
 decode tok/s on a random model with SmolLM2-135M's shape: a 128-token prompt, 128 greedy tokens,
 the rate taken from the first to the last token (so prefill is not counted). transformers'
 `generate` runs the same requests in the same process as the baseline.
+
+A batch of B rows also does 2 x B x (weights' elements) FLOPs a step, which at batch 8 on a
+2-core CPU takes about as long as reading the weights; so each batch's limit is the lower of
+the bandwidth limit and the fp32 matmul peak (measured in the same run) over that work.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.bench.offline import SMOLLM2_135M, build_model
+from pagedllm.bench.peak import measure_matmul_peak
 from pagedllm.layers import kernels
 
 
@@ -49,6 +54,10 @@ class Rate:
 def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(batch)]
+
+
+def weight_elements(llm) -> int:
+    return sum(linear.in_features * linear.out_features for linear in llm.llm_engine.runner.model.linears())
 
 
 def weight_bytes_per_step(llm) -> int:
@@ -127,12 +136,12 @@ def run(args: argparse.Namespace) -> int:
     library = kernels.load()
     print(f"model: random SmolLM2-135M shape; prompt {args.prompt_len} tokens, {args.new_tokens} greedy tokens; "
           f"{torch.get_num_threads()} threads; kernels: {kernels.isa(library) if library else 'none (no compiler)'}")
-    bandwidth = read_bandwidth()
+    bandwidth, peak = read_bandwidth(), measure_matmul_peak()
     engine_args = {"decode_backend": args.decode_backend, "max_num_seqs": max(batches)}
     if args.quantization:
         engine_args["quantization"] = args.quantization
     llm = LLM(str(folder), **engine_args)
-    weights = weight_bytes_per_step(llm)
+    weights, elements = weight_bytes_per_step(llm), weight_elements(llm)
     run_pagedllm(llm, 1, args.prompt_len, 8, args.seed)  # warm-up
     name = f"pagedllm ({args.quantization or 'fp32'}, {args.decode_backend})"
     ours = _measure(name, lambda b: run_pagedllm(llm, b, args.prompt_len, args.new_tokens, args.seed), batches, args.repeats)
@@ -146,12 +155,14 @@ def run(args: argparse.Namespace) -> int:
         theirs = _measure("transformers (fp32)", lambda b: run_transformers(model, b, args.prompt_len, args.new_tokens, args.seed),
                           batches, args.repeats)
     bandwidth = max(bandwidth, read_bandwidth())  # the best of before and after
-    limit = bandwidth / weights
+    peak = max(peak, measure_matmul_peak())
     print(f"read bandwidth (best of before and after, {torch.get_num_threads()} threads): {bandwidth / 1e9:.1f} GB/s; "
-          f"weights read per step: {weights / 1e6:.1f} MB; limit: {limit:.1f} steps/s")
-    print("| engine | batch | decode tok/s | steps/s | share of the limit |")
-    print("|---|---|---|---|---|")
+          f"weights read per step: {weights / 1e6:.1f} MB -> {bandwidth / weights:.1f} steps/s; "
+          f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+    limits = {b: min(bandwidth / weights, peak / (2 * elements * b)) for b in batches}
+    print("| engine | batch | decode tok/s | steps/s | limit (steps/s) | share of the limit |")
+    print("|---|---|---|---|---|---|")
     for label, rates in ((name, ours), ("transformers (fp32)", theirs)):
         for batch, rate in rates.items():
-            print(f"| {label} | {batch} | {rate:.1f} | {rate / batch:.1f} | {rate / batch / limit:.0%} |")
+            print(f"| {label} | {batch} | {rate:.1f} | {rate / batch:.1f} | {limits[batch]:.1f} | {rate / batch / limits[batch]:.0%} |")
     return 0

@@ -49,22 +49,21 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     small: PackedWeight | None = None  # panels for the small-M kernel (the fused decode step)
     weight_scale: torch.Tensor | None = None  # int8: per-channel scales; the weight holds q * scale
-    _int8: torch.Tensor | None = None  # int8: q, until packed into panels
 
-    def quantize(self, method: str) -> None:
-        """Weight-only quantization (layers/quantization.py). The weight is replaced by a new
-        tensor of its dequantized values, which unties a tied LM head from the embedding: the
-        embedding lookup keeps the checkpoint's values, as llama.cpp and vLLM keep embeddings."""
+    def quantize(self, method: str) -> torch.Tensor:
+        """Weight-only quantization (layers/quantization.py); returns q. The weight is replaced
+        by a new tensor of its dequantized values, which unties a tied LM head from the
+        embedding: the embedding lookup keeps the checkpoint's values, as llama.cpp and vLLM keep
+        embeddings."""
         if method != "int8":
             raise ValueError(f"quantization must be 'int8', got {method!r}")
-        self._int8, self.weight_scale = quantize_int8(self.weight)
-        self.weight = nn.Parameter(dequantize_int8(self._int8, self.weight_scale).to(self.weight.dtype), requires_grad=False)
+        q, self.weight_scale = quantize_int8(self.weight)
+        self.weight = nn.Parameter(dequantize_int8(q, self.weight_scale).to(self.weight.dtype), requires_grad=False)
+        return q
 
-    def pack_small(self, width: int) -> None:
-        """Pack the weight (int8 if quantized) into panels `width` channels wide."""
-        weight = self._int8 if self._int8 is not None else self.weight
-        self.small = pack(weight, width, self.bias, self.weight_scale)
-        self._int8 = None
+    def pack_small(self, width: int, quantized: torch.Tensor | None = None) -> None:
+        """Pack the weight, or its int8 values `quantized`, into panels `width` channels wide."""
+        self.small = pack(quantized if quantized is not None else self.weight, width, self.bias, self.weight_scale)
 
     def pack(self, keep_dense: bool) -> None:
         """Reorder the weight for oneDNN. The dense copy is dropped unless something else shares
@@ -89,11 +88,9 @@ class GateUpLinear(Linear):
     gate_packed: torch.Tensor | None = None
     up_packed: torch.Tensor | None = None
 
-    def pack_small(self, width: int) -> None:
+    def pack_small(self, width: int, quantized: torch.Tensor | None = None) -> None:
         """Gate and up panels alternate, so the kernel finishes silu(gate) * up per panel pair."""
-        weight = self._int8 if self._int8 is not None else self.weight
-        self.small = pack_swiglu(weight, width, self.bias, self.weight_scale)
-        self._int8 = None
+        self.small = pack_swiglu(quantized if quantized is not None else self.weight, width, self.bias, self.weight_scale)
 
     def pack(self, keep_dense: bool) -> None:
         gate, up = self.weight.detach().chunk(2)

@@ -111,14 +111,13 @@ class CausalLM(nn.Module):
     def linears(self) -> list[Linear]:
         return [module for module in self.modules() if isinstance(module, Linear)]
 
-    def quantize(self, method: str) -> None:
+    def quantize_and_pack(self, quantization: str | None, panel_width: int | None) -> None:
+        """Quantize every projection and the LM head (`quantization`), and pack them for the
+        small-M kernel whose panels are `panel_width` wide (layers/small_matmul.py)."""
         for linear in self.linears():
-            linear.quantize(method)
-
-    def pack_small_matmuls(self, width: int) -> None:
-        """Pack every projection and the LM head for the small-M kernel (layers/small_matmul.py)."""
-        for linear in self.linears():
-            linear.pack_small(width)
+            quantized = linear.quantize(quantization) if quantization is not None else None
+            if panel_width is not None:
+                linear.pack_small(panel_width, quantized)
 
     def pack_linears(self) -> None:
         """Reorder every projection's weight for oneDNN (see layers/linear.py); the lm_head keeps

@@ -55,10 +55,7 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     _load_weights(model, Path(cfg.path))
-    if quantization is not None:
-        model.quantize(quantization)
-    if panel_width is not None:
-        model.pack_small_matmuls(panel_width)
+    model.quantize_and_pack(quantization, panel_width)
     if packing_available(device, dtype):
         model.pack_linears()
     return model.eval()

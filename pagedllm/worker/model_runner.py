@@ -1,6 +1,7 @@
 """Model runner: turns a scheduler step into one forward pass and the samples it yields.
 
-It owns the model, the KV pool and the per-sequence sampling generators, and sees only the
+It owns the model (with the fused decode step attached for small all-decode steps on CPU,
+models/fused_decode.py), the KV pool and the per-sequence sampling generators, and sees only the
 step's plain metadata (`SchedulerOutput`), never request state. For each step it applies the
 swap and copy-on-write maps, stages the flat batch (worker/input_batch.py) and the sampling
 parameters (worker/sampling_inputs.py) in one transfer per dtype, runs the forward pass, samples
