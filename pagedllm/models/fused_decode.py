@@ -14,6 +14,7 @@ modules, which stay the reference the fused step is tested against (tests/models
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
 
@@ -47,6 +48,40 @@ class StepStruct(ctypes.Structure):
     ]
 
 
+class ThreadCount:
+    """Picks the fused step's thread count, 1 or all of torch's, per batch size, by measured step
+    time. Why: a step meets its other thread ~180 times, so whenever another process takes a
+    core and preempts either thread, the other waits for it (a scheduler tick, 4 ms): on a
+    lightly loaded 2-core VM two threads took 17-40 ms a step where one took 16 ms, while on an
+    idle machine two threads read the weights up to twice as fast. The thread count does not
+    change a result (every chunk is computed the same way by whichever thread takes it).
+
+    Each candidate is tried `warmup` times, then the one with the lower recent median runs, and
+    the other is re-tried every `probe_every` steps so a change in the machine's load is noticed."""
+
+    def __init__(self, threads: int, warmup: int = 3, probe_every: int = 32, window: int = 9):
+        self.candidates = [1, threads] if threads > 1 else [1]
+        self.warmup, self.probe_every, self.window = warmup, probe_every, window
+        self.times: dict[int, dict[int, list[float]]] = {}  # rows -> threads -> recent step times
+        self.steps: dict[int, int] = {}
+
+    def choose(self, rows: int) -> int:
+        times = self.times.setdefault(rows, {c: [] for c in self.candidates})
+        step = self.steps[rows] = self.steps.get(rows, 0) + 1
+        untried = [c for c in self.candidates if len(times[c]) < self.warmup]
+        if untried:
+            return untried[0]
+        best = min(self.candidates, key=lambda c: sorted(times[c])[len(times[c]) // 2])
+        if step % self.probe_every == 0:
+            return next(c for c in self.candidates if c != best) if len(self.candidates) > 1 else best
+        return best
+
+    def record(self, rows: int, threads: int, seconds: float) -> None:
+        recent = self.times[rows][threads]
+        recent.append(seconds)
+        del recent[: -self.window]
+
+
 def _packed(linear) -> PackedWeight:
     if linear.small is None:
         raise ValueError("the fused decode step needs every linear packed for small-M matmuls")
@@ -75,6 +110,7 @@ class FusedDecoder:
             ))
         self._layers = (LayerStruct * len(layers))(*layers)
         self._lm_head = _packed(model.lm_head).struct()
+        self.threads = ThreadCount(torch.get_num_threads())
         rotary = model.model.rotary
         self._struct = ModelStruct(
             cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
@@ -98,7 +134,10 @@ class FusedDecoder:
         logits = torch.empty(rows.shape[0], self.vocab_size, dtype=torch.float32, device=ids.device)
         step = StepStruct(ids.shape[0], ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), lens.data_ptr(), tables.data_ptr(),
                           tables.shape[1], rows.data_ptr(), rows.shape[0], logits.data_ptr())
-        failed = self.library.decode_step(ctypes.byref(self._struct), ctypes.byref(step), torch.get_num_threads())
+        threads = self.threads.choose(step.rows)
+        started = time.perf_counter()
+        failed = self.library.decode_step(ctypes.byref(self._struct), ctypes.byref(step), threads)
+        self.threads.record(step.rows, threads, time.perf_counter() - started)
         if failed == 1:
             raise MemoryError("fused decode step: out of memory for its scratch space")
         if failed:

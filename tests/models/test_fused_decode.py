@@ -102,3 +102,22 @@ def test_fused_backend_refuses_what_it_cannot_run(model_dir):
     with pytest.raises(ValueError, match="float32"):
         LLM(str(model_dir("llama")), decode_backend="fused", dtype="bfloat16")
     assert LLM(str(model_dir("llama")), decode_backend="torch").llm_engine.runner.model.fused is None
+
+
+def test_the_thread_count_follows_the_measured_step_times():
+    from pagedllm.models.fused_decode import ThreadCount
+
+    tuner = ThreadCount(2, warmup=2, probe_every=4, window=3)
+
+    def run(cost: dict[int, float], steps: int) -> list[int]:
+        picked = []
+        for _ in range(steps):
+            picked.append(tuner.choose(rows=1))
+            tuner.record(1, picked[-1], cost[picked[-1]])
+        return picked
+
+    # a loaded machine, one thread faster: each tried twice, then one, probing two every 4th step
+    assert run({1: 0.016, 2: 0.030}, 12) == [1, 1, 2, 2, 1, 1, 1, 2, 1, 1, 1, 2]
+    # the machine goes quiet: two probes later (a median of 3) two threads take over
+    assert run({1: 0.016, 2: 0.010}, 12) == [1, 1, 1, 2, 1, 1, 1, 2, 2, 2, 2, 1]
+    assert ThreadCount(1).choose(rows=3) == 1
