@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.spec_decode.config import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = {
@@ -257,6 +258,9 @@ class EngineConfig:
     swap_space: int = 1 << 30
     seed: int = 0
     attention_backend: str = "auto"
+    # auto | fused | torch: small all-decode steps as one C call (models/fused_decode.py) or modules
+    decode_backend: str = "auto"
+    quantization: str | None = None  # "int8": weight-only, per-channel scales, quantized at load
     kv_cache_memory_fraction: float = 0.25
     # Split the model across this many processes on this host (gloo on CPU, NCCL on CUDA).
     tensor_parallel_size: int = 1
@@ -290,6 +294,12 @@ class EngineConfig:
             )
         if self.attention_backend not in ("auto", "kernel", "sdpa"):
             raise ValueError(f"attention_backend must be 'auto', 'kernel' or 'sdpa', got {self.attention_backend!r}")
+        if self.decode_backend not in ("auto", "fused", "torch"):
+            raise ValueError(f"decode_backend must be 'auto', 'fused' or 'torch', got {self.decode_backend!r}")
+        if self.decode_backend == "fused" and self.attention_backend == "sdpa":
+            raise ValueError("decode_backend='fused' attends with the C decode kernel; it cannot run with attention_backend='sdpa'")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {self.quantization!r}")
         if not 0 < self.kv_cache_memory_fraction <= 0.9:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.9]")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -36,3 +36,16 @@ def test_an_explicit_dtype_is_honoured(device, requested):
 def test_explicit_bf16_on_a_gpu_without_it_is_a_clear_error():
     with pytest.raises(ValueError, match="bfloat16.*float16"):
         resolve_dtype("bfloat16", "float32", CUDA, bf16_supported=False)
+
+
+@pytest.mark.parametrize("args, field", [
+    ({"decode_backend": "fast"}, "decode_backend"),
+    ({"decode_backend": "fused", "attention_backend": "sdpa"}, "attention_backend"),
+    ({"quantization": "int4"}, "quantization"),
+])
+def test_decode_backend_and_quantization_are_checked_at_the_entry_point(args, field):
+    from pagedllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model="m", **args)
+    assert EngineConfig(model="m", decode_backend="torch", quantization="int8").quantization == "int8"

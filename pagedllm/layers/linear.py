@@ -9,13 +9,24 @@ batch 64 and 1.3x at batch 2048 (prefill).
 
 It is also *batch-invariant*: a row's result is bitwise the same whatever else is in the batch
 (F.linear's is not), which is what makes "same seed, same tokens, whatever shares the batch"
-hold by construction. Results differ from MKL's in the last bits (~1e-6).
+hold by construction. Results differ from MKL's in the last bits (~1e-6). (Steps of at most 16
+decode rows run the fused decode step instead, itself batch-invariant; the two differ in the
+last bits, docs/engine.md.)
+
+For decode steps of a few rows the weights are also packed for the small-M kernel
+(layers/small_matmul.py), which the fused decode step reads; with `quantization="int8"` that copy
+is int8 with per-channel scales, and the module's own weight becomes its dequantized values, so
+the PyTorch path (prefills, large batches, the reference) computes with exactly the weights the
+int8 kernel uses.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.layers.quantization import dequantize_int8, quantize_int8
+from pagedllm.layers.small_matmul import PackedWeight, pack, pack_swiglu
 
 # Batch size oneDNN optimises the weight layout for. From 16 up, results are batch-invariant
 # and speed is flat across hints; 64 is a typical decode batch.
@@ -38,6 +49,24 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     # A fused projection's output rows, split as the checkpoint's separate projections (q|k|v).
     shard_sizes: tuple[int, ...] | None = None
+    quantizable = True  # False for weights whose precision decisions hang on (a MoE router)
+    small: PackedWeight | None = None  # panels for the small-M kernel (the fused decode step)
+    weight_scale: torch.Tensor | None = None  # int8: per-channel scales; the weight holds q * scale
+
+    def quantize(self, method: str) -> torch.Tensor:
+        """Weight-only quantization (layers/quantization.py); returns q. The weight is replaced
+        by a new tensor of its dequantized values, which unties a tied LM head from the
+        embedding: the embedding lookup keeps the checkpoint's values, as llama.cpp and vLLM keep
+        embeddings."""
+        if method != "int8":
+            raise ValueError(f"quantization must be 'int8', got {method!r}")
+        q, self.weight_scale = quantize_int8(self.weight)
+        self.weight = nn.Parameter(dequantize_int8(q, self.weight_scale).to(self.weight.dtype), requires_grad=False)
+        return q
+
+    def pack_small(self, width: int, quantized: torch.Tensor | None = None) -> None:
+        """Pack the weight, or its int8 values `quantized`, into panels `width` channels wide."""
+        self.small = pack(quantized if quantized is not None else self.weight, width, self.bias, self.weight_scale)
 
     def pack(self, keep_dense: bool) -> None:
         """Reorder the weight for oneDNN. The dense copy is dropped unless something else shares
@@ -65,6 +94,10 @@ class GateUpLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
         self.shard_sizes = (out_features // 2, out_features // 2)
+
+    def pack_small(self, width: int, quantized: torch.Tensor | None = None) -> None:
+        """Gate and up panels alternate, so the kernel finishes silu(gate) * up per panel pair."""
+        self.small = pack_swiglu(quantized if quantized is not None else self.weight, width, self.bias, self.weight_scale)
 
     def pack(self, keep_dense: bool) -> None:
         gate, up = self.weight.detach().chunk(2)

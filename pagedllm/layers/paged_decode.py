@@ -12,30 +12,17 @@ registers, and is called for ~10 µs.
 
 `paged_decode` below is the same computation in PyTorch: the reference the kernel is tested
 against. Without a C compiler, for dtypes other than fp32, or for a head_dim that is not a
-multiple of 8, the engine uses SDPA instead.
+multiple of 8, the engine uses SDPA instead. The build, its cache and the
+fallback are shared with the other CPU kernels (layers/kernels.py).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("pagedllm.attention")
-
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-# -ffast-math (but keeping infinities) lets the reductions and exp vectorise. It is given to the
-# compile step only: linked with it, gcc adds crtfastmath.o, whose constructor switches the whole
-# process to flush-denormals-to-zero when the library loads.
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-std=c11"]
-_LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
-_library: ctypes.CDLL | None = None
+from pagedllm.layers import kernels
+from pagedllm.layers.kernels import compiler  # noqa: F401  (re-exported for callers and tests)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -56,66 +43,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return torch.einsum("bhgl,blhd->bhgd", torch.softmax(scores, dim=-1), v)
 
 
-def compiler() -> str | None:
-    return next((found for cc in ("gcc", "cc", "clang") if (found := shutil.which(cc))), None)
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
-    return Path(root) / "kernels"
-
-
-def _cpu_signature() -> bytes:
-    """-march=native code is only valid on CPUs with the same instruction sets."""
-    try:
-        flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
-        return flags[0].encode() if flags else b""
-    except OSError:
-        return b""
-
-
-def _build(cc: str) -> Path:
-    """Compile once per (source, flags, compiler, CPU) into the user's cache, or the temp dir if
-    that is not writable; concurrent builders race harmlessly (atomic rename)."""
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *_FLAGS, *_LINK_FLAGS]).encode() + _cpu_signature()).hexdigest()[:16]
-    name = f"paged_decode-{key}.so"
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "pagedllm-kernels"):
-        target = folder / name
-        if target.exists():
-            return target
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                built, obj = Path(tmp) / name, Path(tmp) / "paged_decode.o"
-                for cmd in ([cc, *_FLAGS, "-c", str(_SOURCE), "-o", str(obj)], [cc, str(obj), "-o", str(built), *_LINK_FLAGS]):
-                    subprocess.run(cmd, check=True, capture_output=True, text=True)
-                os.replace(built, target)
-            return target
-        except PermissionError:
-            continue
-    raise OSError("no writable folder for the compiled paged decode kernel")
-
-
 def load() -> ctypes.CDLL | None:
-    """The kernel library, built on first use; None (with a warning) if it cannot be built."""
-    global _library
-    if _library is None:
-        cc = compiler()
-        if cc is None:
-            logger.warning("no C compiler found; paged decode attention falls back to SDPA")
-            return None
-        try:
-            library = ctypes.CDLL(str(_build(cc)))
-        except (OSError, subprocess.CalledProcessError) as exc:
-            detail = getattr(exc, "stderr", "") or exc
-            logger.warning("building the paged decode kernel failed (%s); falling back to SDPA", detail)
-            return None
-        library.paged_decode_f32.restype = ctypes.c_int
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        library.paged_decode_f32.argtypes = [ptr, i64] + [ptr] * 5 + [i64] * 8 + [ctypes.c_float, ctypes.c_int]
-        _library = library
-    return _library
+    """The kernel library (layers/kernels.py), built on first use; None if it cannot be built."""
+    return kernels.load()
 
 
 def run_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

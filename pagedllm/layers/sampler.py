@@ -107,10 +107,20 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [R, V] float32, one row per token to sample."""
+        if meta.random_rows is None and meta.penalties is None and meta.allowed is None and meta.max_num_logprobs is None:
+            return self.greedy(logits)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = self.process(logits, meta)
         tokens = self._choose(processed, meta)
         return self.with_logprobs(raw_logprobs, tokens, meta)
+
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> SamplerOutput:
+        """Plain greedy rows: the argmax and its logprob from a logsumexp, without writing a
+        log-softmax of the whole vocabulary (a third of a small decode step's sampling time)."""
+        tokens = logits.argmax(dim=-1)
+        chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        return SamplerOutput(tokens, chosen)
 
     @staticmethod
     def process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

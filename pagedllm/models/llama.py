@@ -135,6 +135,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.group = group
+        self.fused = None  # the fused decode step (models/fused_decode.py), once attached
         self.model = DecoderModel(cfg, max_position, dtype, self.make_mlp, group)
         vocab_rows = self.model.embed_tokens.num_embeddings  # this rank's rows
         self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False)
@@ -174,12 +175,22 @@ class CausalLM(nn.Module):
         sizes = getattr(module, "shard_sizes", None)
         return set(range(len(sizes))) if sizes else {0}
 
+    def linears(self) -> list[Linear]:
+        return [module for module in self.modules() if isinstance(module, Linear)]
+
+    def quantize_and_pack(self, quantization: str | None, panel_width: int | None) -> None:
+        """Quantize every projection and the LM head (`quantization`), and pack them for the
+        small-M kernel whose panels are `panel_width` wide (layers/small_matmul.py)."""
+        for linear in self.linears():
+            quantized = linear.quantize(quantization) if quantization is not None and linear.quantizable else None
+            if panel_width is not None:
+                linear.pack_small(panel_width, quantized)
+
     def pack_linears(self) -> None:
         """Reorder every projection's weight for oneDNN (see layers/linear.py); the lm_head keeps
         its dense weight when it is the (tied) embedding table."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack(keep_dense=module is self.lm_head and self.config.tie_word_embeddings)
+        for module in self.linears():
+            module.pack(keep_dense=module.weight is self.model.embed_tokens.weight)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -194,3 +205,12 @@ class CausalLM(nn.Module):
             return logits
         logits = self.group.gather_columns(logits)
         return logits[:, : self.config.vocab_size] if logits is not None else None
+
+    def step_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                    logit_rows: torch.Tensor) -> torch.Tensor | None:
+        """The logits of a step's sampled rows: one fused C call for a small all-decode step
+        when the fused decode step is attached, else the modules (the reference)."""
+        if self.fused is not None and self.fused.accepts(meta, input_ids.shape[0]):
+            return self.fused(input_ids, positions, meta, logit_rows)
+        hidden = self(input_ids, positions, meta)
+        return self.compute_logits(hidden.index_select(0, logit_rows))

@@ -42,9 +42,13 @@ def checkpoint_files(folder: Path) -> list[Path]:
 
 
 def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: torch.device,
-               group: ParallelGroup | None = None, logit_token_ids: list[int] | None = None) -> CausalLM:
+               group: ParallelGroup | None = None, logit_token_ids: list[int] | None = None,
+               quantization: str | None = None, panel_width: int | None = None) -> CausalLM:
     """The whole model, or under tensor parallelism (`group`) this rank's part of it.
-    `logit_token_ids`: the LM head scores only these tokens (a draft's reduced vocabulary)."""
+    `logit_token_ids`: the LM head scores only these tokens (a draft's reduced vocabulary).
+    `quantization`: "int8" quantizes every projection and the LM head at load
+    (layers/quantization.py). `panel_width`: also pack them for the small-M kernel whose panels
+    are that wide (the fused decode step); before oneDNN's packing drops the dense weights."""
     local = cfg.shard(group.size) if group is not None else cfg
     with torch.device("meta"):
         model = model_class(cfg)(local, max_position, dtype, group)
@@ -59,6 +63,7 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     _load_weights(model, Path(cfg.path), group)
     if logit_token_ids is not None:
         model.restrict_vocab(logit_token_ids)
+    model.quantize_and_pack(quantization, panel_width)
     if packing_available(device, dtype):
         model.pack_linears()
     return model.eval()

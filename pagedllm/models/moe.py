@@ -29,6 +29,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)  # the router
+        self.gate.quantizable = False  # int8 would move tokens between experts near a tie
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.expert_intermediate_size, moe.renormalize)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:

@@ -1,6 +1,7 @@
 """Model runner: turns a scheduler step into one forward pass and the samples it yields.
 
-It owns the model, the KV pool and the per-sequence sampling generators, and sees only the
+It owns the model (with the fused decode step attached for small all-decode steps on CPU,
+models/fused_decode.py), the KV pool and the per-sequence sampling generators, and sees only the
 step's plain metadata (`SchedulerOutput`), never request state. For each step it applies the
 swap and copy-on-write maps, stages the flat batch (worker/input_batch.py) and the sampling
 parameters (worker/sampling_inputs.py) in one transfer per dtype, runs the forward pass, samples
@@ -16,8 +17,10 @@ import torch
 from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
 from pagedllm.distributed.group import ParallelGroup
 from pagedllm.engine.scheduler_output import SampleRow, SchedulerOutput
+from pagedllm.layers import kernels
 from pagedllm.layers.paged_decode import kernel_supported, load
 from pagedllm.layers.sampler import Sampler
+from pagedllm.models.fused_decode import FusedDecoder
 from pagedllm.models.loader import load_model
 from pagedllm.spec_decode.rejection import rejection_sample
 from pagedllm.spec_decode.speculator import Speculator
@@ -46,7 +49,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model = load_model(model_config, max_model_len, self.dtype, self.device, group)
+        fused_library = self._fused_decode_library()
+        self.model = load_model(model_config, max_model_len, self.dtype, self.device, group, quantization=config.quantization,
+                                panel_width=fused_library.panel_width() if fused_library is not None else None)
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(config.speculative_config, model_config, max_model_len, self.block_size, self.dtype, self.device)
@@ -59,6 +64,13 @@ class ModelRunner:
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
         self.sampler = Sampler(config.seed, self.device)
         self.kernel_decode = self._choose_decode_backend()
+        if fused_library is not None and self.kernel_decode:
+            self.model.fused = FusedDecoder(self.model, fused_library)
+        elif fused_library is not None:  # the attention kernel is off: the fused step cannot run
+            if config.decode_backend == "fused":
+                raise RuntimeError("decode_backend='fused' needs the C decode attention kernel, which is not in use")
+            for linear in self.model.linears():
+                linear.small = None
         if self.speculator is not None:
             self.speculator.allocate(self.num_blocks, self.num_cpu_blocks, self.kernel_decode)
         self.target_time_s = 0.0  # in execute() before proposing
@@ -79,6 +91,28 @@ class ModelRunner:
     def max_step_blocks(self) -> int | None:
         """The most KV blocks one step may use (layer-wise offload's buffer), if bounded."""
         return self.offload.buffer_blocks if self.offload is not None else None
+
+    def _fused_decode_library(self):
+        """The kernel library when the fused decode step can run (auto), else None; with
+        decode_backend='fused' a reason it cannot is an error."""
+        backend = self.config.decode_backend
+        if backend == "torch":
+            return None
+        reasons = []
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            reasons.append("it runs on CPUs in float32")
+        if self.model_config.head_dim % 8 or self.config.attention_backend == "sdpa":
+            reasons.append("it attends with the C decode kernel (attention_backend auto or kernel, head_dim a multiple of 8)")
+        if self.model_config.moe is not None:
+            reasons.append("it computes dense MLPs (this is a mixture of experts)")
+        if self.group is not None or self.config.kv_offload:
+            reasons.append("it runs the whole model over KV pools bound once (no tensor parallelism, no KV offload)")
+        library = kernels.load() if not reasons else None
+        if not reasons and library is None:
+            reasons.append("the CPU kernels could not be built (see the log)")
+        if reasons and backend == "fused":
+            raise ValueError("decode_backend='fused' cannot be used: " + "; ".join(reasons))
+        return library
 
     def _choose_decode_backend(self) -> bool:
         """The C decode kernel for fp32 on CPU when it builds (auto), else SDPA."""
@@ -125,8 +159,7 @@ class ModelRunner:
         views = staging.to(self.device)
         self._apply_block_maps(sched, views)
         meta = attention_metadata(layout, views, self.kernel_decode, self.block_size, self.windows, self.dtype)
-        hidden = self.model(views["input_ids"], views["positions"], meta)
-        logits = self.model.compute_logits(hidden.index_select(0, views["logit_rows"]))
+        logits = self.model.step_logits(views["input_ids"], views["positions"], meta, views["logit_rows"])
         if logits is None:
             return ModelRunnerOutput()  # a tensor-parallel worker: rank 0 samples
         groups = []

@@ -87,3 +87,13 @@ def test_seeded_rows_draw_from_their_own_generator():
     alone = sample(Sampler(0, CPU), logits[:1], [row_with(seeded)])
     crowd = sample(Sampler(5, CPU), logits, [row_with(SamplingParams(temperature=1.0)), row_with(seeded), row_with(SamplingParams(temperature=0))])
     assert crowd[1] == alone[0] and crowd[2] == 0
+
+
+def test_plain_greedy_rows_take_the_argmax_with_its_raw_logprob():
+    """The greedy fast path (no log-softmax of the whole vocabulary) gives what the general path gives."""
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0)) * 4
+    fast = Sampler(0, torch.device("cpu"))(logits, SamplingMetadata(5))
+    general = Sampler(0, torch.device("cpu"))(logits, SamplingMetadata(5, max_num_logprobs=0))
+    assert torch.equal(fast.token_ids, logits.argmax(dim=-1)) and torch.equal(fast.token_ids, general.token_ids)
+    torch.testing.assert_close(fast.logprobs, general.logprobs, rtol=0, atol=1e-5)
+    assert fast.ranks is None and general.ranks.tolist() == [1] * 5

@@ -25,18 +25,18 @@
  * and out_stride floats apart (q may be a slice of the fused q/k projection); k_cache,
  * v_cache: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]; ctx_lens: [B];
  * window <= 0: no window.
+ *
+ * attend_sequence() is the work of one sequence for a range of KV heads: the fused decode step
+ * (decode_step.c) hands its (sequence, KV head) items to its threads with it.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define TILE 8
-typedef float v8 __attribute__((vector_size(32)));
+#include "kernels.h"
 
-typedef struct {
-    int64_t block_size, num_kv_heads, group, head_dim;
-} Shape;
+#define TILE 8
 
 static inline v8 load8(const float *p) {
     v8 v;
@@ -92,7 +92,8 @@ static void for_each_tile(const float *cache, const int64_t *table, int64_t firs
 typedef struct {
     const float *q;
     float *scores, *out;
-    int64_t first, n;  /* scores[qh * n + (t - first)] */
+    int64_t first, n;  /* scores[(qh - h0 * G) * n + (t - first)] */
+    int64_t h0, h1;    /* the KV heads computed */
     float scale;
     Shape s;
 } Pass;
@@ -101,7 +102,7 @@ typedef struct {
 static void score_tile(const float *const rows[TILE], int64_t t0, int64_t n, void *ctx) {
     const Pass *p = ctx;
     const int64_t D = p->s.head_dim, G = p->s.group;
-    for (int64_t h = 0; h < p->s.num_kv_heads; h++) {
+    for (int64_t h = p->h0; h < p->h1; h++) {
         for (int64_t qh = h * G; qh < (h + 1) * G; qh++) {
             const float *qv = p->q + qh * D;
             v8 acc[TILE] = {0};
@@ -111,7 +112,7 @@ static void score_tile(const float *const rows[TILE], int64_t t0, int64_t n, voi
             }
             float dots[TILE];
             store8(dots, sum_lanes(acc) * p->scale);
-            memcpy(p->scores + qh * p->n + (t0 - p->first), dots, sizeof(float) * n);
+            memcpy(p->scores + (qh - p->h0 * G) * p->n + (t0 - p->first), dots, sizeof(float) * n);
         }
     }
 }
@@ -120,9 +121,9 @@ static void score_tile(const float *const rows[TILE], int64_t t0, int64_t n, voi
 static void weigh_tile(const float *const rows[TILE], int64_t t0, int64_t n, void *ctx) {
     const Pass *p = ctx;
     const int64_t D = p->s.head_dim, G = p->s.group;
-    for (int64_t h = 0; h < p->s.num_kv_heads; h++) {
+    for (int64_t h = p->h0; h < p->h1; h++) {
         for (int64_t qh = h * G; qh < (h + 1) * G; qh++) {
-            const float *prob = p->scores + qh * p->n + (t0 - p->first);
+            const float *prob = p->scores + (qh - p->h0 * G) * p->n + (t0 - p->first);
             v8 w[TILE];
             for (int r = 0; r < TILE; r++) w[r] = (v8){0} + (r < n ? prob[r] : 0.0f);
             float *o = p->out + qh * D;
@@ -133,28 +134,6 @@ static void weigh_tile(const float *const rows[TILE], int64_t t0, int64_t n, voi
             }
         }
     }
-}
-
-/* exp(x) for x <= 0, within 2 ulp of expf (Cephes' expf: 2^n times a degree-6 polynomial on
- * [-ln2/2, ln2/2]), written so that the compiler vectorises it — libm's expf is a scalar call
- * and took as long as the rest of the softmax. Below -87 (where expf is under 2e-38) it returns
- * 0, so no subnormal reaches the weighted sum. */
-static inline float exp_nonpositive(float x) {
-    const float c = x < -87.0f ? -87.0f : x;
-    const float n = floorf(c * 1.44269504088896341f + 0.5f);
-    const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union {
-        int32_t bits;
-        float value;
-    } scale = {.bits = ((int32_t)n + 127) << 23};
-    return x < -87.0f ? 0.0f : p * scale.value;
 }
 
 /* Each query head's scores become probabilities, in place. */
@@ -172,32 +151,33 @@ static void softmax(float *scores, int64_t n, int64_t heads) {
     }
 }
 
+int attend_sequence(const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
+                    int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out) {
+    const int64_t first = window > 0 && len > window ? len - window : 0;
+    const int64_t heads = (h1 - h0) * s.group;
+    float *scores = malloc(sizeof(float) * heads * (len - first));
+    if (scores == NULL) return 1;
+    Pass pass = {q, scores, out, first, len - first, h0, h1, scale, s};
+    for_each_tile(k_cache, table, first, len, s, score_tile, &pass);
+    const int64_t block_floats = s.block_size * s.num_kv_heads * s.head_dim;
+    prefetch_rows(v_cache + table[first / s.block_size] * block_floats, block_floats); /* during the softmax */
+    softmax(scores, len - first, heads);
+    memset(out + h0 * s.group * s.head_dim, 0, sizeof(float) * heads * s.head_dim);
+    for_each_tile(v_cache, table, first, len, s, weigh_tile, &pass);
+    free(scores);
+    return 0;
+}
+
 int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                      const int64_t *block_tables, const int64_t *ctx_lens, float *out, int64_t out_stride,
                      int64_t batch, int64_t max_blocks, int64_t block_size, int64_t num_kv_heads, int64_t group,
                      int64_t head_dim, int64_t window, float scale, int num_threads) {
     const Shape s = {block_size, num_kv_heads, group, head_dim};
-    const int64_t heads = num_kv_heads * group;
     if (head_dim % 8 != 0) return 2;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(| : failed)
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t len = ctx_lens[b];
-        const int64_t first = window > 0 && len > window ? len - window : 0;
-        float *scores = malloc(sizeof(float) * heads * (len - first));
-        if (scores == NULL) {
-            failed = 1;
-            continue;
-        }
-        const int64_t *table = block_tables + b * max_blocks;
-        Pass pass = {q + b * q_stride, scores, out + b * out_stride, first, len - first, scale, s};
-        for_each_tile(k_cache, table, first, len, s, score_tile, &pass);
-        const int64_t block_floats = block_size * num_kv_heads * head_dim;
-        prefetch_rows(v_cache + table[first / block_size] * block_floats, block_floats);  /* during the softmax */
-        softmax(scores, len - first, heads);
-        memset(pass.out, 0, sizeof(float) * heads * head_dim);
-        for_each_tile(v_cache, table, first, len, s, weigh_tile, &pass);
-        free(scores);
-    }
+    for (int64_t b = 0; b < batch; b++)
+        failed |= attend_sequence(q + b * q_stride, k_cache, v_cache, block_tables + b * max_blocks, ctx_lens[b], window,
+                                  scale, s, 0, num_kv_heads, out + b * out_stride);
     return failed;
 }

@@ -1,0 +1,168 @@
+"""Decode speed at batch 1 and 8 against the memory's read bandwidth, measured in the same run.
+
+A decode step of a few sequences must read every weight once, so its speed limit is the read
+bandwidth divided by the bytes of weights a step reads. This benchmark measures that bandwidth
+(a STREAM-like read of a buffer much larger than the last-level cache, with the engine's
+threads), the bytes of weights the engine reads per step (fp32 or int8 with its scales), and
+decode tok/s on a random model with SmolLM2-135M's shape: a 128-token prompt, 128 greedy tokens,
+the rate taken from the first to the last token (so prefill is not counted). transformers'
+`generate` runs the same requests in the same process as the baseline.
+
+A batch of B rows also does 2 x B x (weights' elements) FLOPs a step, which at batch 8 on a
+2-core CPU takes about as long as reading the weights; so each batch's limit is the lower of
+the bandwidth limit and the fp32 matmul peak (measured in the same run) over that work.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedllm.bench.offline import SMOLLM2_135M, build_model
+from pagedllm.bench.peak import measure_matmul_peak
+from pagedllm.layers import kernels
+
+
+def read_bandwidth(repeats: int = 5, size_bytes: int = 1 << 30) -> float:
+    """Bytes/s of a read of `size_bytes` (32x an L3 of 32 MiB) with torch's thread count: the
+    kernel library's vector read, or torch's sum without a compiler."""
+    buffer = torch.ones(size_bytes // 4)
+    library = kernels.load()
+    if library is not None:
+        return library.read_bandwidth(buffer.data_ptr(), buffer.numel(), repeats, torch.get_num_threads())
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return size_bytes / best
+
+
+@dataclass
+class Rate:
+    tok_s: float  # decode tokens/s over all sequences, first to last token
+
+    def __str__(self) -> str:
+        return f"{self.tok_s:7.1f}"
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(batch)]
+
+
+def weight_elements(llm) -> int:
+    return sum(linear.in_features * linear.out_features for linear in llm.llm_engine.runner.model.linears())
+
+
+def weight_bytes_per_step(llm) -> int:
+    """Bytes of every projection and the LM head as a decode step reads them (the embedding
+    lookup reads one row per token, and the norms are a few KB)."""
+    total = 0
+    for linear in llm.llm_engine.runner.model.linears():
+        if linear.small is not None:
+            total += linear.small.nbytes
+        else:
+            total += linear.in_features * linear.out_features * 4
+    return total
+
+
+def run_pagedllm(llm, batch: int, prompt_len: int, new_tokens: int, seed: int) -> Rate:
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts(batch, prompt_len, SMOLLM2_135M["vocab_size"], seed), params, use_tqdm=False)
+    first = min(o.metrics.first_token_time for o in outputs)
+    last = max(o.metrics.last_token_time for o in outputs)
+    return Rate(batch * (new_tokens - 1) / (last - first))
+
+
+class _TokenClock:
+    """A transformers streamer that notes when each generated token arrives."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.calls = 0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls > 1:  # the first call carries the prompt
+            self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_transformers(model, batch: int, prompt_len: int, new_tokens: int, seed: int) -> Rate:
+    ids = torch.tensor(prompts(batch, prompt_len, SMOLLM2_135M["vocab_size"], seed))
+    clock = _TokenClock()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, pad_token_id=0, streamer=clock)
+    return Rate(batch * (len(clock.times) - 1) / (clock.times[-1] - clock.times[0]))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 for pagedllm")
+    parser.add_argument("--decode-backend", default="auto", choices=["auto", "fused", "torch"])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the best counts, all are printed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "pagedllm-bench-smollm2-135m-random")
+    parser.add_argument("--skip-transformers", action="store_true")
+
+
+def _measure(label: str, fn, batches: list[int], repeats: int) -> dict[int, float]:
+    best = {}
+    for batch in batches:
+        runs = [fn(batch).tok_s for _ in range(repeats)]
+        best[batch] = max(runs)
+        print(f"{label} batch {batch}: " + ", ".join(f"{r:.1f}" for r in runs) + f" tok/s (best {best[batch]:.1f})", flush=True)
+    return best
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedllm import LLM
+
+    folder = build_model(args.model_cache)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    library = kernels.load()
+    print(f"model: random SmolLM2-135M shape; prompt {args.prompt_len} tokens, {args.new_tokens} greedy tokens; "
+          f"{torch.get_num_threads()} threads; kernels: {kernels.isa(library) if library else 'none (no compiler)'}")
+    bandwidth, peak = read_bandwidth(), measure_matmul_peak()
+    engine_args = {"decode_backend": args.decode_backend, "max_num_seqs": max(batches)}
+    if args.quantization:
+        engine_args["quantization"] = args.quantization
+    llm = LLM(str(folder), **engine_args)
+    weights, elements = weight_bytes_per_step(llm), weight_elements(llm)
+    run_pagedllm(llm, 1, args.prompt_len, 8, args.seed)  # warm-up
+    name = f"pagedllm ({args.quantization or 'fp32'}, {args.decode_backend})"
+    ours = _measure(name, lambda b: run_pagedllm(llm, b, args.prompt_len, args.new_tokens, args.seed), batches, args.repeats)
+    del llm
+    theirs = {}
+    if not args.skip_transformers:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        run_transformers(model, 1, 8, 4, args.seed)  # warm-up
+        theirs = _measure("transformers (fp32)", lambda b: run_transformers(model, b, args.prompt_len, args.new_tokens, args.seed),
+                          batches, args.repeats)
+    bandwidth = max(bandwidth, read_bandwidth())  # the best of before and after
+    peak = max(peak, measure_matmul_peak())
+    print(f"read bandwidth (best of before and after, {torch.get_num_threads()} threads): {bandwidth / 1e9:.1f} GB/s; "
+          f"weights read per step: {weights / 1e6:.1f} MB -> {bandwidth / weights:.1f} steps/s; "
+          f"fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+    limits = {b: min(bandwidth / weights, peak / (2 * elements * b)) for b in batches}
+    print("| engine | batch | decode tok/s | steps/s | limit (steps/s) | share of the limit |")
+    print("|---|---|---|---|---|---|")
+    for label, rates in ((name, ours), ("transformers (fp32)", theirs)):
+        for batch, rate in rates.items():
+            print(f"| {label} | {batch} | {rate:.1f} | {rate / batch:.1f} | {limits[batch]:.1f} | {rate / batch / limits[batch]:.0%} |")
+    return 0

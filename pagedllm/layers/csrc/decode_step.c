@@ -1,0 +1,224 @@
+/* A whole decode step of a Llama-family model in one call, for a few rows (decode tokens and
+ * speculative verification rows, M <= 16): embedding, every layer, the final norm and the logits
+ * of the rows that sample.
+ *
+ * Why one call: at these sizes a step's time should be the time to read the weights once, but
+ * run as PyTorch ops a layer is ~15 dispatches, each paying the dispatcher's own cache misses
+ * after a matmul has streamed its weights through the caches, and the matmuls themselves stop
+ * short of the memory's speed. Here the threads enter one OpenMP parallel region for the whole
+ * step. A step is a fixed sequence of stages, each a set of chunks (a few panels of a packed
+ * weight, or one (row, KV head) of attention); a thread claims a stage's chunks one at a time
+ * from an atomic counter, streams its chunk's weights (small_matmul.c) and applies the epilogue
+ * — bias, residual add, SiLU x up — while the outputs are in registers, and moves to the next
+ * stage once every chunk of this one is done. Why not OpenMP barriers: on a machine whose cores
+ * are shared (a co-runner, or both threads put on one core) a barrier waits for every thread
+ * to *arrive*, so each of a step's ~180 barriers waited for a descheduled thread's next time
+ * slice, and libgomp's waiters spin before sleeping: a single-stream step went from 14 ms to
+ * 330 ms. Here a descheduled thread that holds no chunk blocks nobody (the other does the rest
+ * of the stage), and waiters yield the core after a short spin.
+ *
+ * A layer's stages, for rows r (each thread first computes its own copy of a norm it needs):
+ *   qkv   = rmsnorm(x) W_qkv^T (+ b)                         chunks of panels
+ *   per (row, KV head): q/k RMSNorm (Qwen3), rotary, K/V written to the row's slot
+ *   per (row, KV head): paged attention over the row's context (paged_decode.c)
+ *   x    += attn W_o^T (+ b)                                  chunks of panels
+ *   act   = silu(h W_gate^T) * (h W_up^T), h = rmsnorm(x)    chunks of gate/up panel pairs
+ *   x    += act W_down^T (+ b)                                chunks of panels
+ * then rmsnorm of the sampled rows and their logits over the (tied or not) LM head's panels.
+ *
+ * The arithmetic is that of the PyTorch modules (models/llama.py) in fp32, in a different order
+ * of summation; results are tested against them.
+ */
+#include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+typedef struct {
+    Matrix qkv, o, gate_up, down;
+    const float *input_norm, *post_norm; /* [hidden] */
+    const float *q_norm, *k_norm;        /* [head_dim], or NULL */
+    float *k_cache, *v_cache;            /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    int64_t window;                      /* <= 0: no sliding window */
+} Layer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, block_size;
+    float eps, attn_scale;
+    const float *embed;      /* [vocab, hidden] */
+    const float *cos, *sin;  /* [max_position, head_dim]; sin's first half negated (rotary.py) */
+    const float *final_norm; /* [hidden] */
+    const Matrix *lm_head;
+    const Layer *layers;
+} Model;
+
+typedef struct {
+    int64_t rows;
+    const int64_t *token_ids, *positions, *slots, *ctx_lens; /* [rows] */
+    const int64_t *block_tables;                             /* [rows, max_blocks] */
+    int64_t max_blocks;
+    const int64_t *logit_rows; /* [num_logits] */
+    int64_t num_logits;
+    float *logits; /* [num_logits, vocab] */
+} Step;
+
+static void rmsnorm(const float *x, const float *weight, int64_t n, float eps, float *out) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += x[i] * x[i];
+    const float inv = 1.0f / __builtin_sqrtf(sum / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * weight[i];
+}
+
+/* x * cos + swap_halves(x) * sin, in place (the sign of rotate_half lives in the sin table). */
+static void rotate(float *x, const float *cos, const float *sin, int64_t dim) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] + b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* q/k norms, rotary and the K/V writes for row r's KV head h (and its G query heads). */
+static void prepare_head(const Model *md, const Layer *ly, const Step *st, float *qkv, int64_t ld, int64_t r, int64_t h) {
+    const int64_t D = md->head_dim, G = md->num_heads / md->num_kv_heads, Hkv = md->num_kv_heads;
+    float *row = qkv + r * ld;
+    float *k = row + md->num_heads * D + h * D;
+    const float *v = row + (md->num_heads + Hkv) * D + h * D;
+    const float *cos = md->cos + st->positions[r] * D, *sin = md->sin + st->positions[r] * D;
+    for (int64_t g = 0; g < G; g++) {
+        float *q = row + (h * G + g) * D;
+        if (ly->q_norm != NULL) rmsnorm(q, ly->q_norm, D, md->eps, q);
+        rotate(q, cos, sin, D);
+    }
+    if (ly->k_norm != NULL) rmsnorm(k, ly->k_norm, D, md->eps, k);
+    rotate(k, cos, sin, D);
+    const int64_t at = (st->slots[r] * Hkv + h) * D;
+    memcpy(ly->k_cache + at, k, sizeof(float) * D);
+    memcpy(ly->v_cache + at, v, sizeof(float) * D);
+}
+
+typedef struct {
+    float *x, *norm, *qkv, *attn, *act;
+    int64_t qkv_ld, norm_ld;
+} Scratch;
+
+/* One stage's chunk counters, on their own cache line. */
+typedef struct {
+    _Atomic int64_t claimed, done;
+    char pad[64 - 2 * sizeof(int64_t)];
+} Stage;
+
+enum { STAGES_PER_LAYER = 6 };
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static inline int64_t claim(Stage *stage) { return atomic_fetch_add_explicit(&stage->claimed, 1, memory_order_relaxed); }
+
+static inline void finish(Stage *stage) { atomic_fetch_add_explicit(&stage->done, 1, memory_order_release); }
+
+/* Until all n chunks of the stage are done: a short spin, then yield the core (the thread we
+ * wait for may be waiting for it). */
+static void await(Stage *stage, int64_t n) {
+    for (int spins = 0; atomic_load_explicit(&stage->done, memory_order_acquire) < n; spins++) {
+        if (spins < 2000)
+            cpu_relax();
+        else
+            sched_yield();
+    }
+}
+
+/* Chunks of a matrix's panels: ~8 per thread, so a slow thread holds back little. */
+static inline int64_t chunk_panels(int64_t panels, int nt) {
+    const int64_t per = panels / (8 * nt);
+    return per > 0 ? per : 1;
+}
+
+static void matmul_stage(Stage *stage, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int mode,
+                         int nt) {
+    const int64_t per = chunk_panels(w->num_panels, nt), n = (w->num_panels + per - 1) / per;
+    for (int64_t c; (c = claim(stage)) < n; finish(stage)) {
+        const int64_t hi = (c + 1) * per < w->num_panels ? (c + 1) * per : w->num_panels;
+        matmul_panels(w, x, m, ldx, y, ldy, c * per, hi, mode);
+    }
+    await(stage, n);
+}
+
+static void swiglu_stage(Stage *stage, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact,
+                         int nt) {
+    const int64_t pairs = w->num_panels / 2, per = chunk_panels(pairs, nt), n = (pairs + per - 1) / per;
+    for (int64_t c; (c = claim(stage)) < n; finish(stage))
+        swiglu_panels(w, x, m, ldx, act, ldact, c * per, (c + 1) * per < pairs ? (c + 1) * per : pairs);
+    await(stage, n);
+}
+
+/* One layer, run by every thread of the region; returns nonzero if attention ran out of memory. */
+static int layer_step(const Model *md, const Layer *ly, const Step *st, const Scratch *sc, Stage *stages, int t, int nt) {
+    const int64_t R = st->rows, H = md->hidden, D = md->head_dim, Hkv = md->num_kv_heads;
+    const int64_t q_width = md->num_heads * D;
+    const Shape shape = {md->block_size, Hkv, md->num_heads / Hkv, D};
+    float *norm = sc->norm + t * sc->norm_ld;
+    int failed = 0;
+
+    for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->input_norm, H, md->eps, norm + r * H);
+    matmul_stage(&stages[0], &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, nt);
+    for (int64_t i; (i = claim(&stages[1])) < R * Hkv; finish(&stages[1]))
+        prepare_head(md, ly, st, sc->qkv, sc->qkv_ld, i / Hkv, i % Hkv);
+    await(&stages[1], R * Hkv);
+    for (int64_t i; (i = claim(&stages[2])) < R * Hkv; finish(&stages[2])) {
+        const int64_t r = i / Hkv, h = i % Hkv;
+        failed |= attend_sequence(sc->qkv + r * sc->qkv_ld, ly->k_cache, ly->v_cache, st->block_tables + r * st->max_blocks,
+                                  st->ctx_lens[r], ly->window, md->attn_scale, shape, h, h + 1, sc->attn + r * q_width);
+    }
+    await(&stages[2], R * Hkv);
+    matmul_stage(&stages[3], &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, nt);
+    for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->post_norm, H, md->eps, norm + r * H);
+    swiglu_stage(&stages[4], &ly->gate_up, norm, R, H, sc->act, md->intermediate, nt);
+    matmul_stage(&stages[5], &ly->down, sc->act, R, md->intermediate, sc->x, H, ACCUMULATE, nt);
+    return failed;
+}
+
+int decode_step(const Model *md, const Step *st, int num_threads) {
+    const int64_t R = st->rows, H = md->hidden, D = md->head_dim;
+    if (D % 8 != 0 || md->num_heads % md->num_kv_heads != 0) return 2;
+    Scratch sc;
+    sc.qkv_ld = (md->num_heads + 2 * md->num_kv_heads) * D;
+    sc.norm_ld = R * H;
+    const int64_t floats = R * H + num_threads * sc.norm_ld + R * sc.qkv_ld + R * md->num_heads * D + R * md->intermediate;
+    float *scratch = malloc(sizeof(float) * floats);
+    Stage *stages = calloc(md->num_layers * STAGES_PER_LAYER + 1, sizeof(Stage));
+    if (scratch == NULL || stages == NULL) {
+        free(scratch);
+        free(stages);
+        return 1;
+    }
+    sc.x = scratch;
+    sc.norm = sc.x + R * H;
+    sc.qkv = sc.norm + num_threads * sc.norm_ld;
+    sc.attn = sc.qkv + R * sc.qkv_ld;
+    sc.act = sc.attn + R * md->num_heads * D;
+    for (int64_t r = 0; r < R; r++) memcpy(sc.x + r * H, md->embed + st->token_ids[r] * H, sizeof(float) * H);
+
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t l = 0; l < md->num_layers; l++)
+            failed |= layer_step(md, &md->layers[l], st, &sc, stages + l * STAGES_PER_LAYER, t, nt);
+        float *norm = sc.norm + t * sc.norm_ld;
+        for (int64_t i = 0; i < st->num_logits; i++) rmsnorm(sc.x + st->logit_rows[i] * H, md->final_norm, H, md->eps, norm + i * H);
+        matmul_stage(&stages[md->num_layers * STAGES_PER_LAYER], md->lm_head, norm, st->num_logits, H, st->logits, md->vocab,
+                     STORE, nt);
+    }
+    free(stages);
+    free(scratch);
+    return failed;
+}

@@ -1,0 +1,113 @@
+/* Shared by the CPU kernels: vector types chosen at build time, packed weight matrices, and the
+ * pieces one kernel lends another (decode attention for one sequence, the vectorised exp).
+ *
+ * The vector width follows the instruction set the library is compiled for: 16 floats where the
+ * compiler targets AVX-512, 8 otherwise (AVX2; GCC/Clang lower the same vector code for any SIMD
+ * width). A packed weight's panel is VW output channels wide, so weights are packed for the
+ * library that will read them (`panel_width()`).
+ */
+#ifndef PAGEDLLM_KERNELS_H
+#define PAGEDLLM_KERNELS_H
+
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VW 16
+#define MB 8 /* activation rows per pass over a panel: 2 x MB accumulators of 32 registers */
+#else
+#define VW 8
+#define MB 4 /* 2 x MB accumulators of AVX2's 16 registers */
+#endif
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef int8_t vb __attribute__((vector_size(VW)));
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline vf loadv(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* VW signed bytes widened to floats: vpmovsxbd + vcvtdq2ps (GCC 12 scalarises the same
+ * conversion written with __builtin_convertvector, 10x slower). */
+static inline vf loadv_i8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = (float)p[i];
+    return v;
+#endif
+}
+
+/* A weight matrix [n, k] (y = x W^T) packed for small-M matmuls: panels of VW output channels,
+ * each stored k-major ([k][VW]) so that one panel is one sequential stream and every load is a
+ * full vector of VW channels for one input. Channels past n are zero. int8 panels hold the
+ * symmetric per-channel quantization q = round(w / scale). scale and bias are stored per panel
+ * lane ([num_panels * VW]); for a fused gate/up matrix the panels alternate gate, up. */
+enum { WEIGHT_F32 = 0, WEIGHT_I8 = 1 };
+
+typedef struct {
+    const void *panels;
+    const float *scale; /* int8: per channel; NULL for fp32 */
+    const float *bias;  /* per channel, or NULL */
+    int64_t n, k, num_panels;
+    int32_t dtype;
+    int32_t reserved;
+} Matrix;
+
+enum { STORE = 0, ACCUMULATE = 1 };
+
+/* y[m][c] (=|+=) x[m] . W[c] (+ bias[c]) for the channels of panels [p0, p1), all m rows. */
+void matmul_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int64_t p0, int64_t p1,
+                   int mode);
+/* act[m][c] = silu(gate) * up for the channels of gate/up panel pairs [j0, j1). */
+void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact, int64_t j0, int64_t j1);
+
+/* Contiguous share [lo, hi) of n items for thread t of nt. */
+static inline void thread_share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
+    *lo = n * t / nt;
+    *hi = n * (t + 1) / nt;
+}
+
+typedef struct {
+    int64_t block_size, num_kv_heads, group, head_dim;
+} Shape;
+
+/* Decode attention of one sequence for KV heads [h0, h1): q and out point at the sequence's
+ * row ([Hkv, G, D]). 0 on success, 1 if the scores could not be allocated. */
+int attend_sequence(const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
+                    int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out);
+
+/* exp(x) for x <= 0, within 2 ulp of expf (Cephes' expf: 2^n times a degree-6 polynomial on
+ * [-ln2/2, ln2/2]), written so that the compiler vectorises it — libm's expf is a scalar call.
+ * Below -87 (where expf is under 2e-38) it returns 0, so no subnormal is produced. */
+static inline float exp_nonpositive(float x) {
+    const float c = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_floorf(c * 1.44269504088896341f + 0.5f);
+    const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union {
+        int32_t bits;
+        float value;
+    } scale = {.bits = ((int32_t)n + 127) << 23};
+    return x < -87.0f ? 0.0f : p * scale.value;
+}
+
+#endif

@@ -1,0 +1,232 @@
+/* Matmuls for a few activation rows (decode: M <= 16), where every weight byte is used M times
+ * and the time is the time to read the weights: the kernel's job is to stream them at the memory
+ * system's full speed and keep the arithmetic out of the way.
+ *
+ * Weights are packed once (see Matrix in kernels.h): panels of VW output channels, k-major, so a
+ * thread's share of a matrix is one contiguous run of memory read front to back — the pattern
+ * the hardware prefetchers follow best — and each vector load brings VW channels of one input.
+ * For each input k the panel's vector is multiplied by x[m][k] (a broadcast) into row m's
+ * accumulator; no horizontal sums, and the result is a vector of VW outputs.
+ *
+ * Rows are taken MB at a time (a panel is then re-read from L1/L2, not from memory). Each row has
+ * two accumulators (even and odd k), so a single row has two independent FMA chains; the
+ * summation order of a row is fixed — k in order, split even/odd, added at the end — whatever M
+ * and MB are, so a row's result does not depend on the rest of the batch, nor on the vector width.
+ *
+ * int8 panels (weight-only quantization, per-channel symmetric scales) are widened to floats in
+ * registers (vpmovsxbd + vcvtdq2ps) and multiplied by the fp32 activations exactly like the fp32
+ * path; the channel's scale is applied once to the finished sum. Activations stay fp32.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+const char *kernel_isa(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__)
+    return "avx2";
+#else
+    return "generic";
+#endif
+}
+
+int64_t panel_width(void) { return VW; }
+
+/* Software prefetch distance, in k steps of one panel (VW floats or VW bytes each), and the
+ * locality hint. */
+#ifndef PREFETCH_K
+#define PREFETCH_K 16
+#endif
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 0
+#endif
+
+/* out[r] = sum over k of W_panel[k] * x[r][k], rows r < mb; mb is a constant after inlining. */
+static inline __attribute__((always_inline)) void dot_f32(const float *w, const float *x, int64_t ldx, int64_t K, const int mb,
+                                                          vf *out) {
+    vf even[MB], odd[MB];
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) even[r] = odd[r] = (vf){0};
+    int64_t k = 0;
+    for (; k + 1 < K; k += 2) {
+        if (PREFETCH_K > 0) __builtin_prefetch(w + (k + PREFETCH_K) * VW, 0, PREFETCH_LOCALITY);
+        const vf w0 = loadv(w + k * VW), w1 = loadv(w + (k + 1) * VW);
+#pragma GCC unroll 8
+        for (int r = 0; r < mb; r++) {
+            even[r] += w0 * x[r * ldx + k];
+            odd[r] += w1 * x[r * ldx + k + 1];
+        }
+    }
+    if (k < K) {
+        const vf w0 = loadv(w + k * VW);
+#pragma GCC unroll 8
+        for (int r = 0; r < mb; r++) even[r] += w0 * x[r * ldx + k];
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) out[r] = even[r] + odd[r];
+}
+
+static inline __attribute__((always_inline)) void dot_i8(const int8_t *w, const float *x, int64_t ldx, int64_t K, const int mb,
+                                                         vf *out) {
+    vf even[MB], odd[MB];
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) even[r] = odd[r] = (vf){0};
+    int64_t k = 0;
+    for (; k + 1 < K; k += 2) {
+        if (PREFETCH_K > 0) __builtin_prefetch(w + (k + 4 * PREFETCH_K) * VW, 0, PREFETCH_LOCALITY);
+        const vf w0 = loadv_i8(w + k * VW), w1 = loadv_i8(w + (k + 1) * VW);
+#pragma GCC unroll 8
+        for (int r = 0; r < mb; r++) {
+            even[r] += w0 * x[r * ldx + k];
+            odd[r] += w1 * x[r * ldx + k + 1];
+        }
+    }
+    if (k < K) {
+        const vf w0 = loadv_i8(w + k * VW);
+#pragma GCC unroll 8
+        for (int r = 0; r < mb; r++) even[r] += w0 * x[r * ldx + k];
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) out[r] = even[r] + odd[r];
+}
+
+#define DISPATCH(fn, w, x, ldx, K, mb, out) \
+    switch (mb) {                           \
+        case 1: fn(w, x, ldx, K, 1, out); break; \
+        case 2: fn(w, x, ldx, K, 2, out); break; \
+        case 3: fn(w, x, ldx, K, 3, out); break; \
+        case 4: fn(w, x, ldx, K, 4, out); break; \
+        DISPATCH_WIDE(fn, w, x, ldx, K, mb, out) \
+    }
+#if MB == 8
+#define DISPATCH_WIDE(fn, w, x, ldx, K, mb, out) \
+    case 5: fn(w, x, ldx, K, 5, out); break;     \
+    case 6: fn(w, x, ldx, K, 6, out); break;     \
+    case 7: fn(w, x, ldx, K, 7, out); break;     \
+    default: fn(w, x, ldx, K, 8, out); break;
+#else
+#define DISPATCH_WIDE(fn, w, x, ldx, K, mb, out) \
+    default: fn(w, x, ldx, K, 4, out); break;
+#endif
+
+/* Panel p's VW channels (scale and bias applied) for rows [r0, r0 + mb), mb <= MB. */
+static void panel_block(const Matrix *w, int64_t p, const float *x, int64_t ldx, int mb, vf *out) {
+    const int64_t K = w->k;
+    if (w->dtype == WEIGHT_I8) {
+        const int8_t *panel = (const int8_t *)w->panels + p * K * VW;
+        DISPATCH(dot_i8, panel, x, ldx, K, mb, out);
+        const vf scale = loadv(w->scale + p * VW);
+        for (int r = 0; r < mb; r++) out[r] *= scale;
+    } else {
+        const float *panel = (const float *)w->panels + p * K * VW;
+        DISPATCH(dot_f32, panel, x, ldx, K, mb, out);
+    }
+    if (w->bias != NULL) {
+        const vf bias = loadv(w->bias + p * VW);
+        for (int r = 0; r < mb; r++) out[r] += bias;
+    }
+}
+
+/* Writes the first `valid` lanes of v to y (all VW when the panel is full). */
+static inline void put(float *y, vf v, int64_t valid, int mode) {
+    if (valid >= VW) {
+        storev(y, mode == ACCUMULATE ? loadv(y) + v : v);
+        return;
+    }
+    float lanes[VW];
+    storev(lanes, v);
+    for (int64_t i = 0; i < valid; i++) y[i] = mode == ACCUMULATE ? y[i] + lanes[i] : lanes[i];
+}
+
+void matmul_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int64_t p0, int64_t p1,
+                   int mode) {
+    vf out[MB];
+    for (int64_t p = p0; p < p1; p++) {
+        for (int64_t r0 = 0; r0 < m; r0 += MB) {
+            const int mb = m - r0 < MB ? (int)(m - r0) : MB;
+            panel_block(w, p, x + r0 * ldx, ldx, mb, out);
+            for (int r = 0; r < mb; r++) put(y + (r0 + r) * ldy + p * VW, out[r], w->n - p * VW, mode);
+        }
+    }
+}
+
+/* silu(g) = g * sigmoid(g), the sigmoid from exp(-|g|) so the exp never overflows. */
+static inline vf silu(vf g) {
+    float lanes[VW];
+    storev(lanes, g);
+#pragma omp simd
+    for (int i = 0; i < VW; i++) {
+        const float x = lanes[i];
+        const float e = exp_nonpositive(x < 0.0f ? x : -x);
+        lanes[i] = x * (x < 0.0f ? e : 1.0f) / (1.0f + e);
+    }
+    return loadv(lanes);
+}
+
+void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact, int64_t j0, int64_t j1) {
+    vf gate[MB], up[MB];
+    const int64_t width = w->n / 2; /* channels of the activation */
+    for (int64_t j = j0; j < j1; j++) {
+        for (int64_t r0 = 0; r0 < m; r0 += MB) {
+            const int mb = m - r0 < MB ? (int)(m - r0) : MB;
+            panel_block(w, 2 * j, x + r0 * ldx, ldx, mb, gate);
+            panel_block(w, 2 * j + 1, x + r0 * ldx, ldx, mb, up);
+            for (int r = 0; r < mb; r++) put(act + (r0 + r) * ldact + j * VW, silu(gate[r]) * up[r], width - j * VW, STORE);
+        }
+    }
+}
+
+/* The standalone entry point (tests, and any caller outside the decode step): y = x W^T, or
+ * silu(gate) * up when `swiglu`, split by panels over the threads. */
+int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int swiglu, int num_threads) {
+    if (w->dtype == WEIGHT_I8 && w->scale == NULL) return 2;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t lo, hi;
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (swiglu) {
+            thread_share(w->num_panels / 2, t, nt, &lo, &hi);
+            swiglu_panels(w, x, m, ldx, y, ldy, lo, hi);
+        } else {
+            thread_share(w->num_panels, t, nt, &lo, &hi);
+            matmul_panels(w, x, m, ldx, y, ldy, lo, hi, STORE);
+        }
+    }
+    return 0;
+}
+
+/* A STREAM-like read of n floats by num_threads threads (each its contiguous share, 4 vector
+ * accumulators): the best of `repeats` passes, in bytes per second. The denominator of the decode
+ * benchmark's share of the limit. */
+double read_bandwidth(const float *buf, int64_t n, int repeats, int num_threads) {
+    double best = 0.0;
+    volatile float sink = 0.0f;
+    for (int rep = 0; rep < repeats; rep++) {
+        const double start = omp_get_wtime();
+        float total = 0.0f;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+        {
+            int64_t lo, hi;
+            thread_share(n / (4 * VW), omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+            vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t i = lo * 4 * VW; i < hi * 4 * VW; i += 4 * VW) {
+                a0 += loadv(buf + i);
+                a1 += loadv(buf + i + VW);
+                a2 += loadv(buf + i + 2 * VW);
+                a3 += loadv(buf + i + 3 * VW);
+            }
+            const vf a = a0 + a1 + a2 + a3;
+            for (int i = 0; i < VW; i++) total += a[i];
+        }
+        const double seconds = omp_get_wtime() - start;
+        sink = total;
+        const double rate = (double)(n / (4 * VW)) * 4 * VW * sizeof(float) / seconds;
+        best = rate > best ? rate : best;
+    }
+    (void)sink;
+    return best;
+}

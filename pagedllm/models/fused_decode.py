@@ -1,0 +1,145 @@
+"""The fused decode step: a whole small decode step of a Llama-family model in one C call
+(layers/csrc/decode_step.c), for CPUs.
+
+A decode step of a few sequences should cost the time to read the weights once. Through the
+PyTorch modules it costs much more: each of a layer's ~15 ops pays the dispatcher's own cache
+misses after a matmul has streamed its weights through the caches, and oneDNN's small-M
+matmuls stop short of the memory's speed. This module describes the model to the C kernel once
+(pointers to the packed weights of layers/small_matmul.py, the norms, the rotary tables, the KV
+pools) and then runs each qualifying step with one call: steps whose rows are all decodes
+(plain decodes and speculative verification rows), at most `MAX_ROWS` of them, attended with the
+C decode kernel. Everything else — prefills, mixed steps, larger batches — runs through the
+modules, which stay the reference the fused step is tested against (tests/models/test_fused_decode.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+
+import torch
+
+from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.small_matmul import MAX_ROWS, MatrixStruct, PackedWeight
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class LayerStruct(ctypes.Structure):
+    _fields_ = [
+        ("qkv", MatrixStruct), ("o", MatrixStruct), ("gate_up", MatrixStruct), ("down", MatrixStruct),
+        ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
+        ("k_cache", _p), ("v_cache", _p), ("window", _i64),
+    ]
+
+
+class ModelStruct(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
+        ("intermediate", _i64), ("vocab", _i64), ("block_size", _i64), ("eps", _f32), ("attn_scale", _f32),
+        ("embed", _p), ("cos", _p), ("sin", _p), ("final_norm", _p), ("lm_head", ctypes.POINTER(MatrixStruct)),
+        ("layers", ctypes.POINTER(LayerStruct)),
+    ]
+
+
+class StepStruct(ctypes.Structure):
+    _fields_ = [
+        ("rows", _i64), ("token_ids", _p), ("positions", _p), ("slots", _p), ("ctx_lens", _p),
+        ("block_tables", _p), ("max_blocks", _i64), ("logit_rows", _p), ("num_logits", _i64), ("logits", _p),
+    ]
+
+
+class ThreadCount:
+    """Picks the fused step's thread count, 1 or all of torch's, per batch size, by measured step
+    time. Why: a step meets its other thread ~180 times, so whenever another process takes a
+    core and preempts either thread, the other waits for it (a scheduler tick, 4 ms): on a
+    lightly loaded 2-core VM two threads took 17-40 ms a step where one took 16 ms, while on an
+    idle machine two threads read the weights up to twice as fast. The thread count does not
+    change a result (every chunk is computed the same way by whichever thread takes it).
+
+    Each candidate is tried `warmup` times, then the one with the lower recent median runs, and
+    the other is re-tried every `probe_every` steps so a change in the machine's load is noticed."""
+
+    def __init__(self, threads: int, warmup: int = 3, probe_every: int = 32, window: int = 9):
+        self.candidates = [1, threads] if threads > 1 else [1]
+        self.warmup, self.probe_every, self.window = warmup, probe_every, window
+        self.times: dict[int, dict[int, list[float]]] = {}  # rows -> threads -> recent step times
+        self.steps: dict[int, int] = {}
+
+    def choose(self, rows: int) -> int:
+        times = self.times.setdefault(rows, {c: [] for c in self.candidates})
+        step = self.steps[rows] = self.steps.get(rows, 0) + 1
+        untried = [c for c in self.candidates if len(times[c]) < self.warmup]
+        if untried:
+            return untried[0]
+        best = min(self.candidates, key=lambda c: sorted(times[c])[len(times[c]) // 2])
+        if step % self.probe_every == 0:
+            return next(c for c in self.candidates if c != best) if len(self.candidates) > 1 else best
+        return best
+
+    def record(self, rows: int, threads: int, seconds: float) -> None:
+        recent = self.times[rows][threads]
+        recent.append(seconds)
+        del recent[: -self.window]
+
+
+def _packed(linear) -> PackedWeight:
+    if linear.small is None:
+        raise ValueError("the fused decode step needs every linear packed for small-M matmuls")
+    return linear.small
+
+
+class FusedDecoder:
+    """Built once the KV pool is bound to the model's attention layers."""
+
+    def __init__(self, model, library: ctypes.CDLL):
+        cfg = model.config
+        self.library = library
+        self.vocab_size = cfg.vocab_size
+        layers = []
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if attn.attn.k_cache.dtype != torch.float32 or attn.attn.k_cache.numel() == 0:
+                raise ValueError("the fused decode step needs float32 KV caches bound to the model")
+            layers.append(LayerStruct(
+                _packed(attn.qkv_proj).struct(), _packed(attn.o_proj).struct(), _packed(layer.mlp.gate_up_proj).struct(),
+                _packed(layer.mlp.down_proj).struct(), layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None,
+                attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None,
+                attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr(), attn.attn.sliding_window or 0,
+            ))
+        self._layers = (LayerStruct * len(layers))(*layers)
+        self._lm_head = _packed(model.lm_head).struct()
+        self.threads = ThreadCount(torch.get_num_threads())
+        rotary = model.model.rotary
+        self._struct = ModelStruct(
+            cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+            cfg.vocab_size, model.model.layers[0].self_attn.attn.k_cache.shape[1], cfg.rms_norm_eps, cfg.head_dim**-0.5,
+            model.model.embed_tokens.weight.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
+            model.model.norm.weight.data_ptr(), ctypes.pointer(self._lm_head), self._layers,
+        )
+
+    @staticmethod
+    def accepts(meta: AttentionMetadata, num_rows: int) -> bool:
+        """All rows decodes attended by the C kernel (one bucket), at most MAX_ROWS of them."""
+        return meta.kernel_decode and not meta.prefills and len(meta.decodes) == 1 and num_rows <= MAX_ROWS
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 logit_rows: torch.Tensor) -> torch.Tensor:
+        """Logits [len(logit_rows), vocab] of the step's rows; the KV of every row is written."""
+        bucket = meta.decodes[0]
+        tensors = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+                   for t in (input_ids, positions, meta.slot_mapping, bucket.ctx_lens, bucket.block_tables, logit_rows)]
+        ids, pos, slots, lens, tables, rows = tensors
+        logits = torch.empty(rows.shape[0], self.vocab_size, dtype=torch.float32, device=ids.device)
+        step = StepStruct(ids.shape[0], ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), lens.data_ptr(), tables.data_ptr(),
+                          tables.shape[1], rows.data_ptr(), rows.shape[0], logits.data_ptr())
+        threads = self.threads.choose(step.rows)
+        started = time.perf_counter()
+        failed = self.library.decode_step(ctypes.byref(self._struct), ctypes.byref(step), threads)
+        self.threads.record(step.rows, threads, time.perf_counter() - started)
+        if failed == 1:
+            raise MemoryError("fused decode step: out of memory for its scratch space")
+        if failed:
+            raise ValueError("fused decode step: head_dim must be a multiple of 8 and heads a multiple of KV heads")
+        return logits

@@ -1,0 +1,123 @@
+"""The fused decode step (one C call per small all-decode step) against the PyTorch modules, the
+reference: same greedy tokens and logprobs within 1e-4, for every architecture's switches
+(tied embeddings and Llama 3.1 rope scaling, sliding windows, qkv bias, q/k norms), batches
+shrinking from 16 rows to 1, speculative verification rows, and the AVX2 build."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers import kernels
+from pagedllm.layers.small_matmul import MAX_ROWS
+from pagedllm.models.fused_decode import FusedDecoder
+
+pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C compiler on this machine")
+
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+# 16 prompts of different lengths and output lengths: decode steps of 16 rows down to 1.
+PROMPTS = [[3 + (7 * i + j) % 300 for j in range(5 + 3 * i)] for i in range(MAX_ROWS)]
+PARAMS = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True, logprobs=3) for i in range(MAX_ROWS)]
+
+
+@pytest.fixture
+def run(monkeypatch):
+    """run(folder, **engine_args) -> (outputs, the row count of every fused step)."""
+    calls: list[int] = []
+    original = FusedDecoder.__call__
+
+    def counted(self, input_ids, *rest):
+        calls.append(input_ids.shape[0])
+        return original(self, input_ids, *rest)
+
+    monkeypatch.setattr(FusedDecoder, "__call__", counted)
+
+    def go(folder, **engine_args):
+        calls.clear()
+        outputs = LLM(str(folder), **engine_args).generate(PROMPTS, PARAMS, use_tqdm=False)
+        return outputs, list(calls)
+
+    return go
+
+
+def assert_same(fused_outputs, torch_outputs):
+    for a, b in zip(fused_outputs, torch_outputs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for mine, theirs in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for token, entry in mine.items():
+                if token in theirs:
+                    assert abs(entry.logprob - theirs[token].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_step_matches_the_modules(arch, model_dir, run):
+    fused, calls = run(model_dir(arch), decode_backend="fused")
+    reference, none = run(model_dir(arch), decode_backend="torch")
+    assert not none and set(calls) == set(range(1, MAX_ROWS + 1))  # every batch size from 16 down to 1
+    assert_same(fused, reference)
+
+
+def test_the_avx2_build_matches_the_modules(model_dir, monkeypatch, run):
+    avx2 = kernels.load(("-mno-avx512f",))
+    monkeypatch.setattr(kernels, "load", lambda extra_flags=(): avx2)
+    fused, calls = run(model_dir("qwen2"), decode_backend="fused")
+    assert calls
+    reference, _ = run(model_dir("qwen2"), decode_backend="torch")
+    assert_same(fused, reference)
+
+
+def test_int8_fused_step_matches_the_int8_modules(model_dir, run):
+    """Both compute with the same int8 weights (the modules with their dequantized values)."""
+    fused, calls = run(model_dir("llama3"), decode_backend="fused", quantization="int8")
+    reference, _ = run(model_dir("llama3"), decode_backend="torch", quantization="int8")
+    assert calls
+    assert_same(fused, reference)
+
+
+def test_speculative_verification_rows_go_through_the_fused_step(model_dir):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]] * 2
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(str(model_dir("llama")), decode_backend="torch").generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(model_dir("llama")), speculative_config=spec)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_larger_batches_and_prefills_use_the_modules(model_dir):
+    llm = LLM(str(model_dir("llama")))
+    meta_accepts = llm.llm_engine.runner.model.fused.accepts
+    from pagedllm.layers.attention import AttentionMetadata, DecodeBucket, PrefillChunk
+
+    decode = DecodeBucket(0, 1, None, None, {})
+    assert meta_accepts(AttentionMetadata(None, [decode], [], True), MAX_ROWS)
+    assert not meta_accepts(AttentionMetadata(None, [decode], [], True), MAX_ROWS + 1)
+    assert not meta_accepts(AttentionMetadata(None, [decode], [PrefillChunk(1, 4, 4)], True), 5)
+    assert not meta_accepts(AttentionMetadata(None, [decode], [], False), 1)
+
+
+def test_fused_backend_refuses_what_it_cannot_run(model_dir):
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(str(model_dir("llama")), decode_backend="fused", attention_backend="sdpa")
+    with pytest.raises(ValueError, match="float32"):
+        LLM(str(model_dir("llama")), decode_backend="fused", dtype="bfloat16")
+    assert LLM(str(model_dir("llama")), decode_backend="torch").llm_engine.runner.model.fused is None
+
+
+def test_the_thread_count_follows_the_measured_step_times():
+    from pagedllm.models.fused_decode import ThreadCount
+
+    tuner = ThreadCount(2, warmup=2, probe_every=4, window=3)
+
+    def run(cost: dict[int, float], steps: int) -> list[int]:
+        picked = []
+        for _ in range(steps):
+            picked.append(tuner.choose(rows=1))
+            tuner.record(1, picked[-1], cost[picked[-1]])
+        return picked
+
+    # a loaded machine, one thread faster: each tried twice, then one, probing two every 4th step
+    assert run({1: 0.016, 2: 0.030}, 12) == [1, 1, 2, 2, 1, 1, 1, 2, 1, 1, 1, 2]
+    # the machine goes quiet: two probes later (a median of 3) two threads take over
+    assert run({1: 0.016, 2: 0.010}, 12) == [1, 1, 1, 2, 1, 1, 1, 2, 2, 2, 2, 1]
+    assert ThreadCount(1).choose(rows=3) == 1
