@@ -84,7 +84,8 @@ def test_non_streaming_client_that_leaves_is_aborted(server, auth):
     aborted = server.metric("pagedllm_request_success_total", model_name=MAIN, finished_reason="abort")
     body = {"model": MAIN, "prompt": "class Tree:", "max_tokens": LONG, "ignore_eos": True}
     try:
-        httpx.post(server.base_url + "/completions", json=body, headers=auth, timeout=0.5)
+        # leave long before the 1800 tokens are done, even at the fused decode step's speed
+        httpx.post(server.base_url + "/completions", json=body, headers=auth, timeout=httpx.Timeout(5, read=0.1))
     except httpx.ReadTimeout:
         pass
     server.wait_idle(timeout=10)
