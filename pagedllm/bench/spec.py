@@ -59,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=192)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--draft-vocab-size", type=int, default=512,
+                        help="also run the draft scoring only its N most frequent tokens (0: skip)")
     parser.add_argument("--draft", type=Path, default=DRAFT_MODEL, help="draft model folder (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=1, help="requests served at a time (default 1: single stream)")
 
@@ -72,16 +74,19 @@ def run(args: argparse.Namespace) -> int:
     configs = [
         ("no speculation", {}),
         (f"draft model, k={k}", {"speculative_config": {"model": str(args.draft), "num_speculative_tokens": k}}),
+        *([(f"draft, {args.draft_vocab_size} tokens, k={k}", {"speculative_config": {
+            "model": str(args.draft), "num_speculative_tokens": k, "draft_vocab_size": args.draft_vocab_size}})]
+          if args.draft_vocab_size else []),
         (f"n-gram, k={k}", {"speculative_config": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}}),
     ]
     print(f"target {DEFAULT_MODEL.name}, draft {args.draft.name}; {len(prompts)} stdlib completions of {args.prompt_tokens} "
           f"prompt tokens, {args.max_tokens} greedy tokens each, {args.batch} at a time, {torch.get_num_threads()} threads")
     results = [run_config(name, prompts, args.max_tokens, args.batch, engine_args) for name, engine_args in configs]
     base = results[0]
-    print(f"{'configuration':<22} {'tok/s':>8} {'speed-up':>9} {'accepted':>9} {'mean len':>9} {'draft time':>11}")
+    print(f"{'configuration':<30} {'tok/s':>8} {'speed-up':>9} {'accepted':>9} {'mean len':>9} {'draft time':>11}")
     for r in results:
         spec = r["acceptance"] is not None
-        print(f"{r['name']:<22} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:8.2f}x "
+        print(f"{r['name']:<30} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:8.2f}x "
               + (f"{r['acceptance']:8.1%} {r['mean_len']:9.2f} {r['draft_share']:10.1%}" if spec else ""))
         if r["tokens"] != base["tokens"]:
             print(f"  !! {r['name']}: greedy tokens differ from the run without speculation")

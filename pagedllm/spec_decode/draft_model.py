@@ -8,7 +8,8 @@ prefilled, and at each decode the tokens the target has just accepted, before pr
 
 Proposing k tokens takes k forward passes: the first over each sequence's catch-up tokens (the
 last of which yields proposal 1), then one token per pass, the input of each pass being the
-previous pass's proposal, on the device. All passes' metadata is staged at once, and the
+previous pass's proposal, on the device. On a CPU in fp32 the one-token passes run as fused
+decode steps (models/fused_decode.py), one C call each. All passes' metadata is staged at once, and the
 proposals come back to the host in one copy at the end.
 """
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 from pagedllm.config import ModelConfig, ModelLoadError
 from pagedllm.spec_decode import draft_vocab
 from pagedllm.engine.scheduler_output import SampleRow, ScheduledChunk
+from pagedllm.layers import kernels
 from pagedllm.layers.paged_decode import kernel_supported
+from pagedllm.models.fused_decode import FusedDecoder
 from pagedllm.layers.sampler import Sampler
 from pagedllm.models.loader import load_model
 from pagedllm.worker.input_batch import attention_metadata, stage_batch
@@ -54,7 +57,9 @@ class DraftModel:
                 f"the draft model allows {config.max_position_embeddings} positions, fewer than max_model_len={max_model_len}")
         self.model_config = config
         subset = draft_vocab.read(path, config.vocab_size)[:vocab_size] if vocab_size is not None else None
-        self.model = load_model(config, max_model_len, dtype, device, logit_token_ids=subset)
+        self.library = _fused_library(config, dtype, device)
+        panels = self.library.panel_width() if self.library is not None else None
+        self.model = load_model(config, max_model_len, dtype, device, logit_token_ids=subset, panel_width=panels)
         # column of the draft's logits -> token id (None: the whole vocabulary, in order)
         self.vocab = torch.tensor(subset, device=device) if subset is not None else None
         self.full_vocab_size = config.vocab_size
@@ -73,6 +78,8 @@ class DraftModel:
         for index, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(*self.kv_cache.layer(index))
         self.kernel_decode = kernel_decode and kernel_supported(self.kv_cache.layer(0)[0])
+        if self.library is not None and self.kernel_decode:
+            self.model.fused = FusedDecoder(self.model, self.library)  # the one-token passes: one C call each
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], sampler: Sampler, generator_for: Callable[[SampleRow], torch.Generator],
@@ -92,10 +99,10 @@ class DraftModel:
             prefix = f"d{j}."
             meta = attention_metadata(layout, views, kernel_decode, block_size, self.windows, self.dtype, prefix)
             ids = views[prefix + "input_ids"] if j == 1 else latest.index_select(0, views[prefix + "feed"])
-            hidden = self.model(ids, views[prefix + "positions"], meta)
             if not members:
+                self.model(ids, views[prefix + "positions"], meta)  # catching up only: KV, no logits
                 continue
-            logits = self.model.compute_logits(hidden.index_select(0, views[prefix + "logit_rows"]))
+            logits = self.model.step_logits(ids, views[prefix + "positions"], meta, views[prefix + "logit_rows"])
             rows = [requests[proposing[m]].row for m in members]
             tokens = self._sample(logits, plan, views, sampler, lambda r: generator_for(rows[r]), rows, probs)
             member_index = views[prefix + "members"]
@@ -149,6 +156,13 @@ class DraftModel:
     def forget(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.probs.pop(seq_id, None)
+
+
+def _fused_library(config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    """The CPU kernels, when the draft's one-token passes can run as fused decode steps."""
+    if device.type != "cpu" or dtype != torch.float32 or config.head_dim % 8 or config.moe is not None:
+        return None
+    return kernels.load()
 
 
 def proposal_row(row: SampleRow) -> SampleRow:
