@@ -80,3 +80,16 @@ def test_a_prompt_larger_than_the_buffer_is_rejected_up_front(six_layers):
 def test_offload_rejects_what_it_cannot_do(six_layers, args, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(six_layers[0]), kv_offload=True, **args)
+
+
+def test_forked_samples_copy_on_write_in_the_host_pool(six_layers):
+    """n > 1 forks share the prompt's partly filled block; its copy-on-write happens in the host
+    pool, and the samples equal the resident engine's (same seeds, same arithmetic)."""
+    folder, _ = six_layers
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    prompt = {"prompt_token_ids": PROMPTS[2]}  # 170 tokens: the last block is partly filled
+    resident = LLM(str(folder), block_size=BLOCK).generate([prompt], params, use_tqdm=False)[0]
+    llm = LLM(str(folder), block_size=BLOCK, kv_offload=True, kv_offload_device_memory=device_budget(folder, 8))
+    offloaded = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in offloaded.outputs] == [c.token_ids for c in resident.outputs]
+    assert len({tuple(c.token_ids) for c in offloaded.outputs}) > 1
