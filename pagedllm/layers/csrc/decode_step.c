@@ -107,10 +107,12 @@ typedef struct {
     int64_t qkv_ld, norm_ld;
 } Scratch;
 
-/* One stage's chunk counters, on their own cache line. */
+/* One stage's counters, on their own cache line: `claimed` hands out the items of a small stage
+ * in order; a matrix stage's chunks are claimed through their flags in `taken`. */
 typedef struct {
     _Atomic int64_t claimed, done;
-    char pad[64 - 2 * sizeof(int64_t)];
+    _Atomic unsigned char *taken;
+    char pad[64 - 2 * sizeof(int64_t) - sizeof(void *)];
 } Stage;
 
 enum { STAGES_PER_LAYER = 6 };
@@ -136,16 +138,59 @@ static void await(Stage *stage, int64_t n) {
     }
 }
 
-/* Chunks of a matrix's panels: ~8 per thread, so a slow thread holds back little. */
+/* Chunks of a matrix's panels: ~8 per thread, so a slow thread holds back little; at most
+ * MAX_CHUNKS_PER_THREAD * nt of them. */
+#ifndef CHUNKS_PER_THREAD
+#define CHUNKS_PER_THREAD 8
+#endif
+#define MAX_CHUNKS_PER_THREAD (2 * CHUNKS_PER_THREAD)
 static inline int64_t chunk_panels(int64_t panels, int nt) {
-    const int64_t per = panels / (8 * nt);
+    const int64_t per = panels / (CHUNKS_PER_THREAD * nt);
     return per > 0 ? per : 1;
 }
 
+static inline int take(Stage *stage, int64_t c) {
+    return !atomic_load_explicit(&stage->taken[c], memory_order_relaxed) &&
+           !atomic_exchange_explicit(&stage->taken[c], 1, memory_order_relaxed);
+}
+
+/* A thread's walk over a matrix stage's n chunks: its own share [n t / nt, n (t + 1) / nt) front
+ * to back, then the other threads' shares back to front. A share's chunks are adjacent in memory,
+ * so a thread streams one contiguous run of weights (the hardware prefetchers' stream never
+ * restarts), and only a thread that runs out of its own work takes another's last chunks. Handing
+ * chunks out in order from one counter instead interleaves the threads' reads chunk by chunk, and
+ * every chunk starts a new stream (docs/engine.md has the measurement). */
+typedef struct {
+    int64_t n, lo, hi, i;
+    int t, nt, walked;
+} Walk;
+
+static Walk walk_start(int64_t n, int t, int nt) {
+    Walk w = {n, 0, 0, 0, t, nt, 0};
+    thread_share(n, t, nt, &w.lo, &w.hi);
+    return w;
+}
+
+/* The next chunk this thread claims, or -1 when every chunk is taken. */
+static int64_t next_chunk(Stage *stage, Walk *w) {
+    for (;;) {
+        if (w->i == w->hi - w->lo) {
+            if (++w->walked == w->nt) return -1;
+            thread_share(w->n, (w->t + w->walked) % w->nt, w->nt, &w->lo, &w->hi);
+            w->i = 0;
+            continue;
+        }
+        const int64_t c = w->walked == 0 ? w->lo + w->i : w->hi - 1 - w->i;
+        w->i++;
+        if (take(stage, c)) return c;
+    }
+}
+
 static void matmul_stage(Stage *stage, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int mode,
-                         int nt) {
+                         int t, int nt) {
     const int64_t per = chunk_panels(w->num_panels, nt), n = (w->num_panels + per - 1) / per;
-    for (int64_t c; (c = claim(stage)) < n; finish(stage)) {
+    Walk walk = walk_start(n, t, nt);
+    for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage)) {
         const int64_t hi = (c + 1) * per < w->num_panels ? (c + 1) * per : w->num_panels;
         matmul_panels(w, x, m, ldx, y, ldy, c * per, hi, mode);
     }
@@ -153,9 +198,10 @@ static void matmul_stage(Stage *stage, const Matrix *w, const float *x, int64_t 
 }
 
 static void swiglu_stage(Stage *stage, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact,
-                         int nt) {
+                         int t, int nt) {
     const int64_t pairs = w->num_panels / 2, per = chunk_panels(pairs, nt), n = (pairs + per - 1) / per;
-    for (int64_t c; (c = claim(stage)) < n; finish(stage))
+    Walk walk = walk_start(n, t, nt);
+    for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage))
         swiglu_panels(w, x, m, ldx, act, ldact, c * per, (c + 1) * per < pairs ? (c + 1) * per : pairs);
     await(stage, n);
 }
@@ -169,7 +215,7 @@ static int layer_step(const Model *md, const Layer *ly, const Step *st, const Sc
     int failed = 0;
 
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->input_norm, H, md->eps, norm + r * H);
-    matmul_stage(&stages[0], &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, nt);
+    matmul_stage(&stages[0], &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, t, nt);
     for (int64_t i; (i = claim(&stages[1])) < R * Hkv; finish(&stages[1]))
         prepare_head(md, ly, st, sc->qkv, sc->qkv_ld, i / Hkv, i % Hkv);
     await(&stages[1], R * Hkv);
@@ -179,10 +225,10 @@ static int layer_step(const Model *md, const Layer *ly, const Step *st, const Sc
                                   st->ctx_lens[r], ly->window, md->attn_scale, shape, h, h + 1, sc->attn + r * q_width);
     }
     await(&stages[2], R * Hkv);
-    matmul_stage(&stages[3], &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, nt);
+    matmul_stage(&stages[3], &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, t, nt);
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->post_norm, H, md->eps, norm + r * H);
-    swiglu_stage(&stages[4], &ly->gate_up, norm, R, H, sc->act, md->intermediate, nt);
-    matmul_stage(&stages[5], &ly->down, sc->act, R, md->intermediate, sc->x, H, ACCUMULATE, nt);
+    swiglu_stage(&stages[4], &ly->gate_up, norm, R, H, sc->act, md->intermediate, t, nt);
+    matmul_stage(&stages[5], &ly->down, sc->act, R, md->intermediate, sc->x, H, ACCUMULATE, t, nt);
     return failed;
 }
 
@@ -194,12 +240,16 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     sc.norm_ld = R * H;
     const int64_t floats = R * H + num_threads * sc.norm_ld + R * sc.qkv_ld + R * md->num_heads * D + R * md->intermediate;
     float *scratch = malloc(sizeof(float) * floats);
-    Stage *stages = calloc(md->num_layers * STAGES_PER_LAYER + 1, sizeof(Stage));
-    if (scratch == NULL || stages == NULL) {
+    const int64_t num_stages = md->num_layers * STAGES_PER_LAYER + 1, max_chunks = MAX_CHUNKS_PER_THREAD * num_threads;
+    Stage *stages = calloc(num_stages, sizeof(Stage));
+    _Atomic unsigned char *taken = calloc(num_stages * max_chunks, 1);
+    if (scratch == NULL || stages == NULL || taken == NULL) {
         free(scratch);
         free(stages);
+        free((void *)taken);
         return 1;
     }
+    for (int64_t i = 0; i < num_stages; i++) stages[i].taken = taken + i * max_chunks;
     sc.x = scratch;
     sc.norm = sc.x + R * H;
     sc.qkv = sc.norm + num_threads * sc.norm_ld;
@@ -216,8 +266,9 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
         float *norm = sc.norm + t * sc.norm_ld;
         for (int64_t i = 0; i < st->num_logits; i++) rmsnorm(sc.x + st->logit_rows[i] * H, md->final_norm, H, md->eps, norm + i * H);
         matmul_stage(&stages[md->num_layers * STAGES_PER_LAYER], md->lm_head, norm, st->num_logits, H, st->logits, md->vocab,
-                     STORE, nt);
+                     STORE, t, nt);
     }
+    free((void *)taken);
     free(stages);
     free(scratch);
     return failed;

@@ -201,7 +201,10 @@ int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, float 
 
 /* A STREAM-like read of n floats by num_threads threads (each its contiguous share, 4 vector
  * accumulators): the best of `repeats` passes, in bytes per second. The denominator of the decode
- * benchmark's share of the limit. */
+ * benchmark's share of the limit, so it reads the way the matmuls do, with a non-temporal
+ * software prefetch ahead of the loads: on an AMD EPYC VM that read ~10 % faster than the
+ * hardware prefetchers alone, and a limit below what a kernel reaches would flatter it. */
+#define READ_AHEAD_FLOATS 2048 /* 8 KB */
 double read_bandwidth(const float *buf, int64_t n, int repeats, int num_threads) {
     double best = 0.0;
     volatile float sink = 0.0f;
@@ -214,6 +217,7 @@ double read_bandwidth(const float *buf, int64_t n, int repeats, int num_threads)
             thread_share(n / (4 * VW), omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
             vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int64_t i = lo * 4 * VW; i < hi * 4 * VW; i += 4 * VW) {
+                __builtin_prefetch(buf + i + READ_AHEAD_FLOATS, 0, 0);
                 a0 += loadv(buf + i);
                 a1 += loadv(buf + i + VW);
                 a2 += loadv(buf + i + 2 * VW);
