@@ -25,6 +25,7 @@ from pagedllm.engine.scheduler_output import SampleRow, ScheduledChunk
 from pagedllm.layers import kernels
 from pagedllm.layers.paged_decode import kernel_supported
 from pagedllm.models.fused_decode import FusedDecoder
+from pagedllm.layers.small_matmul import MAX_ROWS
 from pagedllm.layers.sampler import Sampler
 from pagedllm.models.loader import load_model
 from pagedllm.worker.input_batch import attention_metadata, stage_batch
@@ -114,13 +115,20 @@ class DraftModel:
         return {requests[i].seq_id: [t for t in values[m] if t >= 0] for m, i in enumerate(proposing)}
 
     def _stage_first_pass(self, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_decode: bool):
-        chunks = [ScheduledChunk(r.seq_id, r.start, r.tokens, r.block_table) for r in requests]
+        chunks = [ScheduledChunk(r.seq_id, r.start, r.tokens, r.block_table, num_spec=self._catch_up_rows(r)) for r in requests]
         layout = stage_batch(chunks, block_size, kernel_decode, staging, "d1.")
         members = list(range(len(proposing)))
         staging.add("d1.logit_rows", [layout.last_rows[i] for i in proposing])
         staging.add("d1.members", members)
         plan = stage_sampling([requests[i].row for i in proposing], staging, "d1.s.") if proposing else None
         return layout, members, plan
+
+    def _catch_up_rows(self, request: DraftRequest) -> int:
+        """A proposing decode's catch-up (the tokens the target just accepted) is laid out as
+        decode rows, each attending to the context up to its position, like a verification, so
+        the pass can run as a fused decode step; a prompt chunk stays a prefill."""
+        short = len(request.tokens) <= MAX_ROWS  # at most what one fused step takes
+        return len(request.tokens) - 1 if request.num_proposals > 0 and short else 0
 
     def _stage_pass(self, j: int, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_decode: bool):
         """Pass j feeds proposal j-1 of each request proposing >= j tokens, at its position."""

@@ -52,6 +52,21 @@ def test_greedy_is_unchanged_by_speculation(arch, method, model_dir, draft_dir, 
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
 
 
+def test_a_draft_equal_to_the_target_has_every_proposal_accepted(model_dir):
+    """The draft's KV bookkeeping is exact — prompts mirrored, the tokens the target accepted
+    caught up as decode rows, proposals fed back — so a draft that is the target itself proposes
+    the target's own greedy tokens and every one is accepted; the catch-ups ran as fused steps."""
+    folder = str(model_dir("llama"))
+    llm = LLM(folder, speculative_config={"model": folder, "num_speculative_tokens": 3})
+    prompt = PROMPTS[:1]  # one sequence: a draft step of several rows is a catch-up
+    assert greedy_tokens(llm, prompt) == greedy_tokens(LLM(folder), prompt)
+    stats = llm.get_stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+    draft = llm.llm_engine.runner.speculator.draft
+    assert any(rows > 1 for rows in draft.model.fused.threads.steps), "no catch-up ran as a fused step"
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("mode", SPEC_MODES)
 def test_greedy_is_unchanged_in_every_engine_mode(mode, method, model_dir, draft_dir, reference):
