@@ -6,12 +6,17 @@ own code base would be), each completed for --max-tokens greedy tokens with igno
 target is the default model (models/pagedllm-py-tiny); the draft is models/pagedllm-py-draft,
 trained by our trainer on the same corpus with the same tokenizer. Every configuration serves the
 same requests one at a time (single stream: a user of `pagedllm serve` at concurrency 1), after
-a warm-up; with --batch N also N at a time. Greedy outputs must equal the plain run's (checked).
+a warm-up; with --batch N, N at a time. Greedy outputs must equal the plain run's (checked).
+
+The machine's speed drifts by tens of percent from one minute to the next (a shared host), so
+the configurations take turns over several rounds, each kept loaded, and a configuration's
+speed-up is the median over rounds of its rate against the plain engine's in the same round.
 """
 from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import sysconfig
 import time
 from pathlib import Path
@@ -20,6 +25,9 @@ import torch
 
 from pagedllm.paths import DEFAULT_MODEL, DRAFT_MODEL
 
+# Every configuration's engine stays loaded, each with this KV budget (~40k tokens of the default
+# model; the workload needs at most 8 x 320).
+KV_CACHE_MEMORY = 256 << 20
 SOURCES = ("argparse.py", "textwrap.py", "difflib.py", "pathlib.py", "inspect.py", "typing.py", "ast.py", "shlex.py")
 
 
@@ -37,12 +45,19 @@ def make_prompts(tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
     return prompts
 
 
-def run_config(name: str, prompts: list[list[int]], max_tokens: int, batch: int, engine_args: dict) -> dict:
+def make_llm(engine_args: dict):
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(str(DEFAULT_MODEL), **engine_args)
+    llm = LLM(str(DEFAULT_MODEL), kv_cache_memory=KV_CACHE_MEMORY, **engine_args)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # warm-up
+    return llm
+
+
+def run_config(llm, prompts: list[list[int]], max_tokens: int, batch: int) -> dict:
+    """One pass over the prompts; tokens/s and the engine's speculation statistics so far."""
+    from pagedllm import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     outputs = []
     start = time.perf_counter()
     for first in range(0, len(prompts), batch):
@@ -50,7 +65,7 @@ def run_config(name: str, prompts: list[list[int]], max_tokens: int, batch: int,
         outputs += [o.outputs[0].token_ids for o in llm.generate(group, params, use_tqdm=False)]
     elapsed = time.perf_counter() - start
     stats = llm.get_stats()
-    return {"name": name, "tokens": outputs, "tok_s": sum(map(len, outputs)) / elapsed, "seconds": elapsed,
+    return {"tokens": outputs, "tok_s": sum(map(len, outputs)) / elapsed, "seconds": elapsed,
             "acceptance": stats.get("spec_decode_acceptance_rate"), "mean_len": stats.get("spec_decode_mean_accepted_length"),
             "draft_share": stats.get("spec_decode_draft_time_share")}
 
@@ -64,6 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run the draft scoring only its N most frequent tokens (0: skip)")
     parser.add_argument("--draft", type=Path, default=DRAFT_MODEL, help="draft model folder (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=1, help="requests served at a time (default 1: single stream)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="passes over the prompts, the configurations taking turns within each (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,15 +97,22 @@ def run(args: argparse.Namespace) -> int:
         (f"n-gram, k={k}", {"speculative_config": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}}),
     ]
     print(f"target {DEFAULT_MODEL.name}, draft {args.draft.name}; {len(prompts)} stdlib completions of {args.prompt_tokens} "
-          f"prompt tokens, {args.max_tokens} greedy tokens each, {args.batch} at a time, {torch.get_num_threads()} threads")
-    results = [run_config(name, prompts, args.max_tokens, args.batch, engine_args) for name, engine_args in configs]
-    base = results[0]
-    print(f"{'configuration':<30} {'tok/s':>8} {'speed-up':>9} {'accepted':>9} {'mean len':>9} {'draft time':>11}")
-    for r in results:
-        spec = r["acceptance"] is not None
-        print(f"{r['name']:<30} {r['tok_s']:8.1f} {r['tok_s'] / base['tok_s']:8.2f}x "
-              + (f"{r['acceptance']:8.1%} {r['mean_len']:9.2f} {r['draft_share']:10.1%}" if spec else ""))
-        if r["tokens"] != base["tokens"]:
-            print(f"  !! {r['name']}: greedy tokens differ from the run without speculation")
+          f"prompt tokens, {args.max_tokens} greedy tokens each, {args.batch} at a time, {torch.get_num_threads()} threads; "
+          f"{args.rounds} rounds, the configurations taking turns")
+    llms = [make_llm(engine_args) for _, engine_args in configs]
+    rounds = [[run_config(llm, prompts, args.max_tokens, args.batch) for llm in llms] for _ in range(args.rounds)]
+    base_tokens = rounds[0][0]["tokens"]
+    print(f"{'configuration':<30} {'tok/s (median)':>15} {'speed-up (median of rounds)':>28} {'accepted':>9} {'mean len':>9} "
+          f"{'draft time':>11}")
+    for index, (name, _) in enumerate(configs):
+        runs = [r[index] for r in rounds]
+        speedups = [run["tok_s"] / r[0]["tok_s"] for run, r in zip(runs, rounds)]
+        last = runs[-1]
+        spec = last["acceptance"] is not None
+        print(f"{name:<30} {statistics.median(r['tok_s'] for r in runs):15.1f} {statistics.median(speedups):10.2f}x "
+              f"({', '.join(f'{x:.2f}' for x in speedups)}) "
+              + (f"{last['acceptance']:8.1%} {last['mean_len']:9.2f} {last['draft_share']:10.1%}" if spec else ""))
+        if any(run["tokens"] != base_tokens for run in runs):
+            print(f"  !! {name}: greedy tokens differ from the run without speculation")
             return 1
     return 0
