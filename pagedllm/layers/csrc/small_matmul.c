@@ -45,16 +45,23 @@ int64_t panel_width(void) { return VW; }
 #define PREFETCH_LOCALITY 0
 #endif
 
-/* out[r] = sum over k of W_panel[k] * x[r][k], rows r < mb; mb is a constant after inlining. */
-static inline __attribute__((always_inline)) void dot_f32(const float *w, const float *x, int64_t ldx, int64_t K, const int mb,
-                                                          vf *out) {
+/* Input k's VW weights of a panel as floats: fp32 as stored, int8 widened in registers. */
+static inline __attribute__((always_inline)) vf panel_weights(const void *w, int64_t k, const int i8) {
+    return i8 ? loadv_i8((const int8_t *)w + k * VW) : loadv((const float *)w + k * VW);
+}
+
+/* out[r] = sum over k of W_panel[k] * x[r][k], rows r < mb; mb and i8 are constants after
+ * inlining. The prefetch runs the same number of bytes ahead for both widths. */
+static inline __attribute__((always_inline)) void dot(const void *w, const int i8, const float *x, int64_t ldx, int64_t K,
+                                                      const int mb, vf *out) {
+    const int64_t bytes_per_k = i8 ? VW : VW * (int64_t)sizeof(float), ahead_k = i8 ? 4 * PREFETCH_K : PREFETCH_K;
     vf even[MB], odd[MB];
 #pragma GCC unroll 8
     for (int r = 0; r < mb; r++) even[r] = odd[r] = (vf){0};
     int64_t k = 0;
     for (; k + 1 < K; k += 2) {
-        if (PREFETCH_K > 0) __builtin_prefetch(w + (k + PREFETCH_K) * VW, 0, PREFETCH_LOCALITY);
-        const vf w0 = loadv(w + k * VW), w1 = loadv(w + (k + 1) * VW);
+        if (PREFETCH_K > 0) __builtin_prefetch((const char *)w + (k + ahead_k) * bytes_per_k, 0, PREFETCH_LOCALITY);
+        const vf w0 = panel_weights(w, k, i8), w1 = panel_weights(w, k + 1, i8);
 #pragma GCC unroll 8
         for (int r = 0; r < mb; r++) {
             even[r] += w0 * x[r * ldx + k];
@@ -62,7 +69,7 @@ static inline __attribute__((always_inline)) void dot_f32(const float *w, const 
         }
     }
     if (k < K) {
-        const vf w0 = loadv(w + k * VW);
+        const vf w0 = panel_weights(w, k, i8);
 #pragma GCC unroll 8
         for (int r = 0; r < mb; r++) even[r] += w0 * x[r * ldx + k];
     }
@@ -70,47 +77,23 @@ static inline __attribute__((always_inline)) void dot_f32(const float *w, const 
     for (int r = 0; r < mb; r++) out[r] = even[r] + odd[r];
 }
 
-static inline __attribute__((always_inline)) void dot_i8(const int8_t *w, const float *x, int64_t ldx, int64_t K, const int mb,
-                                                         vf *out) {
-    vf even[MB], odd[MB];
-#pragma GCC unroll 8
-    for (int r = 0; r < mb; r++) even[r] = odd[r] = (vf){0};
-    int64_t k = 0;
-    for (; k + 1 < K; k += 2) {
-        if (PREFETCH_K > 0) __builtin_prefetch(w + (k + 4 * PREFETCH_K) * VW, 0, PREFETCH_LOCALITY);
-        const vf w0 = loadv_i8(w + k * VW), w1 = loadv_i8(w + (k + 1) * VW);
-#pragma GCC unroll 8
-        for (int r = 0; r < mb; r++) {
-            even[r] += w0 * x[r * ldx + k];
-            odd[r] += w1 * x[r * ldx + k + 1];
-        }
-    }
-    if (k < K) {
-        const vf w0 = loadv_i8(w + k * VW);
-#pragma GCC unroll 8
-        for (int r = 0; r < mb; r++) even[r] += w0 * x[r * ldx + k];
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < mb; r++) out[r] = even[r] + odd[r];
-}
-
-#define DISPATCH(fn, w, x, ldx, K, mb, out) \
-    switch (mb) {                           \
-        case 1: fn(w, x, ldx, K, 1, out); break; \
-        case 2: fn(w, x, ldx, K, 2, out); break; \
-        case 3: fn(w, x, ldx, K, 3, out); break; \
-        case 4: fn(w, x, ldx, K, 4, out); break; \
-        DISPATCH_WIDE(fn, w, x, ldx, K, mb, out) \
+#define DISPATCH(i8, w, x, ldx, K, mb, out)        \
+    switch (mb) {                                  \
+        case 1: dot(w, i8, x, ldx, K, 1, out); break; \
+        case 2: dot(w, i8, x, ldx, K, 2, out); break; \
+        case 3: dot(w, i8, x, ldx, K, 3, out); break; \
+        case 4: dot(w, i8, x, ldx, K, 4, out); break; \
+        DISPATCH_WIDE(i8, w, x, ldx, K, mb, out)   \
     }
 #if MB == 8
-#define DISPATCH_WIDE(fn, w, x, ldx, K, mb, out) \
-    case 5: fn(w, x, ldx, K, 5, out); break;     \
-    case 6: fn(w, x, ldx, K, 6, out); break;     \
-    case 7: fn(w, x, ldx, K, 7, out); break;     \
-    default: fn(w, x, ldx, K, 8, out); break;
+#define DISPATCH_WIDE(i8, w, x, ldx, K, mb, out)   \
+    case 5: dot(w, i8, x, ldx, K, 5, out); break;  \
+    case 6: dot(w, i8, x, ldx, K, 6, out); break;  \
+    case 7: dot(w, i8, x, ldx, K, 7, out); break;  \
+    default: dot(w, i8, x, ldx, K, 8, out); break;
 #else
-#define DISPATCH_WIDE(fn, w, x, ldx, K, mb, out) \
-    default: fn(w, x, ldx, K, 4, out); break;
+#define DISPATCH_WIDE(i8, w, x, ldx, K, mb, out) \
+    default: dot(w, i8, x, ldx, K, 4, out); break;
 #endif
 
 /* Panel p's VW channels (scale and bias applied) for rows [r0, r0 + mb), mb <= MB. */
@@ -118,12 +101,12 @@ static void panel_block(const Matrix *w, int64_t p, const float *x, int64_t ldx,
     const int64_t K = w->k;
     if (w->dtype == WEIGHT_I8) {
         const int8_t *panel = (const int8_t *)w->panels + p * K * VW;
-        DISPATCH(dot_i8, panel, x, ldx, K, mb, out);
+        DISPATCH(1, panel, x, ldx, K, mb, out);
         const vf scale = loadv(w->scale + p * VW);
         for (int r = 0; r < mb; r++) out[r] *= scale;
     } else {
         const float *panel = (const float *)w->panels + p * K * VW;
-        DISPATCH(dot_f32, panel, x, ldx, K, mb, out);
+        DISPATCH(0, panel, x, ldx, K, mb, out);
     }
     if (w->bias != NULL) {
         const vf bias = loadv(w->bias + p * VW);
