@@ -23,6 +23,7 @@ shares next to the share of the best rate against the best bandwidth of the whol
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import tempfile
@@ -37,10 +38,16 @@ from pagedllm.bench.peak import measure_matmul_peak
 from pagedllm.layers import kernels
 
 
+@functools.cache
+def _read_buffer(size_bytes: int) -> torch.Tensor:
+    """Allocated and touched once: the bandwidth is read before and after every timed run."""
+    return torch.ones(size_bytes // 4)
+
+
 def read_bandwidth(repeats: int = 5, size_bytes: int = 1 << 30) -> float:
     """Bytes/s of a read of `size_bytes` (32x an L3 of 32 MiB) with torch's thread count: the
     kernel library's vector read, or torch's sum without a compiler."""
-    buffer = torch.ones(size_bytes // 4)
+    buffer = _read_buffer(size_bytes)
     library = kernels.load()
     if library is not None:
         return library.read_bandwidth(buffer.data_ptr(), buffer.numel(), repeats, torch.get_num_threads())

@@ -8,7 +8,8 @@
  * short of the memory's speed. Here the threads enter one OpenMP parallel region for the whole
  * step. A step is a fixed sequence of stages, each a set of chunks (a few panels of a packed
  * weight, or one (row, KV head) of attention); a thread claims a stage's chunks one at a time
- * from an atomic counter, streams its chunk's weights (small_matmul.c) and applies the epilogue
+ * through atomics (a matrix's: its own share first, see Walk), streams its chunk's weights
+ * (small_matmul.c) and applies the epilogue
  * — bias, residual add, SiLU x up — while the outputs are in registers, and moves to the next
  * stage once every chunk of this one is done. Why not OpenMP barriers: on a machine whose cores
  * are shared (a co-runner, or both threads put on one core) a barrier waits for every thread
@@ -140,10 +141,7 @@ static void await(Stage *stage, int64_t n) {
 
 /* Chunks of a matrix's panels: ~8 per thread, so a slow thread holds back little; at most
  * MAX_CHUNKS_PER_THREAD * nt of them. */
-#ifndef CHUNKS_PER_THREAD
-#define CHUNKS_PER_THREAD 8
-#endif
-#define MAX_CHUNKS_PER_THREAD (2 * CHUNKS_PER_THREAD)
+enum { CHUNKS_PER_THREAD = 8, MAX_CHUNKS_PER_THREAD = 2 * CHUNKS_PER_THREAD };
 static inline int64_t chunk_panels(int64_t panels, int nt) {
     const int64_t per = panels / (CHUNKS_PER_THREAD * nt);
     return per > 0 ? per : 1;
