@@ -56,30 +56,47 @@ class ThreadCount:
     idle machine two threads read the weights up to twice as fast. The thread count does not
     change a result (every chunk is computed the same way by whichever thread takes it).
 
-    Each candidate is tried `warmup` times, then the one with the lower recent median runs, and
-    the other is re-tried every `probe_every` steps so a change in the machine's load is noticed."""
+    Each candidate is tried `warmup` times, then the one with the lower recent median runs and
+    the other is re-tried now and then so a change in the machine's load is noticed. A probe
+    costs a step at the slower count, so the interval between probes doubles, from
+    `probe_every` up to `max_probe_every` steps, while probes keep losing, and drops back to
+    `probe_every` when one is faster than the current choice's median."""
 
-    def __init__(self, threads: int, warmup: int = 3, probe_every: int = 32, window: int = 9):
+    def __init__(self, threads: int, warmup: int = 3, probe_every: int = 32, window: int = 9, max_probe_every: int = 512):
         self.candidates = [1, threads] if threads > 1 else [1]
-        self.warmup, self.probe_every, self.window = warmup, probe_every, window
+        self.warmup, self.window = warmup, window
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.times: dict[int, dict[int, list[float]]] = {}  # rows -> threads -> recent step times
-        self.steps: dict[int, int] = {}
+        self.next_probe: dict[int, int] = {}  # rows -> steps until the next probe
+        self.interval: dict[int, int] = {}  # rows -> the current interval between probes
 
     def choose(self, rows: int) -> int:
         times = self.times.setdefault(rows, {c: [] for c in self.candidates})
-        step = self.steps[rows] = self.steps.get(rows, 0) + 1
         untried = [c for c in self.candidates if len(times[c]) < self.warmup]
         if untried:
             return untried[0]
-        best = min(self.candidates, key=lambda c: sorted(times[c])[len(times[c]) // 2])
-        if step % self.probe_every == 0:
-            return next(c for c in self.candidates if c != best) if len(self.candidates) > 1 else best
-        return best
+        best = self._best(rows)
+        if len(self.candidates) == 1:
+            return best
+        self.next_probe[rows] = self.next_probe.get(rows, self.probe_every) - 1
+        return next(c for c in self.candidates if c != best) if self.next_probe[rows] <= 0 else best
 
     def record(self, rows: int, threads: int, seconds: float) -> None:
         recent = self.times[rows][threads]
+        if self.next_probe.get(rows, 1) <= 0:  # this step was a probe
+            best = self._median(rows, self._best(rows))
+            interval = self.interval.get(rows, self.probe_every)
+            self.interval[rows] = self.probe_every if seconds < best else min(2 * interval, self.max_probe_every)
+            self.next_probe[rows] = self.interval[rows]
         recent.append(seconds)
         del recent[: -self.window]
+
+    def _median(self, rows: int, threads: int) -> float:
+        recent = sorted(self.times[rows][threads])
+        return recent[len(recent) // 2]
+
+    def _best(self, rows: int) -> int:
+        return min(self.candidates, key=lambda c: self._median(rows, c))
 
 
 def _packed(linear) -> PackedWeight:

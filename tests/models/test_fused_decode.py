@@ -116,8 +116,10 @@ def test_the_thread_count_follows_the_measured_step_times():
             tuner.record(1, picked[-1], cost[picked[-1]])
         return picked
 
-    # a loaded machine, one thread faster: each tried twice, then one, probing two every 4th step
-    assert run({1: 0.016, 2: 0.030}, 12) == [1, 1, 2, 2, 1, 1, 1, 2, 1, 1, 1, 2]
-    # the machine goes quiet: two probes later (a median of 3) two threads take over
-    assert run({1: 0.016, 2: 0.010}, 12) == [1, 1, 1, 2, 1, 1, 1, 2, 2, 2, 2, 1]
+    # a loaded machine, one thread faster: each tried twice, then one; the probes of two lose, so
+    # they come 4, 8, then 16 steps apart
+    assert run({1: 0.016, 2: 0.030}, 24) == [1, 1, 2, 2] + [1, 1, 1, 2] + [1] * 7 + [2] + [1] * 8
+    # the machine goes quiet: the next probe wins, so probes come every 4 steps again, and two
+    # probes later (a median of 3) two threads take over; the first probe of one loses
+    assert run({1: 0.016, 2: 0.010}, 16) == [1] * 7 + [2] + [1, 1, 1, 2] + [2, 2, 2, 1]
     assert ThreadCount(1).choose(rows=3) == 1

@@ -64,7 +64,7 @@ def test_a_draft_equal_to_the_target_has_every_proposal_accepted(model_dir):
     assert stats["spec_decode_num_draft_tokens"] > 0
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
     draft = llm.llm_engine.runner.speculator.draft
-    assert any(rows > 1 for rows in draft.model.fused.threads.steps), "no catch-up ran as a fused step"
+    assert any(rows > 1 for rows in draft.model.fused.threads.times), "no catch-up ran as a fused step"
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
