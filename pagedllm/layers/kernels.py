@@ -29,7 +29,7 @@ from pathlib import Path
 logger = logging.getLogger("pagedllm.kernels")
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.c", "small_matmul.c", "decode_step.c")
+SOURCES = ("paged_decode.c", "small_matmul.c", "decode_step.c", "greedy.c")
 HEADERS = ("kernels.h",)
 # -ffast-math (but keeping infinities) lets the reductions and exp vectorise. It is given to the
 # compile step only: linked with it, gcc adds crtfastmath.o, whose constructor switches the whole
@@ -128,6 +128,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.decode_step.argtypes = [ptr, ptr, i32]
     library.read_bandwidth.restype = ctypes.c_double
     library.read_bandwidth.argtypes = [ptr, i64, i32, i32]
+    library.greedy_rows.restype = None
+    library.greedy_rows.argtypes = [ptr, i64, i64, ptr, ptr]
 
 
 def isa(library: ctypes.CDLL) -> str:

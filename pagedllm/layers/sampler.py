@@ -100,10 +100,17 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch
     return logits
 
 
+# Greedy steps of at most this many rows take the C kernel when one is given (a decode step's
+# sizes; larger batches are left to torch's threads).
+KERNEL_GREEDY_ROWS = 16
+
+
 class Sampler:
-    def __init__(self, seed: int, device: torch.device):
+    def __init__(self, seed: int, device: torch.device, library=None):
+        """library: the CPU kernel library (layers/kernels.py) for small greedy steps, or None."""
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.library = library
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [R, V] float32, one row per token to sample."""
@@ -114,10 +121,16 @@ class Sampler:
         tokens = self._choose(processed, meta)
         return self.with_logprobs(raw_logprobs, tokens, meta)
 
-    @staticmethod
-    def greedy(logits: torch.Tensor) -> SamplerOutput:
+    def greedy(self, logits: torch.Tensor) -> SamplerOutput:
         """Plain greedy rows: the argmax and its logprob from a logsumexp, without writing a
-        log-softmax of the whole vocabulary (a third of a small decode step's sampling time)."""
+        log-softmax of the whole vocabulary (a third of a small decode step's sampling time);
+        a small float32 step on the CPU in one kernel call (csrc/greedy.c)."""
+        rows = logits.shape[0]
+        if self.library is not None and rows <= KERNEL_GREEDY_ROWS and logits.dtype == torch.float32 and logits.is_contiguous():
+            tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+            chosen = torch.empty(rows, dtype=torch.float32, device=logits.device)
+            self.library.greedy_rows(logits.data_ptr(), rows, logits.shape[1], tokens.data_ptr(), chosen.data_ptr())
+            return SamplerOutput(tokens, chosen)
         tokens = logits.argmax(dim=-1)
         chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
         return SamplerOutput(tokens, chosen)

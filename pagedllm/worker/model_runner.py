@@ -62,7 +62,7 @@ class ModelRunner:
         for index, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(*(self.offload.buffer(0) if self.offload else self.kv_cache.layer(index)))
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(config.seed, self.device, kernels.load() if self.device.type == "cpu" else None)
         self.kernel_decode = self._choose_decode_backend()
         if fused_library is not None and self.kernel_decode:
             self.model.fused = FusedDecoder(self.model, fused_library)

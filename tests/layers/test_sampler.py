@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedllm.engine.scheduler_output import SampleRow
-from pagedllm.layers.sampler import Sampler, SamplingMetadata, apply_penalties, filter_logits
+from pagedllm.layers.sampler import KERNEL_GREEDY_ROWS, Sampler, SamplingMetadata, apply_penalties, filter_logits
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampling_inputs import sampling_metadata, stage_sampling
 from pagedllm.worker.staging import Staging
@@ -97,3 +97,31 @@ def test_plain_greedy_rows_take_the_argmax_with_its_raw_logprob():
     assert torch.equal(fast.token_ids, logits.argmax(dim=-1)) and torch.equal(fast.token_ids, general.token_ids)
     torch.testing.assert_close(fast.logprobs, general.logprobs, rtol=0, atol=1e-5)
     assert fast.ranks is None and general.ranks.tolist() == [1] * 5
+
+
+@pytest.mark.parametrize("vocab", [1, 37, 8192, 49152])
+def test_the_greedy_kernel_matches_torch_argmax_and_logsumexp(vocab):
+    """csrc/greedy.c against torch on the same rows: the first maximal index (ties, NaN counted as
+    the maximum, as torch.argmax has it), and max - logsumexp within 1e-6 of float64 (torch's
+    float32 logsumexp is itself ~1e-6 off at these sizes)."""
+    from pagedllm.layers import kernels
+
+    library = kernels.load()
+    if library is None:
+        pytest.skip("no C compiler")
+    logits = torch.randn(9, vocab, generator=torch.Generator().manual_seed(vocab)) * 6
+    logits[1] = logits[1].round()  # ties (the first maximal index wins)
+    logits[2, vocab // 2] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, vocab - 1] = 50.0  # the maximum in the last lane
+    logits[5, : vocab - 1] = float("-inf")  # one finite logit: log-probability 0
+    logits[6, vocab // 3] = float("inf")
+    kernel = Sampler(0, CPU, library).greedy(logits)
+    torch_rows = Sampler(0, CPU).greedy(logits)
+    assert kernel.token_ids.tolist() == torch_rows.token_ids.tolist() == logits.argmax(dim=-1).tolist()
+    exact = logits.double().max(dim=-1).values - torch.logsumexp(logits.double(), dim=-1)
+    torch.testing.assert_close(kernel.logprobs.double(), exact, rtol=0, atol=1e-6, equal_nan=True)
+    assert torch.equal(kernel.logprobs.isnan(), torch_rows.logprobs.isnan())
+    assert float(kernel.logprobs[5]) == 0.0
+    big = torch.randn(KERNEL_GREEDY_ROWS + 1, vocab)  # past the kernel's rows: torch's path, same answer
+    torch.testing.assert_close(Sampler(0, CPU, library).greedy(big).logprobs, Sampler(0, CPU).greedy(big).logprobs)

@@ -1,0 +1,55 @@
+/* Greedy sampling of a few rows of logits: each row's argmax and its log-probability.
+ *
+ * Why in C: for a small decode step the sampler's torch ops (argmax, gather, logsumexp) each
+ * pay a dispatch and an OpenMP fork over the whole vocabulary, which on a 49k vocabulary took
+ * as long as a tenth of a single-stream step's weight reads. Here a row is three vector passes
+ * over logits that are still in L2: the maximum (and whether any logit is NaN), the first index
+ * holding it, and sum(exp(x - max)); the chosen token's log-probability is then
+ * max - logsumexp = -log(sum).
+ *
+ * Ties and NaN follow torch.argmax: the first maximal index wins, and a NaN counts as the
+ * maximum (its row's log-probability is NaN). A row whose maximum is infinite also gets NaN,
+ * as torch's max - logsumexp does.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "kernels.h"
+
+enum { SUM_BLOCK = 1024 };
+
+static void greedy_row(const float *x, int64_t vocab, int64_t *token, float *logprob) {
+    float top = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+    for (int64_t i = 0; i < vocab; i++) {
+        top = x[i] > top ? x[i] : top;
+        nan |= x[i] != x[i];
+    }
+    int64_t at = 0;
+    if (nan) {
+        while (x[at] == x[at]) at++;
+        *token = at;
+        *logprob = NAN;
+        return;
+    }
+    while (at < vocab - 1 && x[at] != top) at++;
+    *token = at;
+    if (isinf(top)) {
+        *logprob = NAN;
+        return;
+    }
+    double sum = 0.0; /* of float partial sums over blocks, so rounding does not grow with the vocabulary */
+    for (int64_t lo = 0; lo < vocab; lo += SUM_BLOCK) {
+        const int64_t hi = lo + SUM_BLOCK < vocab ? lo + SUM_BLOCK : vocab;
+        float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+        for (int64_t i = lo; i < hi; i++) part += exp_nonpositive(x[i] - top);
+        sum += part;
+    }
+    *logprob = (float)-log(sum);
+}
+
+void greedy_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens, float *logprobs) {
+    for (int64_t r = 0; r < rows; r++) greedy_row(logits + r * vocab, vocab, tokens + r, logprobs + r);
+}
