@@ -128,16 +128,36 @@ static inline int64_t claim(Stage *stage) { return atomic_fetch_add_explicit(&st
 
 static inline void finish(Stage *stage) { atomic_fetch_add_explicit(&stage->done, 1, memory_order_release); }
 
-/* Until all n chunks of the stage are done: a short spin, then yield the core (the thread we
- * wait for may be waiting for it). */
-static void await(Stage *stage, int64_t n) {
-    for (int spins = 0; atomic_load_explicit(&stage->done, memory_order_acquire) < n; spins++) {
-        if (spins < 2000)
+/* Bytes of weights a thread may prefetch while it waits for a stage's last chunks. */
+#ifndef AHEAD_BYTES
+#define AHEAD_BYTES (256 * 1024)
+#endif
+
+/* The start of the weights a thread streams first in the next matrix stage (its own first
+ * chunk, see Walk), and how many bytes of it to prefetch while waiting. */
+typedef struct {
+    const char *at;
+    int64_t bytes;
+} Ahead;
+
+/* Until all n chunks of the stage are done: first prefetch `ahead` into L2 (so the memory keeps
+ * streaming while this thread has nothing to compute), then a short spin, then yield the core
+ * (the thread we wait for may be waiting for it). */
+static void await(Stage *stage, int64_t n, Ahead ahead) {
+    int64_t off = 0;
+    for (int spins = 0; atomic_load_explicit(&stage->done, memory_order_acquire) < n;) {
+        if (off < ahead.bytes) {
+            for (const int64_t end = off + 1024 < ahead.bytes ? off + 1024 : ahead.bytes; off < end; off += 64)
+                __builtin_prefetch(ahead.at + off, 0, 2);
+        } else if (spins++ < 2000) {
             cpu_relax();
-        else
+        } else {
             sched_yield();
+        }
     }
 }
+
+static const Ahead NOTHING_AHEAD = {NULL, 0};
 
 /* Chunks of a matrix's panels: ~8 per thread, so a slow thread holds back little; at most
  * MAX_CHUNKS_PER_THREAD * nt of them. */
@@ -145,6 +165,16 @@ enum { CHUNKS_PER_THREAD = 8, MAX_CHUNKS_PER_THREAD = 2 * CHUNKS_PER_THREAD };
 static inline int64_t chunk_panels(int64_t panels, int nt) {
     const int64_t per = panels / (CHUNKS_PER_THREAD * nt);
     return per > 0 ? per : 1;
+}
+
+/* Thread t's first chunk of a matrix stage over `units` (panels, or gate/up panel pairs). */
+static Ahead ahead_of(const Matrix *w, int paired, int t, int nt) {
+    const int64_t units = paired ? w->num_panels / 2 : w->num_panels, per = chunk_panels(units, nt);
+    const int64_t unit_bytes = w->k * VW * (w->dtype == WEIGHT_I8 ? 1 : (int64_t)sizeof(float)) * (paired ? 2 : 1);
+    int64_t lo, hi;
+    thread_share((units + per - 1) / per, t, nt, &lo, &hi);
+    const int64_t bytes = (hi > lo ? per : 0) * unit_bytes;
+    return (Ahead){(const char *)w->panels + lo * per * unit_bytes, bytes < AHEAD_BYTES ? bytes : AHEAD_BYTES};
 }
 
 static inline int take(Stage *stage, int64_t c) {
@@ -185,27 +215,29 @@ static int64_t next_chunk(Stage *stage, Walk *w) {
 }
 
 static void matmul_stage(Stage *stage, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int mode,
-                         int t, int nt) {
+                         Ahead next, int t, int nt) {
     const int64_t per = chunk_panels(w->num_panels, nt), n = (w->num_panels + per - 1) / per;
     Walk walk = walk_start(n, t, nt);
     for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage)) {
         const int64_t hi = (c + 1) * per < w->num_panels ? (c + 1) * per : w->num_panels;
         matmul_panels(w, x, m, ldx, y, ldy, c * per, hi, mode);
     }
-    await(stage, n);
+    await(stage, n, next);
 }
 
 static void swiglu_stage(Stage *stage, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact,
-                         int t, int nt) {
+                         Ahead next, int t, int nt) {
     const int64_t pairs = w->num_panels / 2, per = chunk_panels(pairs, nt), n = (pairs + per - 1) / per;
     Walk walk = walk_start(n, t, nt);
     for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage))
         swiglu_panels(w, x, m, ldx, act, ldact, c * per, (c + 1) * per < pairs ? (c + 1) * per : pairs);
-    await(stage, n);
+    await(stage, n, next);
 }
 
-/* One layer, run by every thread of the region; returns nonzero if attention ran out of memory. */
-static int layer_step(const Model *md, const Layer *ly, const Step *st, const Scratch *sc, Stage *stages, int t, int nt) {
+/* One layer, run by every thread of the region; `next` is the matrix that follows the layer (the
+ * next layer's qkv, or the LM head). Returns nonzero if attention ran out of memory. */
+static int layer_step(const Model *md, const Layer *ly, const Matrix *next, const Step *st, const Scratch *sc, Stage *stages,
+                      int t, int nt) {
     const int64_t R = st->rows, H = md->hidden, D = md->head_dim, Hkv = md->num_kv_heads;
     const int64_t q_width = md->num_heads * D;
     const Shape shape = {md->block_size, Hkv, md->num_heads / Hkv, D};
@@ -213,20 +245,21 @@ static int layer_step(const Model *md, const Layer *ly, const Step *st, const Sc
     int failed = 0;
 
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->input_norm, H, md->eps, norm + r * H);
-    matmul_stage(&stages[0], &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, t, nt);
+    const Ahead o_ahead = ahead_of(&ly->o, 0, t, nt);
+    matmul_stage(&stages[0], &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, o_ahead, t, nt);
     for (int64_t i; (i = claim(&stages[1])) < R * Hkv; finish(&stages[1]))
         prepare_head(md, ly, st, sc->qkv, sc->qkv_ld, i / Hkv, i % Hkv);
-    await(&stages[1], R * Hkv);
+    await(&stages[1], R * Hkv, o_ahead);
     for (int64_t i; (i = claim(&stages[2])) < R * Hkv; finish(&stages[2])) {
         const int64_t r = i / Hkv, h = i % Hkv;
         failed |= attend_sequence(sc->qkv + r * sc->qkv_ld, ly->k_cache, ly->v_cache, st->block_tables + r * st->max_blocks,
                                   st->ctx_lens[r], ly->window, md->attn_scale, shape, h, h + 1, sc->attn + r * q_width);
     }
-    await(&stages[2], R * Hkv);
-    matmul_stage(&stages[3], &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, t, nt);
+    await(&stages[2], R * Hkv, o_ahead);
+    matmul_stage(&stages[3], &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, ahead_of(&ly->gate_up, 1, t, nt), t, nt);
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->post_norm, H, md->eps, norm + r * H);
-    swiglu_stage(&stages[4], &ly->gate_up, norm, R, H, sc->act, md->intermediate, t, nt);
-    matmul_stage(&stages[5], &ly->down, sc->act, R, md->intermediate, sc->x, H, ACCUMULATE, t, nt);
+    swiglu_stage(&stages[4], &ly->gate_up, norm, R, H, sc->act, md->intermediate, ahead_of(&ly->down, 0, t, nt), t, nt);
+    matmul_stage(&stages[5], &ly->down, sc->act, R, md->intermediate, sc->x, H, ACCUMULATE, ahead_of(next, 0, t, nt), t, nt);
     return failed;
 }
 
@@ -259,12 +292,14 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (int64_t l = 0; l < md->num_layers; l++)
-            failed |= layer_step(md, &md->layers[l], st, &sc, stages + l * STAGES_PER_LAYER, t, nt);
+        for (int64_t l = 0; l < md->num_layers; l++) {
+            const Matrix *next = l + 1 < md->num_layers ? &md->layers[l + 1].qkv : md->lm_head;
+            failed |= layer_step(md, &md->layers[l], next, st, &sc, stages + l * STAGES_PER_LAYER, t, nt);
+        }
         float *norm = sc.norm + t * sc.norm_ld;
         for (int64_t i = 0; i < st->num_logits; i++) rmsnorm(sc.x + st->logit_rows[i] * H, md->final_norm, H, md->eps, norm + i * H);
         matmul_stage(&stages[md->num_layers * STAGES_PER_LAYER], md->lm_head, norm, st->num_logits, H, st->logits, md->vocab,
-                     STORE, t, nt);
+                     STORE, NOTHING_AHEAD, t, nt);
     }
     free((void *)taken);
     free(stages);
