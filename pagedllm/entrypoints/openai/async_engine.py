@@ -106,7 +106,7 @@ class RequestGroup:
         self._wakeup.set()
 
     async def updates(
-        self, is_cancelled: Callable[[], Awaitable[bool]] | None = None, poll_interval: float = 0.5
+        self, is_cancelled: Callable[[], Awaitable[bool]] | None = None, poll_interval: float = 0.25
     ) -> AsyncIterator[list[RequestOutput]]:
         """Yield the outputs that changed since the last yield, until every request finished.
 

@@ -82,14 +82,16 @@ def test_openai_client_closing_a_stream_aborts_it(server, client):
 def test_non_streaming_client_that_leaves_is_aborted(server, auth):
     server.wait_idle()
     aborted = server.metric("pagedllm_request_success_total", model_name=MAIN, finished_reason="abort")
-    body = {"model": MAIN, "prompt": "class Tree:", "max_tokens": LONG, "ignore_eos": True}
+    body = {"model": MAIN, "prompt": "class Tree:", "max_tokens": LONG, "ignore_eos": True, "n": 8}
     try:
-        # leave long before the 1800 tokens are done, even at the fused decode step's speed
+        # leave long before 8 x 1800 tokens are done (~0.8 s here), and the server notices within
+        # its 0.25 s poll (one completion of 1800 tokens took ~0.3 s, too close)
         httpx.post(server.base_url + "/completions", json=body, headers=auth, timeout=httpx.Timeout(5, read=0.1))
     except httpx.ReadTimeout:
         pass
     server.wait_idle(timeout=10)
-    assert server.metric("pagedllm_request_success_total", model_name=MAIN, finished_reason="abort") == aborted + 1
+    # n completions are n engine requests (as in vLLM), each aborted
+    assert server.metric("pagedllm_request_success_total", model_name=MAIN, finished_reason="abort") == aborted + body["n"]
 
 
 def test_32_concurrent_streams_complete_with_exact_usage(server, http):
