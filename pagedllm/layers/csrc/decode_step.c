@@ -129,9 +129,7 @@ static inline int64_t claim(Stage *stage) { return atomic_fetch_add_explicit(&st
 static inline void finish(Stage *stage) { atomic_fetch_add_explicit(&stage->done, 1, memory_order_release); }
 
 /* Bytes of weights a thread may prefetch while it waits for a stage's last chunks. */
-#ifndef AHEAD_BYTES
-#define AHEAD_BYTES (256 * 1024)
-#endif
+enum { AHEAD_BYTES = 256 * 1024 };
 
 /* The start of the weights a thread streams first in the next matrix stage (its own first
  * chunk, see Walk), and how many bytes of it to prefetch while waiting. */
@@ -162,19 +160,14 @@ static const Ahead NOTHING_AHEAD = {NULL, 0};
 /* Chunks of a matrix's panels: ~8 per thread, so a slow thread holds back little; at most
  * MAX_CHUNKS_PER_THREAD * nt of them. */
 enum { CHUNKS_PER_THREAD = 8, MAX_CHUNKS_PER_THREAD = 2 * CHUNKS_PER_THREAD };
-static inline int64_t chunk_panels(int64_t panels, int nt) {
-    const int64_t per = panels / (CHUNKS_PER_THREAD * nt);
-    return per > 0 ? per : 1;
-}
+typedef struct {
+    int64_t per, n; /* units (panels, or gate/up panel pairs) per chunk; chunks */
+} Chunks;
 
-/* Thread t's first chunk of a matrix stage over `units` (panels, or gate/up panel pairs). */
-static Ahead ahead_of(const Matrix *w, int paired, int t, int nt) {
-    const int64_t units = paired ? w->num_panels / 2 : w->num_panels, per = chunk_panels(units, nt);
-    const int64_t unit_bytes = w->k * VW * (w->dtype == WEIGHT_I8 ? 1 : (int64_t)sizeof(float)) * (paired ? 2 : 1);
-    int64_t lo, hi;
-    thread_share((units + per - 1) / per, t, nt, &lo, &hi);
-    const int64_t bytes = (hi > lo ? per : 0) * unit_bytes;
-    return (Ahead){(const char *)w->panels + lo * per * unit_bytes, bytes < AHEAD_BYTES ? bytes : AHEAD_BYTES};
+static inline Chunks chunks_of(int64_t units, int nt) {
+    int64_t per = units / (CHUNKS_PER_THREAD * nt);
+    if (per < 1) per = 1;
+    return (Chunks){per, (units + per - 1) / per};
 }
 
 static inline int take(Stage *stage, int64_t c) {
@@ -214,24 +207,37 @@ static int64_t next_chunk(Stage *stage, Walk *w) {
     }
 }
 
+/* Where thread t's walk over a matrix stage starts (its own first chunk), as much as a wait
+ * may prefetch of it. */
+static Ahead ahead_of(const Matrix *w, int paired, int t, int nt) {
+    const int64_t units = paired ? w->num_panels / 2 : w->num_panels;
+    const int64_t unit_bytes = w->k * VW * (w->dtype == WEIGHT_I8 ? 1 : (int64_t)sizeof(float)) * (paired ? 2 : 1);
+    const Chunks ch = chunks_of(units, nt);
+    const Walk walk = walk_start(ch.n, t, nt);
+    const int64_t first = walk.lo * ch.per, left = units - first;
+    const int64_t bytes = walk.hi > walk.lo ? (left < ch.per ? left : ch.per) * unit_bytes : 0;
+    return (Ahead){(const char *)w->panels + first * unit_bytes, bytes < AHEAD_BYTES ? bytes : AHEAD_BYTES};
+}
+
 static void matmul_stage(Stage *stage, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int mode,
                          Ahead next, int t, int nt) {
-    const int64_t per = chunk_panels(w->num_panels, nt), n = (w->num_panels + per - 1) / per;
-    Walk walk = walk_start(n, t, nt);
+    const Chunks ch = chunks_of(w->num_panels, nt);
+    Walk walk = walk_start(ch.n, t, nt);
     for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage)) {
-        const int64_t hi = (c + 1) * per < w->num_panels ? (c + 1) * per : w->num_panels;
-        matmul_panels(w, x, m, ldx, y, ldy, c * per, hi, mode);
+        const int64_t hi = (c + 1) * ch.per < w->num_panels ? (c + 1) * ch.per : w->num_panels;
+        matmul_panels(w, x, m, ldx, y, ldy, c * ch.per, hi, mode);
     }
-    await(stage, n, next);
+    await(stage, ch.n, next);
 }
 
 static void swiglu_stage(Stage *stage, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact,
                          Ahead next, int t, int nt) {
-    const int64_t pairs = w->num_panels / 2, per = chunk_panels(pairs, nt), n = (pairs + per - 1) / per;
-    Walk walk = walk_start(n, t, nt);
+    const int64_t pairs = w->num_panels / 2;
+    const Chunks ch = chunks_of(pairs, nt);
+    Walk walk = walk_start(ch.n, t, nt);
     for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage))
-        swiglu_panels(w, x, m, ldx, act, ldact, c * per, (c + 1) * per < pairs ? (c + 1) * per : pairs);
-    await(stage, n, next);
+        swiglu_panels(w, x, m, ldx, act, ldact, c * ch.per, (c + 1) * ch.per < pairs ? (c + 1) * ch.per : pairs);
+    await(stage, ch.n, next);
 }
 
 /* One layer, run by every thread of the region; `next` is the matrix that follows the layer (the
