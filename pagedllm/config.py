@@ -270,6 +270,9 @@ class EngineConfig:
     kv_offload_device_memory: int | None = None
     # {"model": DIR, "num_speculative_tokens": k} or {"method": "ngram", ...}; JSON text from the CLI
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # Greedy decode steps per engine step when every sequence of a step is a plain greedy decode
+    # (multi-step scheduling, engine/multi_step.py); needs the fused decode step, else 1.
+    num_scheduler_steps: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -304,6 +307,9 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.9]")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("num_scheduler_steps", self.num_scheduler_steps)
+        if self.num_scheduler_steps > 1 and self.speculative_config is not None:
+            raise ValueError("num_scheduler_steps > 1 is not supported with speculative_config (each step verifies proposals)")
         if self.tensor_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
         if self.kv_offload_device_memory is not None:

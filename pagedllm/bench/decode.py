@@ -129,6 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--num-scheduler-steps", default="1,8",
+                        help="pagedllm's greedy steps per engine step (multi-step scheduling), one row of results per value")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement, each between two bandwidth reads; all are printed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "pagedllm-bench-smollm2-135m-random")
@@ -171,12 +173,15 @@ def run(args: argparse.Namespace) -> int:
     engine_args = {"decode_backend": args.decode_backend, "max_num_seqs": max(batches)}
     if args.quantization:
         engine_args["quantization"] = args.quantization
-    llm = LLM(str(folder), **engine_args)
-    weights, elements = weight_bytes_per_step(llm), weight_elements(llm)
-    run_pagedllm(llm, 1, args.prompt_len, 8, args.seed)  # warm-up
-    name = f"pagedllm ({args.quantization or 'fp32'}, {args.decode_backend})"
-    ours = _measure(name, lambda b: run_pagedllm(llm, b, args.prompt_len, args.new_tokens, args.seed), batches, args.repeats)
-    del llm
+    results = []
+    for steps in [int(s) for s in args.num_scheduler_steps.split(",")]:
+        llm = LLM(str(folder), num_scheduler_steps=steps, **engine_args)
+        weights, elements = weight_bytes_per_step(llm), weight_elements(llm)
+        run_pagedllm(llm, 1, args.prompt_len, 8, args.seed)  # warm-up
+        name = f"pagedllm ({args.quantization or 'fp32'}, {args.decode_backend}, {steps} step{'s' if steps > 1 else ''})"
+        results.append((name, _measure(name, lambda b: run_pagedllm(llm, b, args.prompt_len, args.new_tokens, args.seed),
+                                       batches, args.repeats)))
+        del llm
     theirs = {}
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
@@ -185,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
         run_transformers(model, 1, 8, 4, args.seed)  # warm-up
         theirs = _measure("transformers (fp32)", lambda b: run_transformers(model, b, args.prompt_len, args.new_tokens, args.seed),
                           batches, args.repeats)
-    every_run = [r.bandwidth for runs in (*ours.values(), *theirs.values()) for r in runs]
+    if theirs:
+        results.append(("transformers (fp32)", theirs))
+    every_run = [r.bandwidth for _, rates in results for runs in rates.values() for r in runs]
     bandwidth = max(bandwidth, read_bandwidth(), *every_run)  # the best seen in the whole run
     peak = max(peak, measure_matmul_peak())
     print(f"read bandwidth ({torch.get_num_threads()} threads): best {bandwidth / 1e9:.1f} GB/s, lowest next to a run "
@@ -194,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     print("| engine | batch | decode tok/s (best) | steps/s | limit at the best bandwidth (steps/s) | share of it "
           "| share of the limit around each run (median) |")
     print("|---|---|---|---|---|---|---|")
-    for label, rates in ((name, ours), ("transformers (fp32)", theirs)):
+    for label, rates in results:
         for batch, runs in rates.items():
             best, limit = max(r.tok_s for r in runs) / batch, _limit(bandwidth, peak, weights, elements, batch)
             paired = statistics.median(r.tok_s / batch / _limit(r.bandwidth, peak, weights, elements, batch) for r in runs)

@@ -8,6 +8,7 @@ ValueError before anything is queued, so one bad request never disturbs the othe
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Union
@@ -25,6 +26,7 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
+logger = logging.getLogger("pagedllm.engine")
 PromptType = Union[str, list[int], dict[str, Any]]
 MAX_LOGPROBS = 20
 
@@ -62,10 +64,15 @@ class LLMEngine:
                 preemption_policy=config.preemption_policy,
                 num_lookahead_slots=self.runner.speculator.num_lookahead_slots if self.runner.speculator else 0,
                 max_step_blocks=self.runner.max_step_blocks,
+                num_scheduler_steps=config.num_scheduler_steps,
+                max_multi_step_rows=self.runner.max_multi_step_rows,
             ),
             self.block_manager,
             self.structured,
         )
+        if config.num_scheduler_steps > 1 and not self.runner.max_multi_step_rows:
+            logger.warning("num_scheduler_steps=%d needs the fused decode step (CPU, float32), which is not in use: "
+                           "every engine step runs one step", config.num_scheduler_steps)
         self.eos_token_ids = self._eos_token_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}

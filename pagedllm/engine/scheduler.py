@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pagedllm.engine import multi_step
 from pagedllm.engine.beam_search import Continuation
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.scheduler_output import PromptLogprobsRequest, SampleRow, ScheduledChunk, SchedulerOutput
@@ -47,6 +48,7 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # including the speculative tokens to verify
     spec_token_ids: list[int] = field(default_factory=list)
+    num_steps: int = 1  # greedy steps run for it (multi-step scheduling)
 
     @property
     def completes_context(self) -> bool:
@@ -76,6 +78,10 @@ class SchedulerConfig:
     num_lookahead_slots: int = 0
     # The most KV blocks one step may use (layer-wise KV offload's device buffer); None: the pool.
     max_step_blocks: int | None = None
+    # Greedy decode steps per engine step (multi-step scheduling), for steps of at most
+    # `max_multi_step_rows` sequences (what the runner can run as one call; 0: none).
+    num_scheduler_steps: int = 1
+    max_multi_step_rows: int = 0
 
 
 class Scheduler:
@@ -168,10 +174,32 @@ class Scheduler:
                 out.samples.append(_sample_row(seq, chunk, item.spec_token_ids))
                 out.samples.extend(_sample_row(child, chunk) for child in self._fork_samples(item))
         self._attach_masks(out)
+        self._plan_steps(step)
         out.preempted_seq_ids = [seq.seq_id for seq in step.preempted]
         out.finished_seq_ids, self._finished_ids = self._finished_ids, []
         self._scheduled = step.scheduled
         return out
+
+    def _plan_steps(self, step: _Step) -> None:
+        """Make a step of plain greedy decodes multi-step when nothing waits to be admitted and
+        every sequence has room for the extra tokens (else it stays a single step; blocks already
+        added for it stay in the tables for the tokens to come)."""
+        config, out = self.config, step.out
+        seqs = [item.seq for item in step.scheduled]
+        if (self.waiting or self.swapped or step.preempted or out.blocks_to_swap_in or len(out.samples) != len(seqs)
+                or len(seqs) > config.max_multi_step_rows):
+            return
+        n = multi_step.num_steps(seqs, config.num_scheduler_steps, config.max_model_len)
+        if n == 1:
+            return
+        for seq in seqs:
+            copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
+            if copies is None:
+                return
+            out.blocks_to_copy.extend(copies)
+        for item in step.scheduled:
+            item.num_steps = n
+        out.num_steps = n
 
     def _attach_masks(self, out: SchedulerOutput) -> None:
         """The grammar masks of this step's constrained sample rows, computed in one batch."""
@@ -207,7 +235,8 @@ class Scheduler:
 
         A decode that verified speculative tokens computed only the accepted ones: its progress
         grows by 1 + accepted, and the KV written for rejected proposals is simply overwritten
-        later (its slots stay in the sequence's table)."""
+        later (its slots stay in the sequence's table). A multi-step decode computed one position
+        per token it was given back but the last."""
         changed = {seq.seq_id: seq for seq in self._ended}
         self._ended = []
         beam_requests: dict[str, Request] = {}
@@ -218,9 +247,10 @@ class Scheduler:
             accepted = min(max(len(tokens) - 1, 0), len(item.spec_token_ids))
             if item.spec_token_ids:
                 self.spec_stats.record(len(item.spec_token_ids), accepted)
-            seq.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids) + accepted
+            extra = accepted + min(item.num_steps, len(tokens)) - 1 if item.num_steps > 1 else accepted
+            seq.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids) + extra
             seq.num_draft_computed = output.draft_computed.get(seq.seq_id, seq.num_draft_computed)
-            computed_ids = seq.token_ids + [t.token_id for t in tokens[:accepted]]
+            computed_ids = seq.token_ids + [t.token_id for t in tokens[:extra]]
             self.block_manager.cache_full_blocks(seq.seq_id, computed_ids, seq.num_computed_tokens)
             if seq.beam is not None:
                 if tokens:  # the beam's next-token distribution: its continuations this round

@@ -81,6 +81,9 @@ class SchedulerOutput:
     preempted_seq_ids: list[int] = field(default_factory=list)
     # Sequences that finished since the previous step: the runner drops its state for them.
     finished_seq_ids: list[int] = field(default_factory=list)
+    # Greedy steps to run, each row's argmax fed back as its next input (multi-step scheduling);
+    # every block table then covers its row's position + num_steps - 1.
+    num_steps: int = 1
 
     @property
     def num_batched_tokens(self) -> int:

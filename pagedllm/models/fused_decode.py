@@ -144,6 +144,26 @@ class FusedDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logit_rows: torch.Tensor) -> torch.Tensor:
         """Logits [len(logit_rows), vocab] of the step's rows; the KV of every row is written."""
+        step, keep = self._step(input_ids, positions, meta, logit_rows)
+        self._run(step, 1, lambda threads: self.library.decode_step(ctypes.byref(self._struct), ctypes.byref(step), threads))
+        return keep[-1]
+
+    def greedy_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     logit_rows: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`num_steps` greedy steps in one call, each row's token fed back as its next input
+        (multi-step scheduling): tokens and their logprobs, [num_steps, rows] in logit-row
+        order. Every row samples, and each row's block table covers its last position."""
+        step, keep = self._step(input_ids, positions, meta, logit_rows)
+        rows = step.rows
+        tokens = torch.empty(num_steps, rows, dtype=torch.int64)
+        logprobs = torch.empty(num_steps, rows, dtype=torch.float32)
+        self._run(step, num_steps, lambda threads: self.library.decode_steps(
+            ctypes.byref(self._struct), ctypes.byref(step), num_steps, threads, tokens.data_ptr(), logprobs.data_ptr()))
+        return tokens, logprobs
+
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              logit_rows: torch.Tensor) -> tuple[StepStruct, list[torch.Tensor]]:
+        """The C description of a step, and the tensors it points into (the logits last)."""
         bucket = meta.decodes[0]
         tensors = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
                    for t in (input_ids, positions, meta.slot_mapping, bucket.ctx_lens, bucket.block_tables, logit_rows)]
@@ -151,12 +171,17 @@ class FusedDecoder:
         logits = torch.empty(rows.shape[0], self.vocab_size, dtype=torch.float32, device=ids.device)
         step = StepStruct(ids.shape[0], ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), lens.data_ptr(), tables.data_ptr(),
                           tables.shape[1], rows.data_ptr(), rows.shape[0], logits.data_ptr())
+        return step, [*tensors, logits]
+
+    def _run(self, step: StepStruct, num_steps: int, call) -> None:
+        """`call(threads)` with the thread count chosen for this many rows, timed per step."""
         threads = self.threads.choose(step.rows)
         started = time.perf_counter()
-        failed = self.library.decode_step(ctypes.byref(self._struct), ctypes.byref(step), threads)
-        self.threads.record(step.rows, threads, time.perf_counter() - started)
+        failed = call(threads)
+        self.threads.record(step.rows, threads, (time.perf_counter() - started) / num_steps)
         if failed == 1:
             raise MemoryError("fused decode step: out of memory for its scratch space")
+        if failed == 3:
+            raise ValueError("fused greedy steps: every row must sample")
         if failed:
             raise ValueError("fused decode step: head_dim must be a multiple of 8 and heads a multiple of KV heads")
-        return logits

@@ -43,9 +43,12 @@ def batch_order(chunks: list[ScheduledChunk]) -> list[int]:
     return sorted(range(len(chunks)), key=lambda i: (not chunks[i].is_decode, -chunks[i].start))
 
 
-def stage_batch(chunks: list[ScheduledChunk], block_size: int, kernel_decode: bool, staging: Staging, prefix: str = "") -> BatchLayout:
+def stage_batch(chunks: list[ScheduledChunk], block_size: int, kernel_decode: bool, staging: Staging, prefix: str = "",
+                num_steps: int = 1) -> BatchLayout:
     """Lay out the chunks and stage their arrays under `prefix`. A decode that verifies k
-    proposals contributes k + 1 decode rows, each attending to the context up to its position."""
+    proposals contributes k + 1 decode rows, each attending to the context up to its position.
+    For `num_steps` greedy steps (multi-step scheduling) a decode's staged block table also
+    covers the positions of the steps after the first."""
     order = batch_order(chunks)
     ids: list[int] = []
     positions: list[int] = []
@@ -70,7 +73,7 @@ def stage_batch(chunks: list[ScheduledChunk], block_size: int, kernel_decode: bo
     staging.add(prefix + "input_ids", ids)
     staging.add(prefix + "positions", positions)
     staging.add(prefix + "slot_mapping", slots)
-    layout.buckets = _stage_decode_buckets(decodes, block_size, kernel_decode, staging, prefix)
+    layout.buckets = _stage_decode_buckets(decodes, block_size, kernel_decode, staging, prefix, num_steps - 1)
     for number, (_, chunk) in enumerate(layout.prefills):
         if chunk.start > 0:
             staging.add(f"{prefix}prefill{number}.blocks", chunk.block_table[: -(-chunk.end // block_size)])
@@ -78,11 +81,12 @@ def stage_batch(chunks: list[ScheduledChunk], block_size: int, kernel_decode: bo
 
 
 def _stage_decode_buckets(decodes: list[tuple[int, list[int]]], block_size: int, kernel_decode: bool, staging: Staging,
-                          prefix: str) -> list[_Bucket]:
+                          prefix: str, reach: int = 0) -> list[_Bucket]:
     """Cut decode rows (sorted about longest first) where padding to the bucket's first context
-    would multiply its KV by more than the backend's factor, into at most its number of calls."""
+    would multiply its KV by more than the backend's factor, into at most its number of calls.
+    Tables cover `reach` positions past each context."""
     max_buckets, factor = KERNEL_DECODE_BUCKETS if kernel_decode else SDPA_DECODE_BUCKETS
-    num_blocks = [-(-ctx // block_size) for ctx, _ in decodes]
+    num_blocks = [-(-(ctx + reach) // block_size) for ctx, _ in decodes]
     buckets: list[_Bucket] = []
     start = 0
     while start < len(decodes):

@@ -20,6 +20,7 @@ from pagedllm.engine.scheduler_output import SampleRow, SchedulerOutput
 from pagedllm.layers import kernels
 from pagedllm.layers.paged_decode import kernel_supported, load
 from pagedllm.layers.sampler import Sampler
+from pagedllm.layers.small_matmul import MAX_ROWS
 from pagedllm.models.fused_decode import FusedDecoder
 from pagedllm.models.loader import load_model
 from pagedllm.spec_decode.rejection import rejection_sample
@@ -28,7 +29,7 @@ from pagedllm.worker.input_batch import attention_metadata, stage_batch
 from pagedllm.worker.kv_cache import KVCache, bytes_per_block, bytes_per_layer_block
 from pagedllm.worker.kv_offload import LayerwiseKVOffload
 from pagedllm.worker.malloc import keep_freed_memory
-from pagedllm.worker.runner_output import ModelRunnerOutput
+from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
 from pagedllm.worker.sampling_inputs import sampling_metadata, stage_sampling
 from pagedllm.worker.staging import Staging
 from pagedllm.worker.step_results import fetch_results, score_prompt_tokens, stage_logit_rows
@@ -147,6 +148,8 @@ class ModelRunner:
         if not sched.chunks:
             self._apply_block_maps(sched, staging.to(self.device))
             return ModelRunnerOutput()
+        if sched.num_steps > 1:
+            return self._greedy_steps(sched, staging)
         layout = stage_batch(sched.chunks, self.block_size, self.kernel_decode, staging)
         plain = [row for row in sched.samples if not row.spec_token_ids]
         spec = [row for row in sched.samples if row.spec_token_ids]
@@ -175,6 +178,30 @@ class ModelRunner:
         self.target_time_s += time.perf_counter() - started
         if self.speculator is not None:
             self.speculator.propose(sched, result, self.sampler, self._generator)
+        return result
+
+    @property
+    def max_multi_step_rows(self) -> int:
+        """The most sequences a multi-step call takes: the fused step's rows, or 0 without it."""
+        return MAX_ROWS if self.model.fused is not None else 0
+
+    def _greedy_steps(self, sched: SchedulerOutput, staging: Staging) -> ModelRunnerOutput:
+        """Multi-step scheduling: `sched.num_steps` greedy steps of plain decodes in one fused
+        call, each row's argmax its next input; every row gets num_steps tokens."""
+        layout = stage_batch(sched.chunks, self.block_size, self.kernel_decode, staging, num_steps=sched.num_steps)
+        stage_logit_rows(sched, layout, staging, [sched.samples])
+        views = staging.to(self.device)
+        self._apply_block_maps(sched, views)
+        meta = attention_metadata(layout, views, self.kernel_decode, self.block_size, self.windows, self.dtype)
+        if self.model.fused is None or not self.model.fused.accepts(meta, len(sched.chunks)):
+            raise RuntimeError("a multi-step step reached a runner that cannot run it as one fused call")
+        tokens, logprobs = self.model.fused.greedy_steps(views["input_ids"], views["positions"], meta, views["logit_rows"],
+                                                         sched.num_steps)
+        result = ModelRunnerOutput()
+        for row, ids, values in zip(sched.samples, tokens.t().tolist(), logprobs.t().tolist()):
+            ranked = row.params.logprobs == 0  # an argmax's rank is 1, and no alternatives were asked for
+            result.sampled[row.seq_id] = [SampledToken(token, logprob, 1, []) if ranked else SampledToken(token, logprob)
+                                          for token, logprob in zip(ids, values)]
         return result
 
     def _offload_step(self, sched: SchedulerOutput) -> SchedulerOutput:

@@ -312,3 +312,38 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     free(scratch);
     return failed;
 }
+
+/* `num_steps` greedy decode steps of the same rows, each row's argmax fed back as its next input
+ * (multi-step scheduling): tokens and logprobs are [num_steps, rows]. Every row samples
+ * (num_logits == rows, logit_rows a permutation), and each row's block table must already cover
+ * its last position, position + num_steps - 1. Why here rather than one Python step per token:
+ * between two steps the engine's per-step Python runs on caches the step's weight stream has
+ * just flushed, a cost of the order of a tenth of a single-stream step; this loop pays it once
+ * per `num_steps` tokens. The caller's arrays are not changed (the loop advances copies). */
+int decode_steps(const Model *md, const Step *st, int64_t num_steps, int num_threads, int64_t *tokens, float *logprobs) {
+    const int64_t R = st->rows, bs = md->block_size;
+    if (st->num_logits != R) return 3;
+    int64_t *state = malloc(sizeof(int64_t) * 4 * R);
+    if (state == NULL) return 1;
+    int64_t *ids = state, *pos = state + R, *slots = state + 2 * R, *lens = state + 3 * R;
+    memcpy(ids, st->token_ids, sizeof(int64_t) * R);
+    memcpy(pos, st->positions, sizeof(int64_t) * R);
+    memcpy(slots, st->slots, sizeof(int64_t) * R);
+    memcpy(lens, st->ctx_lens, sizeof(int64_t) * R);
+    Step step = *st;
+    step.token_ids = ids, step.positions = pos, step.slots = slots, step.ctx_lens = lens;
+    int failed = 0;
+    for (int64_t s = 0; s < num_steps && !failed; s++) {
+        failed = decode_step(md, &step, num_threads);
+        if (failed) break;
+        greedy_rows(st->logits, R, md->vocab, tokens + s * R, logprobs + s * R);
+        for (int64_t i = 0; i < R && s + 1 < num_steps; i++) {
+            const int64_t r = st->logit_rows[i], p = ++pos[r];
+            ids[r] = tokens[s * R + i];
+            lens[r]++;
+            slots[r] = st->block_tables[r * st->max_blocks + p / bs] * bs + p % bs;
+        }
+    }
+    free(state);
+    return failed;
+}

@@ -89,6 +89,9 @@ typedef struct {
 int attend_sequence(const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
                     int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out);
 
+/* Each row's argmax (torch.argmax's tie and NaN rule) and its log-probability (greedy.c). */
+void greedy_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens, float *logprobs);
+
 /* exp(x) for x <= 0, within 2 ulp of expf (Cephes' expf: 2^n times a degree-6 polynomial on
  * [-ln2/2, ln2/2]), written so that the compiler vectorises it — libm's expf is a scalar call.
  * Below -87 (where expf is under 2e-38) it returns 0, so no subnormal is produced. */

@@ -1,0 +1,144 @@
+"""Multi-step scheduling (num_scheduler_steps): several greedy decode steps per engine step, one
+fused C call. Greedy outputs equal transformers' and the single-step engine's in every engine
+mode, stop rules cut a burst where a single step would have stopped, blocks filled during a
+burst are cached under the right tokens, and whatever is not a plain greedy decode (sampling,
+logprobs, penalties, a waiting request) runs single steps."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers import kernels
+from pagedllm.models.fused_decode import FusedDecoder
+from parity import MAX_TOKENS, MODES, PROMPTS, assert_matches, assert_mode_happened
+
+pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C compiler: no fused decode step")
+
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+STEP_MODES = ("defaults", "prefix_caching", "chunked_prefill", "preempt_recompute", "preempt_swap", "block_size_1")
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture
+def bursts(monkeypatch):
+    """The step count of every multi-step call made during the test."""
+    seen: list[int] = []
+    original = FusedDecoder.greedy_steps
+
+    def counted(self, *args):
+        seen.append(args[-1])
+        return original(self, *args)
+
+    monkeypatch.setattr(FusedDecoder, "greedy_steps", counted)
+    return seen
+
+
+@pytest.mark.parametrize("mode", STEP_MODES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_multi_step_greedy_matches_transformers(arch, mode, model_dir, reference, bursts):
+    llm = LLM(str(model_dir(arch)), num_scheduler_steps=8, **MODES[mode])
+    runs = 2 if mode == "prefix_caching" else 1
+    for _ in range(runs):
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        for output, (tokens, logits) in zip(outputs, reference(arch)):
+            agreed = assert_matches(output.outputs[0].token_ids, tokens, logits)
+            chosen = torch.log_softmax(logits, dim=-1)
+            for i in range(agreed):
+                entry = output.outputs[0].logprobs[i][tokens[i]]
+                assert abs(entry.logprob - float(chosen[i, tokens[i]])) < 1e-4 and entry.rank == 1
+    assert_mode_happened(llm.get_stats(), mode)
+    assert max(bursts) == 8 and all(1 < n <= 8 for n in bursts)
+
+
+def _single_and_multi(folder, prompts, params, **engine_args):
+    outputs = []
+    for steps in (1, 8):
+        llm = LLM(str(folder), num_scheduler_steps=steps, **engine_args)
+        outputs.append(llm.generate(prompts, params, use_tqdm=False))
+    return outputs
+
+
+def test_stop_rules_cut_a_burst_where_single_steps_stop(model_dir, bursts):
+    folder = model_dir("llama")
+    free_run = LLM(str(folder)).generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                                         use_tqdm=False)
+    tokens, text = free_run[0].outputs[0].token_ids, free_run[1].outputs[0].text
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tokens[11]]),  # a token in mid-burst
+        SamplingParams(temperature=0, max_tokens=30, stop=[text[len(text) // 2 : len(text) // 2 + 3]]),
+        SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),  # not a multiple of the burst
+    ]
+    single, multi = _single_and_multi(folder, PROMPTS[:3], params)
+    for a, b in zip(single, multi):
+        assert (a.outputs[0].token_ids, a.outputs[0].text, a.outputs[0].finish_reason) == \
+               (b.outputs[0].token_ids, b.outputs[0].text, b.outputs[0].finish_reason)
+    assert [o.outputs[0].finish_reason for o in multi] == ["stop", "stop", "length"]
+    assert len(multi[0].outputs[0].token_ids) < 30 and len(multi[2].outputs[0].token_ids) == 13
+    assert bursts
+
+
+def test_blocks_filled_in_a_burst_are_cached_under_their_tokens(model_dir, bursts):
+    """A later prompt that extends an earlier prompt and its output hits the blocks the burst
+    wrote, and continues exactly as an engine without the cache does."""
+    folder, prompt = model_dir("qwen3"), PROMPTS[5]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(str(folder), num_scheduler_steps=8, block_size=4)
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    hits_before = llm.get_stats()["prefix_cache_hits"]
+    follow_up = prompt + first[:36]
+    ours = llm.generate([follow_up], params, use_tqdm=False)[0].outputs[0].token_ids
+    hits = llm.get_stats()["prefix_cache_hits"] - hits_before
+    assert hits >= len(prompt) + 32  # blocks of output positions, written during bursts, were reused
+    plain = LLM(str(folder), enable_prefix_caching=False).generate([follow_up], params, use_tqdm=False)
+    assert ours == plain[0].outputs[0].token_ids
+
+
+def test_requests_that_are_not_plain_greedy_take_single_steps(model_dir, bursts):
+    params = [
+        SamplingParams(temperature=0.8, seed=7, max_tokens=12),
+        SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=12, ignore_eos=False),
+    ]
+    for param in params:
+        bursts.clear()
+        single, multi = _single_and_multi(model_dir("llama"), PROMPTS[:2], param)
+        for a, b in zip(single, multi):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert not bursts, param
+
+
+def test_a_waiting_request_is_admitted_before_the_next_burst(model_dir, bursts):
+    llm = LLM(str(model_dir("llama")), num_scheduler_steps=8)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("a", PROMPTS[0], params)
+    engine.step()  # the prefill
+    engine.step()  # a burst
+    assert bursts == [8]
+    engine.add_request("b", PROMPTS[1], params)
+    scheduled = []
+    original = engine.runner.execute
+    engine.runner.execute = lambda sched: scheduled.append(sched) or original(sched)
+    engine.step()
+    assert scheduled[0].num_steps == 1 and {c.num_tokens > 1 for c in scheduled[0].chunks} == {True, False}
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    plain = LLM(str(model_dir("llama"))).generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [outputs[r].outputs[0].token_ids for r in "ab"] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_bad_or_unusable_step_counts(model_dir, caplog):
+    folder = str(model_dir("llama"))
+    with pytest.raises(ValueError, match="num_scheduler_steps must be a positive integer"):
+        LLM(folder, num_scheduler_steps=0)
+    with pytest.raises(ValueError, match="not supported with speculative_config"):
+        LLM(folder, num_scheduler_steps=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with caplog.at_level(logging.WARNING, logger="pagedllm.engine"):
+        llm = LLM(folder, num_scheduler_steps=4, decode_backend="torch")
+    assert "needs the fused decode step" in caplog.text
+    assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still runs, one step at a time
