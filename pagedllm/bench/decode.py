@@ -5,7 +5,8 @@ bandwidth divided by the bytes of weights a step reads. This benchmark measures 
 (a STREAM-like read of a buffer much larger than the last-level cache, with the engine's
 threads), the bytes of weights the engine reads per step (fp32 or int8 with its scales), and
 decode tok/s on a random model with SmolLM2-135M's shape: a 128-token prompt, 128 greedy tokens,
-the rate taken from the first to the last token (so prefill is not counted). transformers'
+the rate taken from the first to the last token (so prefill is not counted). pagedllm runs with
+one greedy step per engine step and with several (multi-step scheduling), and transformers'
 `generate` runs the same requests in the same process as the baseline.
 
 A batch of B rows also does 2 x B x (weights' elements) FLOPs a step, which at batch 8 on a
@@ -18,7 +19,8 @@ seconds apart have given 38 and 77 GB/s). A limit from the best bandwidth seen a
 the run, set against a decode run taken at another moment, mixes two machines. So every timed
 run is bracketed by two bandwidth reads and its share is taken against the higher of the two —
 the machine as fast as it was around that run; the table gives the median of those paired
-shares next to the share of the best rate against the best bandwidth of the whole run.
+shares next to the share of the best rate against the best bandwidth of the whole run. The
+engines take turns, one run each per round, so a busier stretch falls on all of them alike.
 """
 from __future__ import annotations
 
@@ -143,16 +145,20 @@ class Run:
     bandwidth: float  # bytes/s: the higher of the reads just before and just after the run
 
 
-def _measure(label: str, fn, batches: list[int], repeats: int) -> dict[int, list[Run]]:
-    runs: dict[int, list[Run]] = {}
-    for batch in batches:
-        runs[batch] = []
-        for _ in range(repeats):
-            before = read_bandwidth()
-            rate = fn(batch).tok_s
-            runs[batch].append(Run(rate, max(before, read_bandwidth())))
-        print(f"{label} batch {batch}: " + ", ".join(f"{r.tok_s:.1f} ({r.bandwidth / 1e9:.0f} GB/s)" for r in runs[batch])
-              + " tok/s (read bandwidth around each run)", flush=True)
+def _measure(engines: list[tuple[str, object]], batches: list[int], repeats: int) -> dict[str, dict[int, list[Run]]]:
+    """`engines`: (label, fn(batch) -> Rate). They take turns, one run each per round, so a
+    stretch of a busier or quieter machine falls on all of them alike."""
+    runs = {label: {batch: [] for batch in batches} for label, _ in engines}
+    for _ in range(repeats):
+        for batch in batches:
+            for label, fn in engines:
+                before = read_bandwidth()
+                rate = fn(batch).tok_s
+                runs[label][batch].append(Run(rate, max(before, read_bandwidth())))
+    for label, _ in engines:
+        for batch in batches:
+            print(f"{label} batch {batch}: " + ", ".join(f"{r.tok_s:.1f} ({r.bandwidth / 1e9:.0f} GB/s)" for r in runs[label][batch])
+                  + " tok/s (read bandwidth around each run)", flush=True)
     return runs
 
 
@@ -173,25 +179,21 @@ def run(args: argparse.Namespace) -> int:
     engine_args = {"decode_backend": args.decode_backend, "max_num_seqs": max(batches)}
     if args.quantization:
         engine_args["quantization"] = args.quantization
-    results = []
+    engines = []
     for steps in [int(s) for s in args.num_scheduler_steps.split(",")]:
         llm = LLM(str(folder), num_scheduler_steps=steps, **engine_args)
         weights, elements = weight_bytes_per_step(llm), weight_elements(llm)
-        run_pagedllm(llm, 1, args.prompt_len, 8, args.seed)  # warm-up
+        for batch in batches:  # warm-up, long enough for the fused step to have tried both thread counts at each size
+            run_pagedllm(llm, batch, args.prompt_len, 64, args.seed)
         name = f"pagedllm ({args.quantization or 'fp32'}, {args.decode_backend}, {steps} step{'s' if steps > 1 else ''})"
-        results.append((name, _measure(name, lambda b: run_pagedllm(llm, b, args.prompt_len, args.new_tokens, args.seed),
-                                       batches, args.repeats)))
-        del llm
-    theirs = {}
+        engines.append((name, functools.partial(lambda llm, b: run_pagedllm(llm, b, args.prompt_len, args.new_tokens, args.seed), llm)))
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         run_transformers(model, 1, 8, 4, args.seed)  # warm-up
-        theirs = _measure("transformers (fp32)", lambda b: run_transformers(model, b, args.prompt_len, args.new_tokens, args.seed),
-                          batches, args.repeats)
-    if theirs:
-        results.append(("transformers (fp32)", theirs))
+        engines.append(("transformers (fp32)", lambda b: run_transformers(model, b, args.prompt_len, args.new_tokens, args.seed)))
+    results = list(_measure(engines, batches, args.repeats).items())
     every_run = [r.bandwidth for _, rates in results for runs in rates.values() for r in runs]
     bandwidth = max(bandwidth, read_bandwidth(), *every_run)  # the best seen in the whole run
     peak = max(peak, measure_matmul_peak())

@@ -247,7 +247,8 @@ class Scheduler:
             accepted = min(max(len(tokens) - 1, 0), len(item.spec_token_ids))
             if item.spec_token_ids:
                 self.spec_stats.record(len(item.spec_token_ids), accepted)
-            extra = accepted + min(item.num_steps, len(tokens)) - 1 if item.num_steps > 1 else accepted
+            # positions computed past the chunk's known tokens: accepted proposals, or a burst's tokens but its last
+            extra = accepted if item.num_steps == 1 else len(tokens) - 1
             seq.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids) + extra
             seq.num_draft_computed = output.draft_computed.get(seq.seq_id, seq.num_draft_computed)
             computed_ids = seq.token_ids + [t.token_id for t in tokens[:extra]]

@@ -127,7 +127,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.decode_step.restype = i32
     library.decode_step.argtypes = [ptr, ptr, i32]
     library.decode_steps.restype = i32
-    library.decode_steps.argtypes = [ptr, ptr, i64, i32, ptr, ptr]
+    library.decode_steps.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr]
     library.read_bandwidth.restype = ctypes.c_double
     library.read_bandwidth.argtypes = [ptr, i64, i32, i32]
     library.greedy_rows.restype = None

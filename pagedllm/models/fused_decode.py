@@ -56,11 +56,14 @@ class ThreadCount:
     idle machine two threads read the weights up to twice as fast. The thread count does not
     change a result (every chunk is computed the same way by whichever thread takes it).
 
-    Each candidate is tried `warmup` times, then the one with the lower recent median runs and
-    the other is re-tried now and then so a change in the machine's load is noticed. A probe
-    costs a step at the slower count, so the interval between probes doubles, from
-    `probe_every` up to `max_probe_every` steps, while probes keep losing, and drops back to
-    `probe_every` when one is faster than the current choice's median."""
+    Each candidate is tried `warmup` steps, then the one with the lower recent median runs and
+    the other is re-tried for one step now and then (a probe; in a multi-step call, its first
+    step) so a change in the machine's load is noticed. A probe costs a step at the slower
+    count, so the interval between probes doubles, from `probe_every` up to `max_probe_every`
+    steps, while probes keep losing. A probe that beats the current choice's median says the
+    machine has changed: the probed count's older times describe the machine before, so they
+    are dropped (it takes over at once, as an untried count until it has `warmup` new times),
+    and probes come every `probe_every` steps again."""
 
     def __init__(self, threads: int, warmup: int = 3, probe_every: int = 32, window: int = 9, max_probe_every: int = 512):
         self.candidates = [1, threads] if threads > 1 else [1]
@@ -70,26 +73,34 @@ class ThreadCount:
         self.next_probe: dict[int, int] = {}  # rows -> steps until the next probe
         self.interval: dict[int, int] = {}  # rows -> the current interval between probes
 
-    def choose(self, rows: int) -> int:
+    def plan(self, rows: int, steps: int = 1) -> list[int]:
+        """The thread count of each of the next `steps` steps of this many rows."""
         times = self.times.setdefault(rows, {c: [] for c in self.candidates})
         untried = [c for c in self.candidates if len(times[c]) < self.warmup]
         if untried:
-            return untried[0]
+            return [untried[0]] * steps
         best = self._best(rows)
         if len(self.candidates) == 1:
-            return best
-        self.next_probe[rows] = self.next_probe.get(rows, self.probe_every) - 1
-        return next(c for c in self.candidates if c != best) if self.next_probe[rows] <= 0 else best
+            return [best] * steps
+        self.next_probe[rows] = self.next_probe.get(rows, self.probe_every) - steps
+        if self.next_probe[rows] > 0:
+            return [best] * steps
+        other = next(c for c in self.candidates if c != best)
+        return [other] + [best] * (steps - 1)
 
-    def record(self, rows: int, threads: int, seconds: float) -> None:
-        recent = self.times[rows][threads]
-        if self.next_probe.get(rows, 1) <= 0:  # this step was a probe
-            best = self._median(rows, self._best(rows))
+    def record(self, rows: int, threads: list[int], seconds: list[float]) -> None:
+        """The measured time of each step `plan` gave."""
+        times = self.times[rows]
+        if self.next_probe.get(rows, 1) <= 0:  # the first step was a probe
+            won = seconds[0] < self._median(rows, self._best(rows))
             interval = self.interval.get(rows, self.probe_every)
-            self.interval[rows] = self.probe_every if seconds < best else min(2 * interval, self.max_probe_every)
+            self.interval[rows] = self.probe_every if won else min(2 * interval, self.max_probe_every)
             self.next_probe[rows] = self.interval[rows]
-        recent.append(seconds)
-        del recent[: -self.window]
+            if won:
+                times[threads[0]].clear()
+        for count, step_seconds in zip(threads, seconds):
+            times[count].append(step_seconds)
+            del times[count][: -self.window]
 
     def _median(self, rows: int, threads: int) -> float:
         recent = sorted(self.times[rows][threads])
@@ -145,7 +156,11 @@ class FusedDecoder:
                  logit_rows: torch.Tensor) -> torch.Tensor:
         """Logits [len(logit_rows), vocab] of the step's rows; the KV of every row is written."""
         step, keep = self._step(input_ids, positions, meta, logit_rows)
-        self._run(step, 1, lambda threads: self.library.decode_step(ctypes.byref(self._struct), ctypes.byref(step), threads))
+        threads = self.threads.plan(step.rows)
+        started = time.perf_counter()
+        failed = self.library.decode_step(ctypes.byref(self._struct), ctypes.byref(step), threads[0])
+        self.threads.record(step.rows, threads, [time.perf_counter() - started])
+        _check(failed)
         return keep[-1]
 
     def greedy_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -154,11 +169,15 @@ class FusedDecoder:
         (multi-step scheduling): tokens and their logprobs, [num_steps, rows] in logit-row
         order. Every row samples, and each row's block table covers its last position."""
         step, keep = self._step(input_ids, positions, meta, logit_rows)
-        rows = step.rows
-        tokens = torch.empty(num_steps, rows, dtype=torch.int64)
-        logprobs = torch.empty(num_steps, rows, dtype=torch.float32)
-        self._run(step, num_steps, lambda threads: self.library.decode_steps(
-            ctypes.byref(self._struct), ctypes.byref(step), num_steps, threads, tokens.data_ptr(), logprobs.data_ptr()))
+        tokens = torch.empty(num_steps, step.rows, dtype=torch.int64)
+        logprobs = torch.empty(num_steps, step.rows, dtype=torch.float32)
+        plan = self.threads.plan(step.rows, num_steps)
+        threads = (ctypes.c_int * num_steps)(*plan)
+        seconds = (ctypes.c_double * num_steps)()
+        failed = self.library.decode_steps(ctypes.byref(self._struct), ctypes.byref(step), num_steps, threads, seconds,
+                                           tokens.data_ptr(), logprobs.data_ptr())
+        self.threads.record(step.rows, plan, list(seconds))
+        _check(failed)
         return tokens, logprobs
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -173,15 +192,11 @@ class FusedDecoder:
                           tables.shape[1], rows.data_ptr(), rows.shape[0], logits.data_ptr())
         return step, [*tensors, logits]
 
-    def _run(self, step: StepStruct, num_steps: int, call) -> None:
-        """`call(threads)` with the thread count chosen for this many rows, timed per step."""
-        threads = self.threads.choose(step.rows)
-        started = time.perf_counter()
-        failed = call(threads)
-        self.threads.record(step.rows, threads, (time.perf_counter() - started) / num_steps)
-        if failed == 1:
-            raise MemoryError("fused decode step: out of memory for its scratch space")
-        if failed == 3:
-            raise ValueError("fused greedy steps: every row must sample")
-        if failed:
-            raise ValueError("fused decode step: head_dim must be a multiple of 8 and heads a multiple of KV heads")
+
+def _check(failed: int) -> None:
+    if failed == 1:
+        raise MemoryError("fused decode step: out of memory for its scratch space")
+    if failed == 3:
+        raise ValueError("fused greedy steps: every row must sample")
+    if failed:
+        raise ValueError("fused decode step: head_dim must be a multiple of 8 and heads a multiple of KV heads")

@@ -109,17 +109,25 @@ def test_the_thread_count_follows_the_measured_step_times():
 
     tuner = ThreadCount(2, warmup=2, probe_every=4, window=3)
 
-    def run(cost: dict[int, float], steps: int) -> list[int]:
+    def run(cost: dict[int, float], calls: int, steps: int = 1, rows: int = 1) -> list[int]:
         picked = []
-        for _ in range(steps):
-            picked.append(tuner.choose(rows=1))
-            tuner.record(1, picked[-1], cost[picked[-1]])
+        for _ in range(calls):
+            plan = tuner.plan(rows, steps)
+            tuner.record(rows, plan, [cost[t] for t in plan])
+            picked += plan
         return picked
 
     # a loaded machine, one thread faster: each tried twice, then one; the probes of two lose, so
     # they come 4, 8, then 16 steps apart
     assert run({1: 0.016, 2: 0.030}, 24) == [1, 1, 2, 2] + [1, 1, 1, 2] + [1] * 7 + [2] + [1] * 8
-    # the machine goes quiet: the next probe wins, so probes come every 4 steps again, and two
-    # probes later (a median of 3) two threads take over; the first probe of one loses
-    assert run({1: 0.016, 2: 0.010}, 16) == [1] * 7 + [2] + [1, 1, 1, 2] + [2, 2, 2, 1]
-    assert ThreadCount(1).choose(rows=3) == 1
+    # the machine goes quiet: the next probe wins, so two threads take over at once (the probed
+    # count's times from the loaded machine are dropped, and it runs until it has 2 new ones),
+    # and probes come every 4 steps again; the first probe of one loses
+    assert run({1: 0.016, 2: 0.010}, 16) == [1] * 7 + [2] + [2] + [2, 2, 2, 1] + [2] * 3
+    # multi-step calls of 8 steps: a probe is the call's first step, and the interval counts steps
+    assert run({1: 0.016, 2: 0.010}, 3, steps=8) == [1] + [2] * 7 + [2] * 8 + [1] + [2] * 7
+    # loaded again: the choice's own times show it within the call, and the next call switches
+    assert run({1: 0.016, 2: 0.030}, 2, steps=8) == [2] * 8 + [1] * 8
+    # a new batch size is tried with each count for a whole call (then the first probe is due)
+    assert run({1: 0.016, 2: 0.010}, 3, steps=8, rows=2) == [1] * 8 + [2] * 8 + [1] + [2] * 7
+    assert ThreadCount(1).plan(rows=3, steps=2) == [1, 1]

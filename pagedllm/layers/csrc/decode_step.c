@@ -314,13 +314,16 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
 }
 
 /* `num_steps` greedy decode steps of the same rows, each row's argmax fed back as its next input
- * (multi-step scheduling): tokens and logprobs are [num_steps, rows]. Every row samples
- * (num_logits == rows, logit_rows a permutation), and each row's block table must already cover
- * its last position, position + num_steps - 1. Why here rather than one Python step per token:
- * between two steps the engine's per-step Python runs on caches the step's weight stream has
- * just flushed, a cost of the order of a tenth of a single-stream step; this loop pays it once
- * per `num_steps` tokens. The caller's arrays are not changed (the loop advances copies). */
-int decode_steps(const Model *md, const Step *st, int64_t num_steps, int num_threads, int64_t *tokens, float *logprobs) {
+ * (multi-step scheduling): tokens and logprobs are [num_steps, rows]; step s runs on threads[s]
+ * threads and its time is written to seconds[s] (the thread count is tuned per step). Every row
+ * samples (num_logits == rows, logit_rows a permutation), and each row's block table must
+ * already cover its last position, position + num_steps - 1. Why here rather than one Python
+ * step per token: between two steps the engine's per-step Python runs on caches the step's
+ * weight stream has just flushed, a cost of the order of a tenth of a single-stream step; this
+ * loop pays it once per `num_steps` tokens. The caller's arrays are not changed (the loop
+ * advances copies). */
+int decode_steps(const Model *md, const Step *st, int64_t num_steps, const int *threads, double *seconds, int64_t *tokens,
+                 float *logprobs) {
     const int64_t R = st->rows, bs = md->block_size;
     if (st->num_logits != R) return 3;
     int64_t *state = malloc(sizeof(int64_t) * 4 * R);
@@ -334,7 +337,9 @@ int decode_steps(const Model *md, const Step *st, int64_t num_steps, int num_thr
     step.token_ids = ids, step.positions = pos, step.slots = slots, step.ctx_lens = lens;
     int failed = 0;
     for (int64_t s = 0; s < num_steps && !failed; s++) {
-        failed = decode_step(md, &step, num_threads);
+        const double start = omp_get_wtime();
+        failed = decode_step(md, &step, threads[s]);
+        seconds[s] = omp_get_wtime() - start;
         if (failed) break;
         greedy_rows(st->logits, R, md->vocab, tokens + s * R, logprobs + s * R);
         for (int64_t i = 0; i < R && s + 1 < num_steps; i++) {
