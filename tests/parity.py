@@ -63,6 +63,18 @@ def assert_matches(ours: list[int], theirs: list[int], logits: torch.Tensor, nea
     return len(ours)
 
 
+def assert_outputs_match(outputs, expected, near_tie: float = NEAR_TIE, logprob_tol: float = 1e-4) -> None:
+    """Each output's greedy tokens against transformers' (`expected`: make_reference's runs),
+    and the chosen tokens' logprobs wherever the two agree."""
+    for output, (tokens, logits) in zip(outputs, expected):
+        completion = output.outputs[0]
+        agreed = assert_matches(completion.token_ids, tokens, logits, near_tie)
+        reference = torch.log_softmax(logits, dim=-1)
+        for i in range(agreed):
+            ours, theirs = completion.logprobs[i][tokens[i]].logprob, float(reference[i, tokens[i]])
+            assert abs(ours - theirs) < logprob_tol, f"logprob at {i}: {ours} vs {theirs}"
+
+
 MODES = {
     "defaults": {},
     "prefix_caching": dict(enable_prefix_caching=True),

@@ -168,7 +168,7 @@ class FusedDecoder:
         """`num_steps` greedy steps in one call, each row's token fed back as its next input
         (multi-step scheduling): tokens and their logprobs, [num_steps, rows] in logit-row
         order. Every row samples, and each row's block table covers its last position."""
-        step, keep = self._step(input_ids, positions, meta, logit_rows)
+        step, keep = self._step(input_ids, positions, meta, logit_rows)  # `keep` holds what `step` points into
         tokens = torch.empty(num_steps, step.rows, dtype=torch.int64)
         logprobs = torch.empty(num_steps, step.rows, dtype=torch.float32)
         plan = self.threads.plan(step.rows, num_steps)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from parity import MAX_TOKENS, MODES, NEAR_TIE, PROMPTS, assert_matches, assert_mode_happened
+from parity import MAX_TOKENS, MODES, NEAR_TIE, PROMPTS, assert_mode_happened, assert_outputs_match
 from tiny_models import load_reference
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -54,13 +54,7 @@ def test_greedy_matches_transformers_on_cuda(arch, dtype, mode, model_dir, cuda_
     near_tie, logprob_tol = TOLERANCES[dtype]
     llm = LLM(str(model_dir(arch)), device="cuda", dtype=dtype, **MODES[mode])
     assert llm.llm_engine.device.type == "cuda" and not llm.llm_engine.runner.kernel_decode
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    for output, (tokens, logits) in zip(outputs, cuda_reference(arch, dtype)):
-        agreed = assert_matches(output.outputs[0].token_ids, tokens, logits, near_tie)
-        reference = torch.log_softmax(logits, dim=-1)
-        for i in range(agreed):
-            ours = output.outputs[0].logprobs[i][tokens[i]].logprob
-            assert abs(ours - float(reference[i, tokens[i]])) < logprob_tol, f"logprob at {i}"
+    assert_outputs_match(llm.generate(PROMPTS, GREEDY, use_tqdm=False), cuda_reference(arch, dtype), near_tie, logprob_tol)
     stats = llm.get_stats()
     assert_mode_happened(stats, mode)
 
