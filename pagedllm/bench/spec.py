@@ -79,6 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run the draft scoring only its N most frequent tokens (0: skip)")
     parser.add_argument("--draft", type=Path, default=DRAFT_MODEL, help="draft model folder (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=1, help="requests served at a time (default 1: single stream)")
+    parser.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
+                        help="speculating configurations pause while N or more sequences run (default: never)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="passes over the prompts, the configurations taking turns within each (default 3)")
 
@@ -88,17 +90,20 @@ def run(args: argparse.Namespace) -> int:
 
     prompts = make_prompts(load_tokenizer(str(DEFAULT_MODEL)), args.num_prompts, args.prompt_tokens)
     k = args.num_speculative_tokens
+    pause = {"disable_by_batch_size": args.disable_by_batch_size} if args.disable_by_batch_size else {}
+    draft = {"model": str(args.draft), "num_speculative_tokens": k, **pause}
     configs = [
         ("no speculation", {}),
-        (f"draft model, k={k}", {"speculative_config": {"model": str(args.draft), "num_speculative_tokens": k}}),
+        (f"draft model, k={k}", {"speculative_config": draft}),
         *([(f"draft, {args.draft_vocab_size} tokens, k={k}", {"speculative_config": {
-            "model": str(args.draft), "num_speculative_tokens": k, "draft_vocab_size": args.draft_vocab_size}})]
-          if args.draft_vocab_size else []),
-        (f"n-gram, k={k}", {"speculative_config": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}}),
+            **draft, "draft_vocab_size": args.draft_vocab_size}})] if args.draft_vocab_size else []),
+        (f"n-gram, k={k}", {"speculative_config": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                                                    **pause}}),
     ]
     print(f"target {DEFAULT_MODEL.name}, draft {args.draft.name}; {len(prompts)} stdlib completions of {args.prompt_tokens} "
           f"prompt tokens, {args.max_tokens} greedy tokens each, {args.batch} at a time, {torch.get_num_threads()} threads; "
-          f"{args.rounds} rounds, the configurations taking turns")
+          f"{args.rounds} rounds, the configurations taking turns"
+          + (f"; speculation pauses at {args.disable_by_batch_size} sequences" if pause else ""))
     llms = [make_llm(engine_args) for _, engine_args in configs]
     rounds = [[run_config(llm, prompts, args.max_tokens, args.batch) for llm in llms] for _ in range(args.rounds)]
     base_tokens = rounds[0][0]["tokens"]

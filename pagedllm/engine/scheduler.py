@@ -76,6 +76,12 @@ class SchedulerConfig:
     preemption_policy: str
     # Slots reserved past a decode's last position for the draft model's proposals.
     num_lookahead_slots: int = 0
+    # No proposals are asked for while this many sequences or more run (speculative decoding's
+    # disable_by_batch_size); None: always.
+    spec_disable_by_batch_size: int | None = None
+    # A draft model keeps a KV mirror in the same blocks (its progress: num_draft_computed), so a
+    # block is published to the prefix cache only once the draft's KV covers it as well.
+    draft_kv: bool = False
     # The most KV blocks one step may use (layer-wise KV offload's device buffer); None: the pool.
     max_step_blocks: int | None = None
     # Greedy decode steps per engine step (multi-step scheduling), for steps of at most
@@ -175,6 +181,8 @@ class Scheduler:
                 out.samples.extend(_sample_row(child, chunk) for child in self._fork_samples(item))
         self._attach_masks(out)
         self._plan_steps(step)
+        limit = self.config.spec_disable_by_batch_size
+        out.propose = limit is None or len(self.running) < limit
         out.preempted_seq_ids = [seq.seq_id for seq in step.preempted]
         out.finished_seq_ids, self._finished_ids = self._finished_ids, []
         self._scheduled = step.scheduled
@@ -252,7 +260,7 @@ class Scheduler:
             seq.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids) + extra
             seq.num_draft_computed = output.draft_computed.get(seq.seq_id, seq.num_draft_computed)
             computed_ids = seq.token_ids + [t.token_id for t in tokens[:extra]]
-            self.block_manager.cache_full_blocks(seq.seq_id, computed_ids, seq.num_computed_tokens)
+            self.block_manager.cache_full_blocks(seq.seq_id, computed_ids, self._num_publishable(seq))
             if seq.beam is not None:
                 if tokens:  # the beam's next-token distribution: its continuations this round
                     seq.beam.candidates = tokens[0].top
@@ -269,6 +277,13 @@ class Scheduler:
                 changed[seq_id] = seq
                 self._append(seq, tokens, on_token)
         return list(changed.values())
+
+    def _num_publishable(self, seq: Sequence) -> int:
+        """Positions whose KV is complete: the target's, and the draft's where there is one (it
+        lags while speculation pauses, and a prefix-cache hit counts as both)."""
+        if self.config.draft_kv:
+            return min(seq.num_computed_tokens, seq.num_draft_computed)
+        return seq.num_computed_tokens
 
     def _append(self, seq: Sequence, tokens: list[SampledToken], on_token: TokenCallback) -> None:
         for token in tokens:
@@ -427,7 +442,8 @@ class Scheduler:
         parent.request.seqs.append(child)
         if parent.status is SequenceStatus.RUNNING:
             self.block_manager.fork(parent.seq_id, child.seq_id)
-            child.num_computed_tokens = child.num_draft_computed = parent.num_computed_tokens
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_draft_computed = min(parent.num_computed_tokens, parent.num_draft_computed)  # it may lag
             child.set_status(SequenceStatus.RUNNING)
             self.running.append(child)
         else:

@@ -84,6 +84,9 @@ class SchedulerOutput:
     # Greedy steps to run, each row's argmax fed back as its next input (multi-step scheduling);
     # every block table then covers its row's position + num_steps - 1.
     num_steps: int = 1
+    # Whether decodes propose speculative tokens for the next step (off while the batch is large;
+    # a draft model then skips decodes and catches up on them when proposals resume).
+    propose: bool = True
 
     @property
     def num_batched_tokens(self) -> int:

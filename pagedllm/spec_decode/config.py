@@ -3,6 +3,7 @@
     {"model": "path/to/draft", "num_speculative_tokens": 4}                     # a draft model
     {"model": "path/to/draft", "num_speculative_tokens": 4, "draft_vocab_size": 1024}  # scoring its 1024 most frequent tokens
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}     # prompt lookup
+    {..., "disable_by_batch_size": 4}   # no proposals while 4 or more sequences run
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("draft_model", "ngram")
-_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_vocab_size"}
+_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_vocab_size",
+         "disable_by_batch_size"}
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # longest n-gram matched (ngram)
     prompt_lookup_min: int = 1  # shortest n-gram matched (ngram)
     draft_vocab_size: int | None = None  # the draft scores only its N most frequent tokens (spec_decode/draft_vocab.py)
+    # Speculation pauses while this many sequences or more run: a batch already fills the
+    # compute that verifying proposals would use, so proposals only cost time there.
+    disable_by_batch_size: int | None = None
 
     @property
     def uses_draft_model(self) -> bool:
@@ -52,12 +57,14 @@ class SpeculativeConfig:
             prompt_lookup_max=value.get("prompt_lookup_max", 4),
             prompt_lookup_min=value.get("prompt_lookup_min", 1),
             draft_vocab_size=value.get("draft_vocab_size"),
+            disable_by_batch_size=value.get("disable_by_batch_size"),
         )
         config._validate()
         return config
 
     def _validate(self) -> None:
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        optional = ("disable_by_batch_size",) if self.disable_by_batch_size is not None else ()
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", *optional):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")

@@ -98,6 +98,8 @@ class Speculator:
         started = time.perf_counter()
         rows = {row.seq_id: row for row in sched.samples}
         if self.draft is None:
+            if not sched.propose:
+                return
             for chunk in sched.chunks:
                 row = rows.get(chunk.seq_id)
                 if chunk.is_decode and row is not None:
@@ -112,12 +114,16 @@ class Speculator:
         self.draft_time_s += time.perf_counter() - started
 
     def _draft_requests(self, sched: SchedulerOutput, result: ModelRunnerOutput, rows: dict[int, SampleRow]) -> list[DraftRequest]:
-        """Decodes catch up on what the target accepted and propose; prompt chunks only mirror."""
+        """Decodes catch up on what the target accepted and propose; prompt chunks only mirror.
+        While the scheduler pauses proposals the draft skips decodes altogether (the point of the
+        pause is to spend nothing on speculation), and its KV lags until they resume."""
         requests = []
         for chunk in sched.chunks:
             capacity = len(chunk.block_table) * self.block_size
             row = rows.get(chunk.seq_id)
             if chunk.is_decode and row is not None:
+                if not sched.propose:
+                    continue  # the draft catches up when proposals resume
                 history = row.token_ids + [t.token_id for t in result.sampled.get(chunk.seq_id, [])]
                 known, cap, row = history[chunk.draft_start:], self._cap(row, history, capacity), proposal_row(row)
             else:

@@ -81,6 +81,54 @@ def test_greedy_is_unchanged_in_every_engine_mode(mode, method, model_dir, draft
     assert_mode_happened(stats, mode)
 
 
+def staggered(llm: LLM, lengths: list[int]) -> list[list[int]]:
+    """Greedy tokens of PROMPTS[:len(lengths)], each stopping after its own length, so the
+    running batch shrinks by one at each length."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS[: len(lengths)], params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_pauses_while_the_batch_is_large(method, model_dir, draft_dir):
+    """disable_by_batch_size=2: while two or more sequences run nothing is proposed; once one
+    is left it speculates again. Greedy tokens stay those of decoding without speculation."""
+    folder = str(model_dir("llama"))
+    config = {**spec_config(method, draft_dir("llama")), "disable_by_batch_size": 2}
+    plain = LLM(folder)
+    llm = LLM(folder, speculative_config=config)
+    assert greedy_tokens(llm, PROMPTS[:4]) == greedy_tokens(plain, PROMPTS[:4])
+    assert llm.get_stats()["spec_decode_num_drafts"] == 0, "proposals were verified in a batch of 4"
+    lengths = [4, MAX_TOKENS]  # the second runs alone for its last 20 tokens
+    assert staggered(llm, lengths) == staggered(plain, lengths)
+    drafts = llm.get_stats()["spec_decode_num_drafts"]
+    assert 0 < drafts <= MAX_TOKENS - 4, drafts
+
+
+def test_a_paused_draft_keeps_its_kv_complete(model_dir):
+    """While speculation pauses the draft skips decodes and its KV lags. It catches up when
+    proposals resume, so a draft equal to the target has every proposal accepted then; and a
+    block reaches the prefix cache only once the draft's KV covers it, so a prompt that reuses
+    the blocks of sequences that ran paused is proposed from complete KV as well."""
+    folder = str(model_dir("llama"))
+    config = {"model": folder, "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    llm = LLM(folder, speculative_config=config, enable_prefix_caching=True, block_size=4)
+    plain = LLM(folder, enable_prefix_caching=True, block_size=4)
+    lengths = [10, MAX_TOKENS]
+    assert staggered(llm, lengths) == staggered(plain, lengths)
+    stats = llm.get_stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+
+    paused = greedy_tokens(llm, PROMPTS[2:4])  # two at once: no proposals, blocks published
+    assert llm.get_stats()["spec_decode_num_draft_tokens"] == stats["spec_decode_num_draft_tokens"]
+    follow_up = [PROMPTS[2] + paused[0]]
+    hits = llm.get_stats()["prefix_cache_hits"]
+    assert greedy_tokens(llm, follow_up) == greedy_tokens(plain, follow_up)
+    after = llm.get_stats()
+    assert after["prefix_cache_hits"] > hits, "the follow-up did not reuse the paused sequence's blocks"
+    assert after["spec_decode_num_draft_tokens"] > stats["spec_decode_num_draft_tokens"]
+    assert after["spec_decode_num_accepted_tokens"] == after["spec_decode_num_draft_tokens"]
+
+
 def test_seeded_samples_with_n_and_speculation_are_reproducible(model_dir, draft_dir):
     folder = str(model_dir("llama"))
     params = SamplingParams(n=3, temperature=0.9, top_p=0.95, seed=11, max_tokens=20, ignore_eos=True, logprobs=1)
@@ -157,6 +205,8 @@ def test_bad_speculative_config_is_a_clear_error(model_dir, small_vocab):
         ("{not json", "JSON"),
         ({"model": str(small_vocab[1]), "num_speculative_tokens": 2}, "vocab_size"),
         ({"method": "ngram", "num_speculative_tokens": 2, "draft_vocab_size": 8}, "draft model only"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": "4"}, "disable_by_batch_size"),
         ({"model": str(model_dir("llama")), "num_speculative_tokens": 2, "draft_vocab_size": 8}, "draft_vocab.json"),
     ]:
         with pytest.raises(ValueError, match=match):

@@ -12,7 +12,8 @@ from server_process import API_KEY, start_server
 
 @pytest.fixture(scope="module")
 def spec_server(serve_models, tmp_path_factory):
-    config = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    # one request at a time stays below disable_by_batch_size: it speculates
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "disable_by_batch_size": 4})
     args = ["--model", str(serve_models / "tiny-llama"), "--served-model-name", "tiny-spec", "--api-key", API_KEY,
             "--max-model-len", "1024", "--num-kv-blocks", "256", "--speculative-config", config]
     server = start_server(args, tmp_path_factory.mktemp("spec-logs") / "server.log")
