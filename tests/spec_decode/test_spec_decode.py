@@ -104,7 +104,7 @@ def test_speculation_pauses_while_the_batch_is_large(method, model_dir, draft_di
     assert 0 < drafts <= MAX_TOKENS - 4, drafts
 
 
-def test_a_paused_draft_keeps_its_kv_complete(model_dir):
+def test_a_paused_draft_catches_up_and_guards_the_prefix_cache(model_dir):
     """While speculation pauses the draft skips decodes and its KV lags. It catches up when
     proposals resume, so a draft equal to the target has every proposal accepted then; and a
     block reaches the prefix cache only once the draft's KV covers it, so a prompt that reuses
@@ -118,7 +118,7 @@ def test_a_paused_draft_keeps_its_kv_complete(model_dir):
     stats = llm.get_stats()
     assert 0 < stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
 
-    paused = greedy_tokens(llm, PROMPTS[2:4])  # two at once: no proposals, blocks published
+    paused = greedy_tokens(llm, PROMPTS[2:4])  # two at once: no proposals, the draft skips their decodes
     assert llm.get_stats()["spec_decode_num_draft_tokens"] == stats["spec_decode_num_draft_tokens"]
     follow_up = [PROMPTS[2] + paused[0]]
     hits = llm.get_stats()["prefix_cache_hits"]
