@@ -83,7 +83,7 @@ def test_greedy_is_unchanged_in_every_engine_mode(mode, method, model_dir, draft
 
 def staggered(llm: LLM, lengths: list[int]) -> list[list[int]]:
     """Greedy tokens of PROMPTS[:len(lengths)], each stopping after its own length, so the
-    running batch shrinks by one at each length."""
+    running batch shrinks as they finish."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS[: len(lengths)], params, use_tqdm=False)]
 
@@ -127,6 +127,22 @@ def test_a_paused_draft_catches_up_and_guards_the_prefix_cache(model_dir):
     assert after["prefix_cache_hits"] > hits, "the follow-up did not reuse the paused sequence's blocks"
     assert after["spec_decode_num_draft_tokens"] > stats["spec_decode_num_draft_tokens"]
     assert after["spec_decode_num_accepted_tokens"] == after["spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("mode", SPEC_MODES)
+def test_a_draft_equal_to_the_target_accepts_everything_around_pauses(mode, model_dir):
+    """Every prompt at once, each stopping at its own length, speculation pausing at 3 running
+    sequences: through preemption (both kinds), chunked prefill and prefix-cache hits (a second
+    pass) the draft's lagging KV is caught up exactly, so every proposal is accepted."""
+    folder = str(model_dir("llama"))
+    config = {"model": folder, "num_speculative_tokens": 3, "disable_by_batch_size": 3}
+    llm, plain = LLM(folder, speculative_config=config, **MODES[mode]), LLM(folder, **MODES[mode])
+    lengths = [MAX_TOKENS - 2 * i for i in range(len(PROMPTS))]  # the last two run below the threshold
+    for _ in range(2 if mode == "prefix_caching" else 1):
+        assert staggered(llm, lengths) == staggered(plain, lengths)
+    stats = llm.get_stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+    assert_mode_happened(stats, mode)
 
 
 def test_seeded_samples_with_n_and_speculation_are_reproducible(model_dir, draft_dir):
