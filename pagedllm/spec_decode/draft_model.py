@@ -24,7 +24,7 @@ from pagedllm.spec_decode import draft_vocab
 from pagedllm.engine.scheduler_output import SampleRow, ScheduledChunk
 from pagedllm.layers import kernels
 from pagedllm.layers.paged_decode import kernel_supported
-from pagedllm.models.fused_decode import FusedDecoder
+from pagedllm.models.fused_decode import FusedDecoder, unsupported as fused_unsupported
 from pagedllm.layers.small_matmul import MAX_ROWS
 from pagedllm.layers.sampler import Sampler
 from pagedllm.models.loader import load_model
@@ -168,9 +168,7 @@ class DraftModel:
 
 def _fused_library(config: ModelConfig, dtype: torch.dtype, device: torch.device):
     """The CPU kernels, when the draft's one-token passes can run as fused decode steps."""
-    if device.type != "cpu" or dtype != torch.float32 or config.head_dim % 8 or config.moe is not None:
-        return None
-    return kernels.load()
+    return None if fused_unsupported(config, dtype, device) else kernels.load()
 
 
 def proposal_row(row: SampleRow) -> SampleRow:

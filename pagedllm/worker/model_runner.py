@@ -21,7 +21,7 @@ from pagedllm.layers import kernels
 from pagedllm.layers.paged_decode import kernel_supported, load
 from pagedllm.layers.sampler import Sampler
 from pagedllm.layers.small_matmul import MAX_ROWS
-from pagedllm.models.fused_decode import FusedDecoder
+from pagedllm.models.fused_decode import FusedDecoder, unsupported as fused_unsupported
 from pagedllm.models.loader import load_model
 from pagedllm.spec_decode.rejection import rejection_sample
 from pagedllm.spec_decode.speculator import Speculator
@@ -99,13 +99,9 @@ class ModelRunner:
         backend = self.config.decode_backend
         if backend == "torch":
             return None
-        reasons = []
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            reasons.append("it runs on CPUs in float32")
-        if self.model_config.head_dim % 8 or self.config.attention_backend == "sdpa":
-            reasons.append("it attends with the C decode kernel (attention_backend auto or kernel, head_dim a multiple of 8)")
-        if self.model_config.moe is not None:
-            reasons.append("it computes dense MLPs (this is a mixture of experts)")
+        reasons = fused_unsupported(self.model_config, self.dtype, self.device)
+        if self.config.attention_backend == "sdpa":
+            reasons.append("it attends with the C decode kernel (attention_backend auto or kernel)")
         if self.group is not None or self.config.kv_offload:
             reasons.append("it runs the whole model over KV pools bound once (no tensor parallelism, no KV offload)")
         library = kernels.load() if not reasons else None
