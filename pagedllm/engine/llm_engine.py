@@ -64,7 +64,6 @@ class LLMEngine:
                 preemption_policy=config.preemption_policy,
                 num_lookahead_slots=self.runner.speculator.num_lookahead_slots if self.runner.speculator else 0,
                 spec_disable_by_batch_size=config.speculative_config.disable_by_batch_size if config.speculative_config else None,
-                draft_kv=bool(self.runner.speculator and self.runner.speculator.draft is not None),
                 max_step_blocks=self.runner.max_step_blocks,
                 num_scheduler_steps=config.num_scheduler_steps,
                 max_multi_step_rows=self.runner.max_multi_step_rows,

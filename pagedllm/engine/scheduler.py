@@ -74,14 +74,12 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     preemption_mode: str
     preemption_policy: str
-    # Slots reserved past a decode's last position for the draft model's proposals.
+    # Slots reserved past a decode's last position for the draft model's proposals (0: no draft
+    # model, so no second KV, the draft's, to wait for before publishing a block).
     num_lookahead_slots: int = 0
     # No proposals are asked for while this many sequences or more run (speculative decoding's
     # disable_by_batch_size); None: always.
     spec_disable_by_batch_size: int | None = None
-    # A draft model keeps a KV mirror in the same blocks (its progress: num_draft_computed), so a
-    # block is published to the prefix cache only once the draft's KV covers it as well.
-    draft_kv: bool = False
     # The most KV blocks one step may use (layer-wise KV offload's device buffer); None: the pool.
     max_step_blocks: int | None = None
     # Greedy decode steps per engine step (multi-step scheduling), for steps of at most
@@ -279,9 +277,10 @@ class Scheduler:
         return list(changed.values())
 
     def _num_publishable(self, seq: Sequence) -> int:
-        """Positions whose KV is complete: the target's, and the draft's where there is one (it
-        lags while speculation pauses, and a prefix-cache hit counts as both)."""
-        if self.config.draft_kv:
+        """Positions whose KV is complete: the target's, and the draft model's where there is one
+        (it keeps its KV in the same blocks, lags while speculation pauses, and a prefix-cache hit
+        counts as both)."""
+        if self.config.num_lookahead_slots:
             return min(seq.num_computed_tokens, seq.num_draft_computed)
         return seq.num_computed_tokens
 
