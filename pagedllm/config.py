@@ -308,8 +308,10 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("num_scheduler_steps", self.num_scheduler_steps)
-        if self.num_scheduler_steps > 1 and self.speculative_config is not None:
-            raise ValueError("num_scheduler_steps > 1 is not supported with speculative_config (each step verifies proposals)")
+        spec = self.speculative_config
+        if self.num_scheduler_steps > 1 and spec is not None and not (spec.uses_draft_model and spec.fused_cycles):
+            raise ValueError("num_scheduler_steps > 1 with speculative_config needs a draft model with fused_cycles "
+                             "(its greedy cycles then run num_scheduler_steps per engine step)")
         if self.tensor_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError("speculative_config is not supported with tensor_parallel_size > 1")
         if self.kv_offload_device_memory is not None:

@@ -67,6 +67,7 @@ class LLMEngine:
                 max_step_blocks=self.runner.max_step_blocks,
                 num_scheduler_steps=config.num_scheduler_steps,
                 max_multi_step_rows=self.runner.max_multi_step_rows,
+                max_fused_spec_seqs=self.runner.max_fused_spec_seqs,
             ),
             self.block_manager,
             self.structured,

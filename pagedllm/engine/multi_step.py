@@ -18,7 +18,13 @@ from pagedllm.engine.sequence import Sequence
 
 
 def can_multi_step(seq: Sequence) -> bool:
-    """A plain greedy decode: its next input is its argmax, whatever the other rows do."""
+    """A plain greedy decode with no proposals to verify."""
+    return is_plain_greedy_decode(seq) and not seq.spec_token_ids
+
+
+def is_plain_greedy_decode(seq: Sequence) -> bool:
+    """A greedy decode whose tokens are argmaxes and nothing more: its next input is its argmax,
+    whatever the other rows do (multi-step scheduling, fused speculation cycles)."""
     params = seq.request.params
     return (
         seq.num_tokens - seq.num_computed_tokens == 1
@@ -30,7 +36,6 @@ def can_multi_step(seq: Sequence) -> bool:
         and seq.num_output_tokens >= params.min_tokens
         and seq.grammar is None
         and seq.beam is None
-        and not seq.spec_token_ids
     )
 
 

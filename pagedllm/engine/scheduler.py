@@ -86,6 +86,9 @@ class SchedulerConfig:
     # `max_multi_step_rows` sequences (what the runner can run as one call; 0: none).
     num_scheduler_steps: int = 1
     max_multi_step_rows: int = 0
+    # The most sequences whose greedy draft-model speculation cycles the runner runs in one call
+    # (0: it cannot); with multi-step scheduling, num_scheduler_steps cycles per engine step.
+    max_fused_spec_seqs: int = 0
 
 
 class Scheduler:
@@ -100,6 +103,7 @@ class Scheduler:
         self._finished_ids: list[int] = []  # finished since the last schedule(), for the runner
         self._ended: list[Sequence] = []  # ended by the scheduler itself during schedule()
         self._scheduled: list[ScheduledSequence] = []  # what the last schedule() sent to the runner
+        self._fusing = False  # this step's decodes are meant for fused speculation cycles
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_prompt_tokens_total = 0
@@ -143,6 +147,7 @@ class Scheduler:
     # ---- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _Step()
+        self._fusing = self._fuse_speculation()
         budget = self._schedule_running(step, self.config.max_num_batched_tokens)
         if not step.preempted:
             budget = self._schedule_queued(step, budget)
@@ -178,9 +183,8 @@ class Scheduler:
                 out.samples.append(_sample_row(seq, chunk, item.spec_token_ids))
                 out.samples.extend(_sample_row(child, chunk) for child in self._fork_samples(item))
         self._attach_masks(out)
+        out.propose = self._proposing()
         self._plan_steps(step)
-        limit = self.config.spec_disable_by_batch_size
-        out.propose = limit is None or len(self.running) < limit
         out.preempted_seq_ids = [seq.seq_id for seq in step.preempted]
         out.finished_seq_ids, self._finished_ids = self._finished_ids, []
         self._scheduled = step.scheduled
@@ -192,8 +196,12 @@ class Scheduler:
         added for it stay in the tables for the tokens to come)."""
         config, out = self.config, step.out
         seqs = [item.seq for item in step.scheduled]
-        if (self.waiting or self.swapped or step.preempted or out.blocks_to_swap_in or len(out.samples) != len(seqs)
-                or len(seqs) > config.max_multi_step_rows):
+        if self.waiting or self.swapped or step.preempted or out.blocks_to_swap_in or len(out.samples) != len(seqs):
+            return
+        if self._fusing:
+            self._plan_fused_speculation(step, seqs)
+            return
+        if len(seqs) > config.max_multi_step_rows:
             return
         n = multi_step.num_steps(seqs, config.num_scheduler_steps, config.max_model_len)
         if n == 1:
@@ -206,6 +214,35 @@ class Scheduler:
         for item in step.scheduled:
             item.num_steps = n
         out.num_steps = n
+
+    def _proposing(self) -> bool:
+        """Whether decodes propose now (speculation pauses while the batch is large)."""
+        limit = self.config.spec_disable_by_batch_size
+        return limit is None or len(self.running) < limit
+
+    def _fuse_speculation(self) -> bool:
+        """Whether this step's decodes are for fused speculation cycles: the runner fuses them,
+        nothing waits to be admitted or swapped in, speculation is not paused, and every running
+        sequence is a plain greedy decode, few enough for one call. Their pending proposals (from
+        an engine-driven step) are then dropped: the cycles propose afresh."""
+        config = self.config
+        return (0 < len(self.running) <= config.max_fused_spec_seqs and not self.waiting and not self.swapped
+                and self._proposing() and all(multi_step.is_plain_greedy_decode(seq) for seq in self.running))
+
+    def _plan_fused_speculation(self, step: _Step, seqs: list[Sequence]) -> None:
+        """Every scheduled decode already has k + 1 slots (its position and the lookahead); with
+        multi-step scheduling a step runs num_scheduler_steps cycles, each needing k + 1 more."""
+        config, out = self.config, step.out
+        cycles = config.num_scheduler_steps
+        if cycles > 1:
+            for seq in seqs:
+                copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens,
+                                                           cycles * (config.num_lookahead_slots + 1))
+                if copies is None:
+                    cycles = 1  # blocks already added stay in the tables for the tokens to come
+                    break
+                out.blocks_to_copy.extend(copies)
+        out.fused_spec_cycles = cycles
 
     def _attach_masks(self, out: SchedulerOutput) -> None:
         """The grammar masks of this step's constrained sample rows, computed in one batch."""
@@ -250,11 +287,13 @@ class Scheduler:
             seq = item.seq
             changed[seq.seq_id] = seq
             tokens = output.sampled.get(seq.seq_id, [])
-            accepted = min(max(len(tokens) - 1, 0), len(item.spec_token_ids))
             if item.spec_token_ids:
-                self.spec_stats.record(len(item.spec_token_ids), accepted)
-            # positions computed past the chunk's known tokens: accepted proposals, or a burst's tokens but its last
-            extra = accepted if item.num_steps == 1 else len(tokens) - 1
+                self.spec_stats.record(len(item.spec_token_ids), min(max(len(tokens) - 1, 0), len(item.spec_token_ids)))
+            for proposed, accepted in output.spec_cycles.get(seq.seq_id, ()):
+                self.spec_stats.record(proposed, accepted)
+            # Positions computed past the chunk's known tokens: every token given back but the
+            # last (accepted proposals, or a multi-step or fused burst's tokens).
+            extra = max(len(tokens) - 1, 0)
             seq.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids) + extra
             seq.num_draft_computed = output.draft_computed.get(seq.seq_id, seq.num_draft_computed)
             computed_ids = seq.token_ids + [t.token_id for t in tokens[:extra]]
@@ -304,7 +343,8 @@ class Scheduler:
         """(tokens to compute, proposals among them): a decode also verifies its proposals, as
         many as the budget leaves room for."""
         num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
-        if num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1 or not seq.spec_token_ids or seq.grammar is not None:
+        if (num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1 or not seq.spec_token_ids or seq.grammar is not None
+                or self._fusing):
             return num_new, []
         spec = seq.spec_token_ids[: budget - 1]
         return 1 + len(spec), spec

@@ -87,6 +87,10 @@ class SchedulerOutput:
     # Whether decodes propose speculative tokens for the next step (off while the batch is large;
     # a draft model then skips decodes and catches up on them when proposals resume).
     propose: bool = True
+    # Greedy draft-model speculation cycles (propose, verify, accept) the runner runs for every
+    # chunk of this step in one call (0: none); every chunk is then a plain greedy decode whose
+    # block table covers fused_spec_cycles * (k + 1) positions from its chunk's start.
+    fused_spec_cycles: int = 0
 
     @property
     def num_batched_tokens(self) -> int:

@@ -3,7 +3,8 @@ time an engine needs them, cached, and loaded through ctypes.
 
 One shared library holds them all: decode attention over the paged pool (paged_decode.c), small-M
 matmuls whose weights stream at the memory's speed (small_matmul.c) and the whole-model decode
-step (decode_step.c). The instruction set is chosen at build time: `-march=native` gives
+step (decode_step.c), and greedy speculative decoding's draft-and-verify cycles built on it
+(speculate.c). The instruction set is chosen at build time: `-march=native` gives
 AVX-512 code on a CPU that has it and AVX2 code on one that does not (the sources switch on
 `__AVX512F__`), and the library says which it got (`isa()`). Tests build the AVX2 variant on an
 AVX-512 machine too (`extra_flags=("-mno-avx512f",)`), so both paths are checked wherever the
@@ -29,8 +30,8 @@ from pathlib import Path
 logger = logging.getLogger("pagedllm.kernels")
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.c", "small_matmul.c", "decode_step.c", "greedy.c")
-HEADERS = ("kernels.h",)
+SOURCES = ("paged_decode.c", "small_matmul.c", "decode_step.c", "greedy.c", "speculate.c")
+HEADERS = ("kernels.h", "decode_step.h")
 # -ffast-math (but keeping infinities) lets the reductions and exp vectorise. It is given to the
 # compile step only: linked with it, gcc adds crtfastmath.o, whose constructor switches the whole
 # process to flush-denormals-to-zero when the library loads.
@@ -128,6 +129,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.decode_step.argtypes = [ptr, ptr, i32]
     library.decode_steps.restype = i32
     library.decode_steps.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr]
+    library.speculate_greedy.restype = i32
+    library.speculate_greedy.argtypes = [ptr, ptr, ptr, i64, ptr, ptr]
     library.read_bandwidth.restype = ctypes.c_double
     library.read_bandwidth.argtypes = [ptr, i64, i32, i32]
     library.greedy_rows.restype = None

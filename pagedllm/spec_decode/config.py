@@ -4,6 +4,7 @@
     {"model": "path/to/draft", "num_speculative_tokens": 4, "draft_vocab_size": 1024}  # scoring its 1024 most frequent tokens
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}     # prompt lookup
     {..., "disable_by_batch_size": 4}   # no proposals while 4 or more sequences run
+    {"model": ..., "fused_cycles": false}  # the engine drives every pass even of greedy decodes
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 METHODS = ("draft_model", "ngram")
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_vocab_size",
-         "disable_by_batch_size"}
+         "disable_by_batch_size", "fused_cycles"}
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class SpeculativeConfig:
     # Speculation pauses while this many sequences or more run: a batch already fills the
     # compute that verifying proposals would use, so proposals only cost time there.
     disable_by_batch_size: int | None = None
+    # A draft model's greedy cycles (propose, verify, accept) run as one C call when every
+    # sequence of a step decodes greedily and both models run the fused decode step
+    # (spec_decode/fused_cycles.py); false keeps the engine-driven path for them too.
+    fused_cycles: bool = True
 
     @property
     def uses_draft_model(self) -> bool:
@@ -58,6 +63,7 @@ class SpeculativeConfig:
             prompt_lookup_min=value.get("prompt_lookup_min", 1),
             draft_vocab_size=value.get("draft_vocab_size"),
             disable_by_batch_size=value.get("disable_by_batch_size"),
+            fused_cycles=value.get("fused_cycles", True),
         )
         config._validate()
         return config
@@ -79,5 +85,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: draft_vocab_size must be a positive integer, got {self.draft_vocab_size!r}")
             if self.method != "draft_model":
                 raise ValueError("speculative_config: draft_vocab_size applies to a draft model only")
+        if not isinstance(self.fused_cycles, bool):
+            raise ValueError(f"speculative_config: fused_cycles must be true or false, got {self.fused_cycles!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")

@@ -18,11 +18,14 @@ from pagedllm.config import ModelConfig
 from pagedllm.engine.scheduler_output import SampleRow, SchedulerOutput
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.draft_model import DraftModel, DraftRequest, proposal_row
+from pagedllm.spec_decode.fused_cycles import CycleRequest, FusedCycles
 from pagedllm.spec_decode.ngram import propose_ngram
 from pagedllm.spec_decode.rejection import VerifyBatch, VerifySpan
 from pagedllm.layers.sampler import Sampler
+from pagedllm.layers.small_matmul import MAX_ROWS
+from pagedllm.models.fused_decode import FusedDecoder
 from pagedllm.worker.kv_cache import KVCache
-from pagedllm.worker.runner_output import ModelRunnerOutput
+from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
 from pagedllm.worker.staging import Staging
 
 
@@ -36,6 +39,7 @@ class Speculator:
         if config.uses_draft_model:
             self.draft = DraftModel(config.model, target, max_model_len, dtype, device, config.draft_vocab_size)
         self.draft_time_s = 0.0
+        self.fused: FusedCycles | None = None  # whole greedy cycles in one call, when both models run fused
 
     @property
     def num_lookahead_slots(self) -> int:
@@ -45,9 +49,19 @@ class Speculator:
     def bytes_per_block(self) -> int:
         return self.draft.bytes_per_block(self.block_size) if self.draft is not None else 0
 
-    def allocate(self, num_blocks: int, num_cpu_blocks: int, kernel_decode: bool) -> None:
-        if self.draft is not None:
-            self.draft.allocate(num_blocks, num_cpu_blocks, self.block_size, kernel_decode)
+    def allocate(self, num_blocks: int, num_cpu_blocks: int, kernel_decode: bool, target: FusedDecoder | None) -> None:
+        """The draft's mirror pool; fused cycles when the target's step and the draft's both run fused."""
+        if self.draft is None:
+            return
+        self.draft.allocate(num_blocks, num_cpu_blocks, self.block_size, kernel_decode)
+        if self.config.fused_cycles and target is not None and self.draft.model.fused is not None:
+            self.fused = FusedCycles(target, self.draft.model.fused, self.config.num_speculative_tokens, self.block_size,
+                                     self.draft.vocab)
+
+    @property
+    def max_fused_seqs(self) -> int:
+        """The most sequences one fused call takes (its verification is one fused step), or 0."""
+        return MAX_ROWS // (self.config.num_speculative_tokens + 1) if self.fused is not None else 0
 
     @property
     def kv_caches(self) -> list[KVCache]:
@@ -90,6 +104,32 @@ class Speculator:
             first += len(row.spec_token_ids) + 1
         return VerifyBatch(spans, views["verify.proposals"], views["verify.row_span"], views["verify.row_offset"],
                            views["verify.first_rows"], views["verify.random"].bool())
+
+    # ---- fused cycles ------------------------------------------------------------------------
+    def run_fused(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, float]:
+        """`sched.fused_spec_cycles` cycles for the step's greedy decodes; the output and the time
+        the target's steps took."""
+        requests = []
+        for chunk, row in zip(sched.chunks, sched.samples):
+            # the draft may already hold the newest token's KV (an engine-driven step proposed
+            # from it); its first pass recomputes it, for the logits of proposal 1
+            draft_start = min(chunk.draft_start, chunk.start)
+            history = row.token_ids[draft_start:]
+            left = self.max_model_len - len(row.token_ids)
+            if row.params.max_tokens is not None:
+                left = min(left, row.params.max_tokens - row.num_output_tokens)
+            budget = min(left, sched.fused_spec_cycles * (self.config.num_speculative_tokens + 1))
+            requests.append(CycleRequest(chunk.block_table, history, draft_start, budget))
+        results, times = self.fused.run(requests, sched.fused_spec_cycles)
+        self.draft_time_s += times.draft_s
+        output = ModelRunnerOutput()
+        for row, result in zip(sched.samples, results):
+            ranked = row.params.logprobs == 0  # an argmax's rank is 1, and no alternatives were asked for
+            output.sampled[row.seq_id] = [SampledToken(t, lp, 1, []) if ranked else SampledToken(t, lp)
+                                          for t, lp in zip(result.tokens, result.logprobs)]
+            output.draft_computed[row.seq_id] = result.draft_position
+            output.spec_cycles[row.seq_id] = result.cycles
+        return output, times.target_s
 
     # ---- proposals ---------------------------------------------------------------------------
     def propose(self, sched: SchedulerOutput, result: ModelRunnerOutput, sampler: Sampler,

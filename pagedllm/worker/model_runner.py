@@ -73,7 +73,7 @@ class ModelRunner:
             for linear in self.model.linears():
                 linear.small = None
         if self.speculator is not None:
-            self.speculator.allocate(self.num_blocks, self.num_cpu_blocks, self.kernel_decode)
+            self.speculator.allocate(self.num_blocks, self.num_cpu_blocks, self.kernel_decode, self.model.fused)
         self.target_time_s = 0.0  # in execute() before proposing
         self.generators: dict[int, torch.Generator] = {}  # seq id -> a seeded sequence's own generator
 
@@ -146,6 +146,11 @@ class ModelRunner:
             return ModelRunnerOutput()
         if sched.num_steps > 1:
             return self._greedy_steps(sched, staging)
+        if sched.fused_spec_cycles:
+            self._apply_block_maps(sched, staging.to(self.device))
+            result, target_s = self.speculator.run_fused(sched)
+            self.target_time_s += target_s
+            return result
         layout = stage_batch(sched.chunks, self.block_size, self.kernel_decode, staging)
         plain = [row for row in sched.samples if not row.spec_token_ids]
         spec = [row for row in sched.samples if row.spec_token_ids]
@@ -175,6 +180,11 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.propose(sched, result, self.sampler, self._generator)
         return result
+
+    @property
+    def max_fused_spec_seqs(self) -> int:
+        """The most sequences a fused speculation call takes (0: none)."""
+        return self.speculator.max_fused_seqs if self.speculator is not None else 0
 
     @property
     def max_multi_step_rows(self) -> int:

@@ -30,3 +30,5 @@ class ModelRunnerOutput:
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # seq id -> positions whose draft-model KV is now valid (draft-model speculation only)
     draft_computed: dict[int, int] = field(default_factory=dict)
+    # fused speculation cycles: seq id -> (proposals verified, accepted) of each cycle that proposed
+    spec_cycles: dict[int, list[tuple[int, int]]] = field(default_factory=dict)

@@ -132,7 +132,7 @@ def test_bad_or_unusable_step_counts(model_dir, caplog):
     folder = str(model_dir("llama"))
     with pytest.raises(ValueError, match="num_scheduler_steps must be a positive integer"):
         LLM(folder, num_scheduler_steps=0)
-    with pytest.raises(ValueError, match="not supported with speculative_config"):
+    with pytest.raises(ValueError, match="needs a draft model with fused_cycles"):
         LLM(folder, num_scheduler_steps=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with caplog.at_level(logging.WARNING, logger="pagedllm.engine"):
         llm = LLM(folder, num_scheduler_steps=4, decode_backend="torch")

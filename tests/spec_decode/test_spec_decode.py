@@ -53,11 +53,12 @@ def test_greedy_is_unchanged_by_speculation(arch, method, model_dir, draft_dir, 
 
 
 def test_a_draft_equal_to_the_target_has_every_proposal_accepted(model_dir):
-    """The draft's KV bookkeeping is exact — prompts mirrored, the tokens the target accepted
-    caught up as decode rows, proposals fed back — so a draft that is the target itself proposes
-    the target's own greedy tokens and every one is accepted; the catch-ups ran as fused steps."""
+    """The engine-driven path's draft KV bookkeeping is exact — prompts mirrored, the tokens the
+    target accepted caught up as decode rows, proposals fed back — so a draft that is the target
+    itself proposes the target's own greedy tokens and every one is accepted; the catch-ups ran
+    as fused steps. (Greedy decodes take fused cycles by default: test_fused_cycles.py.)"""
     folder = str(model_dir("llama"))
-    llm = LLM(folder, speculative_config={"model": folder, "num_speculative_tokens": 3})
+    llm = LLM(folder, speculative_config={"model": folder, "num_speculative_tokens": 3, "fused_cycles": False})
     prompt = PROMPTS[:1]  # one sequence: a draft step of several rows is a catch-up
     assert greedy_tokens(llm, prompt) == greedy_tokens(LLM(folder), prompt)
     stats = llm.get_stats()

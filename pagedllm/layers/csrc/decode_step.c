@@ -37,35 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels.h"
-
-typedef struct {
-    Matrix qkv, o, gate_up, down;
-    const float *input_norm, *post_norm; /* [hidden] */
-    const float *q_norm, *k_norm;        /* [head_dim], or NULL */
-    float *k_cache, *v_cache;            /* [num_blocks, block_size, num_kv_heads, head_dim] */
-    int64_t window;                      /* <= 0: no sliding window */
-} Layer;
-
-typedef struct {
-    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab, block_size;
-    float eps, attn_scale;
-    const float *embed;      /* [vocab, hidden] */
-    const float *cos, *sin;  /* [max_position, head_dim]; sin's first half negated (rotary.py) */
-    const float *final_norm; /* [hidden] */
-    const Matrix *lm_head;
-    const Layer *layers;
-} Model;
-
-typedef struct {
-    int64_t rows;
-    const int64_t *token_ids, *positions, *slots, *ctx_lens; /* [rows] */
-    const int64_t *block_tables;                             /* [rows, max_blocks] */
-    int64_t max_blocks;
-    const int64_t *logit_rows; /* [num_logits] */
-    int64_t num_logits;
-    float *logits; /* [num_logits, vocab] */
-} Step;
+#include "decode_step.h"
 
 static void rmsnorm(const float *x, const float *weight, int64_t n, float eps, float *out) {
     float sum = 0.0f;

@@ -1,0 +1,202 @@
+/* Greedy speculative decoding with a draft model, whole cycles in one call: the draft proposes
+ * up to k tokens (k one-row passes after catching up), the target scores the newest token and
+ * the proposals in one step of k + 1 rows, and the longest prefix of proposals equal to the
+ * target's argmaxes is kept, followed by the target's own token at the first difference (or
+ * after the last proposal). The tokens are exactly those of greedy decoding without speculation:
+ * every target row is a decode row attending to the context up to its own position, and the
+ * fused step's results do not depend on the other rows of the step.
+ *
+ * Why in one call: on a small model a decode step is a fraction of a millisecond, and the
+ * engine's own per-step work (scheduling, staging every pass's metadata, sampling, bookkeeping)
+ * costs as much as the step. Proposing and verifying through the engine takes k + 1 passes and
+ * a verification's bookkeeping per cycle, so a draft only paid for itself where a target step
+ * costs milliseconds. Here a cycle is k + 1 fused steps and a few integer comparisons.
+ *
+ * Both models' KV live in blocks with the same ids (a draft's pool mirrors the target's), so one
+ * block table per sequence addresses both. Per sequence the call tracks the newest token's
+ * position (the target's KV is valid below it) and the draft's own frontier: the draft has
+ * computed KV for the inputs it was fed that the target then accepted, and catches up on the
+ * rest (one or two tokens after a cycle, or the history it was given) in its first pass.
+ */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "decode_step.h"
+
+typedef struct {
+    int64_t num_seqs, k;
+    const int64_t *block_tables; /* [num_seqs, max_blocks]: each covers its sequence's writes */
+    int64_t max_blocks;
+    const int64_t *capacity; /* [num_seqs]: positions its block table covers */
+    const int64_t *budget;   /* [num_seqs]: the most tokens to produce (<= out_ld) */
+    const int64_t *history;  /* [num_seqs, history_ld]: tokens at draft_position .. position */
+    int64_t history_ld;
+    int64_t *position;          /* [num_seqs] in/out: the newest token's position */
+    int64_t *draft_position;    /* [num_seqs] in/out: the draft's KV is valid below it */
+    const int64_t *draft_vocab; /* the draft's logit column -> token id; NULL: the same ids */
+    int64_t *tokens;            /* [num_seqs, out_ld] out: the tokens produced */
+    float *logprobs;            /* [num_seqs, out_ld] out: each one's logprob under the target */
+    int64_t out_ld;
+    int64_t *num_tokens; /* [num_seqs] out */
+    int64_t *proposed;   /* [num_seqs, num_cycles] out: proposals verified per cycle, -1: none ran */
+    int64_t *accepted;   /* [num_seqs, num_cycles] out: of them accepted */
+} Speculation;
+
+/* The rows of one fused step, built up row by row. */
+typedef struct {
+    int64_t *ids, *pos, *slots, *lens, *tables, *logit_rows;
+    float *logits;
+    int64_t rows, num_logits, max_blocks, block_size;
+} Rows;
+
+static void add_row(Rows *b, const int64_t *table, int64_t token, int64_t position, int logit) {
+    const int64_t r = b->rows++;
+    b->ids[r] = token;
+    b->pos[r] = position;
+    b->lens[r] = position + 1;
+    b->slots[r] = table[position / b->block_size] * b->block_size + position % b->block_size;
+    memcpy(b->tables + r * b->max_blocks, table, sizeof(int64_t) * b->max_blocks);
+    if (logit) b->logit_rows[b->num_logits++] = r;
+}
+
+static Step step_of(const Rows *b) {
+    return (Step){b->rows, b->ids, b->pos, b->slots, b->lens, b->tables, b->max_blocks, b->logit_rows, b->num_logits, b->logits};
+}
+
+/* Runs the rows on `md` and writes each logit row's argmax (mapped through `vocab`) to out. */
+static int run_rows(const Model *md, Rows *b, int threads, const int64_t *vocab, int64_t *out, float *logprobs) {
+    const Step st = step_of(b);
+    const int failed = decode_step(md, &st, threads);
+    if (failed) return failed;
+    greedy_rows(b->logits, b->num_logits, md->vocab, out, logprobs);
+    if (vocab != NULL)
+        for (int64_t i = 0; i < b->num_logits; i++) out[i] = vocab[out[i]];
+    return 0;
+}
+
+typedef struct {
+    const Speculation *sp;
+    const int64_t *first_pos, *first_draft; /* position and draft_position at entry */
+} Known;
+
+/* The token at position p of sequence s: from the history given, or produced here. */
+static int64_t token_at(const Known *kn, int64_t s, int64_t p) {
+    const Speculation *sp = kn->sp;
+    if (p <= kn->first_pos[s]) return sp->history[s * sp->history_ld + (p - kn->first_draft[s])];
+    return sp->tokens[s * sp->out_ld + (p - kn->first_pos[s] - 1)];
+}
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* The draft's passes of one cycle: proposals d[s * k + j] for the sequences with kk[s] > j. */
+static int propose(const Model *draft, const Known *kn, const int64_t *kk, Rows *b, int threads, int64_t *d, int64_t *scratch,
+                   float *lp) {
+    const Speculation *sp = kn->sp;
+    const int64_t S = sp->num_seqs, k = sp->k;
+    for (int64_t j = 0; j < k; j++) {
+        b->rows = b->num_logits = 0;
+        for (int64_t s = 0; s < S; s++) {
+            if (kk[s] <= j) continue;
+            const int64_t *table = sp->block_tables + s * sp->max_blocks, pos = sp->position[s];
+            if (j == 0) { /* catch up on what the draft has not seen, through the newest token */
+                for (int64_t p = sp->draft_position[s]; p <= pos; p++) add_row(b, table, token_at(kn, s, p), p, p == pos);
+            } else {
+                add_row(b, table, d[s * k + j - 1], pos + j, 1);
+            }
+        }
+        if (b->rows == 0) break;
+        const int failed = run_rows(draft, b, threads, sp->draft_vocab, scratch, lp);
+        if (failed) return failed;
+        for (int64_t s = 0, i = 0; s < S; s++)
+            if (kk[s] > j) d[s * k + j] = scratch[i++];
+    }
+    return 0;
+}
+
+/* The target's verification of one cycle, and the tokens it yields. */
+static int verify(const Model *target, const Known *kn, const int64_t *kk, Rows *b, int threads, const int64_t *d, int64_t *argmax,
+                  float *lp, int64_t cycle, int64_t num_cycles) {
+    const Speculation *sp = kn->sp;
+    const int64_t S = sp->num_seqs, k = sp->k;
+    b->rows = b->num_logits = 0;
+    for (int64_t s = 0; s < S; s++) {
+        if (kk[s] < 0) continue;
+        const int64_t *table = sp->block_tables + s * sp->max_blocks, pos = sp->position[s];
+        add_row(b, table, token_at(kn, s, pos), pos, 1);
+        for (int64_t j = 0; j < kk[s]; j++) add_row(b, table, d[s * k + j], pos + 1 + j, 1);
+    }
+    const int failed = run_rows(target, b, threads, NULL, argmax, lp);
+    if (failed) return failed;
+    for (int64_t s = 0, first = 0; s < S; s++) {
+        if (kk[s] < 0) continue;
+        int64_t m = 0;
+        while (m < kk[s] && d[s * k + m] == argmax[first + m]) m++;
+        int64_t *out = sp->tokens + s * sp->out_ld + sp->num_tokens[s];
+        float *out_lp = sp->logprobs + s * sp->out_ld + sp->num_tokens[s];
+        for (int64_t j = 0; j <= m; j++) out[j] = argmax[first + j], out_lp[j] = lp[first + j];
+        sp->num_tokens[s] += m + 1;
+        sp->proposed[s * num_cycles + cycle] = kk[s];
+        sp->accepted[s * num_cycles + cycle] = m;
+        /* the draft's KV is right for the inputs it was fed (the newest token, then proposals
+         * 1 .. kk - 1) that the target kept */
+        if (kk[s] > 0) sp->draft_position[s] = sp->position[s] + min64(m, kk[s] - 1) + 1;
+        sp->position[s] += m + 1;
+        first += kk[s] + 1;
+    }
+    return 0;
+}
+
+/* Up to num_cycles cycles; cycle c runs the target on threads[2c] threads and the draft on
+ * threads[2c + 1], and their times go to seconds[2c] and seconds[2c + 1]. A sequence stops when
+ * it has produced its budget or its block table is full. Returns 0, 1 (out of memory), 2 (an
+ * unsupported head shape) or 3 (a history that does not reach the newest token). */
+int speculate_greedy(const Model *target, const Model *draft, Speculation *sp, int64_t num_cycles, const int *threads,
+                     double *seconds) {
+    const int64_t S = sp->num_seqs, k = sp->k, B = sp->max_blocks;
+    int64_t lag = 1;
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t behind = sp->position[s] - sp->draft_position[s] + 1;
+        if (behind < 1 || behind > sp->history_ld) return 3;
+        lag = behind > lag ? behind : lag;
+        sp->num_tokens[s] = 0;
+        for (int64_t c = 0; c < num_cycles; c++) sp->proposed[s * num_cycles + c] = sp->accepted[s * num_cycles + c] = -1;
+    }
+    for (int64_t c = 0; c < 2 * num_cycles; c++) seconds[c] = 0.0;
+    /* a pass has at most max_rows rows, of which at most max_logits score (a verification's) */
+    const int64_t max_rows = S * (lag > k + 1 ? lag : k + 1), max_logits = S * (k + 1);
+    const int64_t vocab = target->vocab > draft->vocab ? target->vocab : draft->vocab;
+    int64_t *ints = malloc(sizeof(int64_t) * (max_rows * (5 + B) + S + S * k + 2 * max_logits));
+    float *floats = malloc(sizeof(float) * (max_logits * vocab + max_logits));
+    int64_t *first = malloc(sizeof(int64_t) * 2 * S);
+    if (ints == NULL || floats == NULL || first == NULL) {
+        free(ints), free(floats), free(first);
+        return 1;
+    }
+    Rows b = {ints, ints + max_rows, ints + 2 * max_rows, ints + 3 * max_rows, ints + 5 * max_rows, ints + 4 * max_rows,
+              floats, 0, 0, B, target->block_size};
+    int64_t *kk = ints + max_rows * (5 + B), *d = kk + S, *argmax = d + S * k, *scratch = argmax + max_logits;
+    float *lp = floats + max_logits * vocab;
+    memcpy(first, sp->position, sizeof(int64_t) * S);
+    memcpy(first + S, sp->draft_position, sizeof(int64_t) * S);
+    const Known kn = {sp, first, first + S};
+    int failed = 0;
+    for (int64_t c = 0; c < num_cycles && !failed; c++) {
+        int active = 0;
+        for (int64_t s = 0; s < S; s++) {
+            const int64_t left = sp->budget[s] - sp->num_tokens[s], room = sp->capacity[s] - sp->position[s];
+            kk[s] = left > 0 && room > 0 ? min64(k, min64(left, room) - 1) : -1;
+            active |= kk[s] >= 0;
+        }
+        if (!active) break;
+        double start = omp_get_wtime();
+        failed = propose(draft, &kn, kk, &b, threads[2 * c + 1], d, scratch, lp);
+        seconds[2 * c + 1] = omp_get_wtime() - start;
+        if (failed) break;
+        start = omp_get_wtime();
+        failed = verify(target, &kn, kk, &b, threads[2 * c], d, argmax, lp, c, num_cycles);
+        seconds[2 * c] = omp_get_wtime() - start;
+    }
+    free(ints), free(floats), free(first);
+    return failed;
+}

@@ -1,0 +1,114 @@
+"""Greedy draft-model speculation as whole cycles in one C call (layers/csrc/speculate.c).
+
+Why: on a CPU a small model's decode step costs a fraction of a millisecond, and driving
+speculation through the engine — a pass per proposal, each staged and sampled, then a
+verification with its rejection bookkeeping — costs more than the steps it saves. When every
+sequence of a step decodes greedily with nothing else asked of its tokens (the rows multi-step
+scheduling takes), the tokens follow from argmaxes alone, so the draft's passes, the target's
+verification and the acceptance run in one call per engine step, and with multi-step
+scheduling several cycles per call. The tokens are those of greedy decoding without
+speculation; everything else (sampling, n-gram proposals, grammars, logprobs beyond the chosen
+token's) keeps the engine-driven path.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.models.fused_decode import FusedDecoder
+
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class SpeculationStruct(ctypes.Structure):
+    _fields_ = [
+        ("num_seqs", _i64), ("k", _i64), ("block_tables", _p), ("max_blocks", _i64), ("capacity", _p), ("budget", _p),
+        ("history", _p), ("history_ld", _i64), ("position", _p), ("draft_position", _p), ("draft_vocab", _p),
+        ("tokens", _p), ("logprobs", _p), ("out_ld", _i64), ("num_tokens", _p), ("proposed", _p), ("accepted", _p),
+    ]
+
+
+@dataclass
+class CycleRequest:
+    """One sequence: its newest token is at `position` (the target's KV is valid below it)."""
+
+    block_table: list[int]  # covers every position the cycles may write (the scheduler reserved them)
+    history: list[int]  # its tokens at draft_position .. position
+    draft_position: int  # the draft's KV is valid below it
+    budget: int  # the most tokens to produce
+
+    @property
+    def position(self) -> int:
+        return self.draft_position + len(self.history) - 1
+
+
+@dataclass
+class CycleResult:
+    tokens: list[int]
+    logprobs: list[float]
+    draft_position: int
+    cycles: list[tuple[int, int]]  # (proposals verified, accepted) of each cycle that proposed
+
+
+@dataclass
+class CycleTimes:
+    target_s: float
+    draft_s: float
+
+
+class FusedCycles:
+    """Built once both models' fused decode steps exist (their KV pools bound)."""
+
+    def __init__(self, target: FusedDecoder, draft: FusedDecoder, num_speculative_tokens: int, block_size: int,
+                 draft_vocab: torch.Tensor | None):
+        self.target, self.draft = target, draft
+        self.k = num_speculative_tokens
+        self.block_size = block_size
+        self.library = target.library
+        self._vocab = draft_vocab.to(torch.int64).contiguous() if draft_vocab is not None else None
+
+    def run(self, requests: list[CycleRequest], num_cycles: int) -> tuple[list[CycleResult], CycleTimes]:
+        """Up to `num_cycles` cycles for every request (fewer once it has its budget)."""
+        S, k = len(requests), self.k
+        max_blocks = max(len(r.block_table) for r in requests)
+        history_ld = max(len(r.history) for r in requests)
+        tables = torch.tensor([r.block_table + [0] * (max_blocks - len(r.block_table)) for r in requests], dtype=torch.int64)
+        history = torch.tensor([r.history + [0] * (history_ld - len(r.history)) for r in requests], dtype=torch.int64)
+        ints = torch.tensor([[len(r.block_table) * self.block_size, r.budget, r.position, r.draft_position] for r in requests],
+                            dtype=torch.int64).t().contiguous()
+        capacity, budget, position, draft_position = ints
+        out_ld = max(r.budget for r in requests)
+        tokens = torch.empty(S, out_ld, dtype=torch.int64)
+        logprobs = torch.empty(S, out_ld, dtype=torch.float32)
+        num_tokens = torch.empty(S, dtype=torch.int64)
+        proposed = torch.empty(S, num_cycles, dtype=torch.int64)
+        accepted = torch.empty(S, num_cycles, dtype=torch.int64)
+        spec = SpeculationStruct(
+            S, k, tables.data_ptr(), max_blocks, capacity.data_ptr(), budget.data_ptr(), history.data_ptr(), history_ld,
+            position.data_ptr(), draft_position.data_ptr(), self._vocab.data_ptr() if self._vocab is not None else None,
+            tokens.data_ptr(), logprobs.data_ptr(), out_ld, num_tokens.data_ptr(), proposed.data_ptr(), accepted.data_ptr(),
+        )
+        target_key, draft_key = ("speculate", S * (k + 1)), ("speculate", S)
+        plan = list(zip(self.target.threads.plan(target_key, num_cycles), self.draft.threads.plan(draft_key, num_cycles)))
+        threads = (ctypes.c_int * (2 * num_cycles))(*[t for pair in plan for t in pair])
+        seconds = (ctypes.c_double * (2 * num_cycles))()
+        failed = self.library.speculate_greedy(ctypes.byref(self.target._struct), ctypes.byref(self.draft._struct),
+                                               ctypes.byref(spec), num_cycles, threads, seconds)
+        if failed == 3:
+            raise ValueError("fused speculation: a request's history must reach from its draft position to its newest token")
+        if failed:
+            raise MemoryError("fused speculation: out of memory") if failed == 1 else ValueError(
+                "fused speculation: head_dim must be a multiple of 8 and heads a multiple of KV heads")
+        ran = int((proposed >= 0).any(dim=0).sum())
+        self.target.threads.record(target_key, [t for t, _ in plan[:ran]], list(seconds[0 : 2 * ran : 2]))
+        self.draft.threads.record(draft_key, [d for _, d in plan[:ran]], list(seconds[1 : 2 * ran : 2]))
+        counts, finals = num_tokens.tolist(), draft_position.tolist()
+        tokens_list, logprobs_list = tokens.tolist(), logprobs.tolist()
+        results = []
+        for s, (p_row, a_row) in enumerate(zip(proposed.tolist(), accepted.tolist())):
+            cycles = [(p, a) for p, a in zip(p_row, a_row) if p > 0]
+            n = counts[s]
+            results.append(CycleResult(tokens_list[s][:n], logprobs_list[s][:n], finals[s], cycles))
+        return results, CycleTimes(sum(seconds[0 : 2 * ran : 2]), sum(seconds[1 : 2 * ran : 2]))

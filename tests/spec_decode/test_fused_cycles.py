@@ -1,0 +1,147 @@
+"""Greedy draft-model speculation run as whole cycles in one C call (spec_decode/fused_cycles.py):
+the tokens of greedy decoding without speculation, in every engine mode and with several cycles
+per engine step; the draft's KV exact across the fused and the engine-driven paths (a draft
+equal to the target has every proposal accepted); stop rules and length limits inside a burst;
+and the fused path taken exactly when every running sequence is a plain greedy decode."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from parity import MAX_TOKENS, MODES, PROMPTS, assert_mode_happened
+from test_spec_decode import ARCHS, GREEDY, SPEC_MODES, greedy_tokens, staggered
+
+
+def fused_steps(llm: LLM, with_rows: bool = False) -> list:
+    """From now on, each engine step that ran fused cycles: its cycles (and its sequences)."""
+    steps: list = []
+    runner = llm.llm_engine.runner
+    original = runner.execute
+
+    def execute(sched):
+        if sched.fused_spec_cycles:
+            steps.append((sched.fused_spec_cycles, len(sched.chunks)) if with_rows else sched.fused_spec_cycles)
+        return original(sched)
+
+    runner.execute = execute
+    return steps
+
+
+def same_model_draft(folder: str, **extra) -> dict:
+    return {"model": folder, "num_speculative_tokens": 3, **extra}
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+@pytest.mark.parametrize("mode", SPEC_MODES)
+def test_a_draft_equal_to_the_target_accepts_everything_in_fused_cycles(mode, steps, model_dir):
+    """Every prompt at once, each stopping at its own length: the big batch runs the
+    engine-driven path (more sequences than one fused call takes), the last four run fused
+    cycles, through preemption (both kinds), chunked prefill and prefix-cache hits (a second
+    pass). The draft's KV stays exact across both paths, so every proposal is accepted, and the
+    tokens are those of decoding without speculation."""
+    folder = str(model_dir("llama"))
+    llm = LLM(folder, speculative_config=same_model_draft(folder), num_scheduler_steps=steps, **MODES[mode])
+    plain = LLM(folder, **MODES[mode])
+    fused = fused_steps(llm)
+    lengths = [MAX_TOKENS - 2 * i for i in range(len(PROMPTS))]
+    for _ in range(2 if mode == "prefix_caching" else 1):
+        assert staggered(llm, lengths) == staggered(plain, lengths)
+    assert steps in fused and set(fused) <= {1, steps}  # 1: no room in a small pool for more cycles
+    stats = llm.get_stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+    assert_mode_happened(stats, mode)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_real_draft_in_fused_cycles_keeps_greedy_tokens(arch, model_dir, draft_dir):
+    """A draft that is often wrong (the target cut to one layer): rejections at every position,
+    one and several cycles per engine step, every architecture the fused decode step runs."""
+    folder = str(model_dir(arch))
+    plain = [greedy_tokens(LLM(folder), [p]) for p in PROMPTS[:4]]
+    for steps in (1, 3):
+        llm = LLM(folder, speculative_config={"model": str(draft_dir(arch)), "num_speculative_tokens": 3},
+                  num_scheduler_steps=steps)
+        fused = fused_steps(llm)
+        assert [greedy_tokens(llm, [p]) for p in PROMPTS[:4]] == plain
+        assert fused
+        stats = llm.get_stats()
+        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+        assert 0 < stats["spec_decode_draft_time_s"] and 0 < stats["spec_decode_target_time_s"]
+
+
+def test_stop_rules_and_limits_inside_a_burst(model_dir):
+    """Tokens past a stop token, max_tokens or max_model_len are produced inside a fused call
+    and dropped, as multi-step scheduling drops them."""
+    folder = str(model_dir("llama"))
+    prompt = PROMPTS[4]
+    plain = greedy_tokens(LLM(folder), [prompt])[0]
+    llm = LLM(folder, speculative_config=same_model_draft(folder), num_scheduler_steps=4)
+    fused = fused_steps(llm)
+    stop_at = plain[9]
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_at]),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == plain[: plain.index(stop_at) + 1] and stopped.finish_reason == "stop"
+    for n in (1, 2, 5, 7):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == plain[:n]
+    short = LLM(folder, speculative_config=same_model_draft(folder), num_scheduler_steps=4, max_model_len=len(prompt) + 7)
+    out = short.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == plain[:7] and out.finish_reason == "length"
+    assert fused
+    assert short.llm_engine.block_manager.num_free_blocks == short.llm_engine.block_manager.num_blocks
+
+
+def test_the_fused_path_is_taken_only_for_plain_greedy_decodes(model_dir):
+    """A sampled request in the batch sends every decode through the engine-driven path (it
+    verifies by rejection sampling); once it finishes the greedy one goes on in fused cycles,
+    first dropping the proposals the engine-driven step made. fused_cycles=false never fuses."""
+    folder = str(model_dir("llama"))
+    plain = greedy_tokens(LLM(folder), PROMPTS[:1])[0]
+    llm = LLM(folder, speculative_config=same_model_draft(folder))
+    fused = fused_steps(llm, with_rows=True)
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate(PROMPTS[:2], [GREEDY, sampled], use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == plain
+    assert fused and {rows for _, rows in fused} == {1}, "the fused path ran while a sampled request was decoding"
+    assert llm.get_stats()["spec_decode_num_drafts"] > len(fused)  # the engine-driven steps verified too
+    assert greedy_tokens(llm, PROMPTS[:2]) == greedy_tokens(LLM(folder), PROMPTS[:2])
+    assert any(rows == 2 for _, rows in fused), "two greedy decodes did not share a fused call"
+
+    engine_driven = LLM(folder, speculative_config=same_model_draft(folder, fused_cycles=False))
+    never = fused_steps(engine_driven)
+    assert greedy_tokens(engine_driven, PROMPTS[:1])[0] == plain
+    assert not never and engine_driven.get_stats()["spec_decode_num_drafts"] > 0
+
+
+def test_bad_fused_cycles_values_are_refused(model_dir):
+    folder = str(model_dir("llama"))
+    with pytest.raises(ValueError, match="fused_cycles must be true or false"):
+        LLM(folder, speculative_config=same_model_draft(folder, fused_cycles="yes"))
+    with pytest.raises(ValueError, match="needs a draft model with fused_cycles"):
+        LLM(folder, speculative_config=same_model_draft(folder, fused_cycles=False), num_scheduler_steps=2)
+
+
+def test_the_drafts_kv_below_its_frontier_is_the_targets(model_dir):
+    """The invariant the cycles keep: the draft's KV is valid below the position it reports
+    (the prompt it mirrored, its catch-ups, and the proposals it was fed that the target kept;
+    not the last proposal, which it never fed). With the target as its own draft both pools
+    must then hold the same K and V at every such position, checked mid-generation."""
+    folder = str(model_dir("llama"))
+    llm = LLM(folder, speculative_config=same_model_draft(folder), num_scheduler_steps=2, block_size=4)
+    engine = llm.llm_engine
+    fused = fused_steps(llm)
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[5]}, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    for _ in range(3):  # the prompt, then two engine steps of two cycles
+        engine.step()
+    assert fused
+    seq = engine.scheduler.running[0]
+    frontier = min(seq.num_draft_computed, seq.num_computed_tokens)
+    assert frontier > len(PROMPTS[5]) + 4
+    table = engine.block_manager.block_table(seq.seq_id)
+    blocks = torch.tensor([table[p // 4] for p in range(frontier)])
+    offsets = torch.tensor([p % 4 for p in range(frontier)])
+    target, draft = engine.runner.kv_cache, engine.runner.speculator.draft.kv_cache
+    for layer in range(engine.model_config.num_layers):
+        for ours, theirs in zip(draft.layer(layer), target.layer(layer)):
+            torch.testing.assert_close(ours[blocks, offsets], theirs[blocks, offsets], rtol=1e-5, atol=1e-6)
