@@ -56,14 +56,39 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(library):
     assert torch.equal(alone, matmul(library, x, packed))
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize("swiglu", [False, True], ids=["matmul", "swiglu"])
+def test_panel_pairs_give_a_row_the_bits_of_its_1_row_product(library, int8, swiglu):
+    """Weights that fit in the cache are read two panels at a time for some row counts (2-6 rows
+    on AVX-512, every count on AVX2; small_matmul.c): every batch size must still give each row
+    the bits of that row alone, with an odd number of panels (the last one partial, computed
+    alone), odd k, bias, int8 scales, gate/up pairs, and thread shares that split a matrix into
+    odd runs of panels."""
+    width = library.panel_width()
+    gen = torch.Generator().manual_seed(4)
+    n = 2 * (6 * width + 5) if swiglu else 6 * width + 5  # 7 panels (or gate/up pairs), the last partial
+    w, b = torch.randn(n, 37, generator=gen), torch.randn(n, generator=gen)
+    scale = None
+    if int8:
+        w, scale = quantize_int8(w)
+    packed = (pack_swiglu if swiglu else pack)(w, width, b, scale)
+    x = torch.randn(MAX_ROWS, 37, generator=gen)
+    for threads in (1, 2, 3):
+        alone = torch.cat([matmul(library, x[i : i + 1], packed, threads) for i in range(MAX_ROWS)])
+        for m in range(2, MAX_ROWS + 1):
+            assert torch.equal(matmul(library, x[:m], packed, threads), alone[:m]), f"m={m} threads={threads}"
+
+
 def test_avx2_and_avx512_builds_give_the_same_bits():
     native, avx2 = kernels.load(), kernels.load(BUILDS["avx2"])
     gen = torch.Generator().manual_seed(2)
-    w, x = torch.randn(53, 77, generator=gen), torch.randn(5, 77, generator=gen)
+    w, x = torch.randn(53, 77, generator=gen), torch.randn(MAX_ROWS, 77, generator=gen)
     q, s = quantize_int8(w)
     for lib_a, lib_b in ((native, avx2),):
-        assert torch.equal(matmul(lib_a, x, pack(w, lib_a.panel_width())), matmul(lib_b, x, pack(w, lib_b.panel_width())))
-        assert torch.equal(matmul(lib_a, x, pack(q, lib_a.panel_width(), None, s)), matmul(lib_b, x, pack(q, lib_b.panel_width(), None, s)))
+        for m in (1, 2, 4, 5, 8, MAX_ROWS):  # single panels and pairs, in different passes on each
+            assert torch.equal(matmul(lib_a, x[:m], pack(w, lib_a.panel_width())), matmul(lib_b, x[:m], pack(w, lib_b.panel_width())))
+            assert torch.equal(matmul(lib_a, x[:m], pack(q, lib_a.panel_width(), None, s)),
+                               matmul(lib_b, x[:m], pack(q, lib_b.panel_width(), None, s)))
 
 
 @pytest.mark.parametrize("intermediate", [8, 37, 96])

@@ -131,3 +131,45 @@ def test_the_thread_count_follows_the_measured_step_times():
     # a new batch size is tried with each count for a whole call (then the first probe is due)
     assert run({1: 0.016, 2: 0.010}, 3, steps=8, rows=2) == [1] * 8 + [2] * 8 + [1] + [2] * 7
     assert ThreadCount(1).plan(rows=3, steps=2) == [1, 1]
+
+
+@pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "avx2"])
+def test_a_verification_row_gets_the_bits_of_a_1_row_step(model_dir, monkeypatch, build):
+    """Greedy speculative decoding is token-identical to plain decoding only because a
+    verification row's logits are a 1-row step's, bit for bit: a step of 1-16 rows at
+    positions p, p+1, ... against 1-row steps at each position (the matmuls take other paths
+    for different row counts, small_matmul.c)."""
+    import ctypes
+
+    import torch
+
+    from pagedllm.models.fused_decode import StepStruct
+
+    library = kernels.load(build)
+    monkeypatch.setattr(kernels, "load", lambda extra_flags=(): library)  # the weights packed for its panel width
+    llm = LLM(str(model_dir("llama")), decode_backend="fused")
+    model = llm.llm_engine.runner.model
+    decoder = FusedDecoder(model, library)
+    layers = model.attention_layers()
+    block_size = layers[0].k_cache.shape[1]
+    gen = torch.Generator().manual_seed(5)
+    for layer in layers:
+        for cache in (layer.k_cache, layer.v_cache):
+            cache[:8].copy_(torch.randn(cache[:8].shape, generator=gen))
+    table = torch.arange(8, dtype=torch.int64)
+    tokens = torch.randint(3, decoder.vocab_size, (MAX_ROWS,), generator=gen)
+    start = 8 * block_size - MAX_ROWS - 1
+
+    def step(first: int, rows: int) -> torch.Tensor:
+        pos = torch.arange(start + first, start + first + rows, dtype=torch.int64)
+        ids, slots, lens = tokens[first : first + rows].clone(), table[pos // block_size] * block_size + pos % block_size, pos + 1
+        tables, which = table.repeat(rows, 1).contiguous(), torch.arange(rows, dtype=torch.int64)
+        logits = torch.empty(rows, decoder.vocab_size)
+        st = StepStruct(rows, ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), lens.data_ptr(), tables.data_ptr(), len(table),
+                        which.data_ptr(), rows, logits.data_ptr())
+        assert library.decode_step(ctypes.byref(decoder._struct), ctypes.byref(st), 2) == 0
+        return logits
+
+    alone = torch.cat([step(i, 1) for i in range(MAX_ROWS)])
+    for rows in range(2, MAX_ROWS + 1):
+        assert torch.equal(step(0, rows), alone[:rows]), f"rows={rows}"

@@ -192,30 +192,30 @@ static Ahead ahead_of(const Matrix *w, int paired, int t, int nt) {
 }
 
 static void matmul_stage(Stage *stage, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int mode,
-                         Ahead next, int t, int nt) {
+                         int pair, Ahead next, int t, int nt) {
     const Chunks ch = chunks_of(w->num_panels, nt);
     Walk walk = walk_start(ch.n, t, nt);
     for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage)) {
         const int64_t hi = (c + 1) * ch.per < w->num_panels ? (c + 1) * ch.per : w->num_panels;
-        matmul_panels(w, x, m, ldx, y, ldy, c * ch.per, hi, mode);
+        matmul_panels(w, x, m, ldx, y, ldy, c * ch.per, hi, mode, pair);
     }
     await(stage, ch.n, next);
 }
 
 static void swiglu_stage(Stage *stage, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact,
-                         Ahead next, int t, int nt) {
+                         int pair, Ahead next, int t, int nt) {
     const int64_t pairs = w->num_panels / 2;
     const Chunks ch = chunks_of(pairs, nt);
     Walk walk = walk_start(ch.n, t, nt);
     for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage))
-        swiglu_panels(w, x, m, ldx, act, ldact, c * ch.per, (c + 1) * ch.per < pairs ? (c + 1) * ch.per : pairs);
+        swiglu_panels(w, x, m, ldx, act, ldact, c * ch.per, (c + 1) * ch.per < pairs ? (c + 1) * ch.per : pairs, pair);
     await(stage, ch.n, next);
 }
 
 /* One layer, run by every thread of the region; `next` is the matrix that follows the layer (the
  * next layer's qkv, or the LM head). Returns nonzero if attention ran out of memory. */
 static int layer_step(const Model *md, const Layer *ly, const Matrix *next, const Step *st, const Scratch *sc, Stage *stages,
-                      int t, int nt) {
+                      int pair, int t, int nt) {
     const int64_t R = st->rows, H = md->hidden, D = md->head_dim, Hkv = md->num_kv_heads;
     const int64_t q_width = md->num_heads * D;
     const Shape shape = {md->block_size, Hkv, md->num_heads / Hkv, D};
@@ -224,7 +224,7 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
 
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->input_norm, H, md->eps, norm + r * H);
     const Ahead o_ahead = ahead_of(&ly->o, 0, t, nt);
-    matmul_stage(&stages[0], &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, o_ahead, t, nt);
+    matmul_stage(&stages[0], &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, pair, o_ahead, t, nt);
     for (int64_t i; (i = claim(&stages[1])) < R * Hkv; finish(&stages[1]))
         prepare_head(md, ly, st, sc->qkv, sc->qkv_ld, i / Hkv, i % Hkv);
     await(&stages[1], R * Hkv, o_ahead);
@@ -234,11 +234,21 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
                                   st->ctx_lens[r], ly->window, md->attn_scale, shape, h, h + 1, sc->attn + r * q_width);
     }
     await(&stages[2], R * Hkv, o_ahead);
-    matmul_stage(&stages[3], &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, ahead_of(&ly->gate_up, 1, t, nt), t, nt);
+    matmul_stage(&stages[3], &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, pair, ahead_of(&ly->gate_up, 1, t, nt), t, nt);
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->post_norm, H, md->eps, norm + r * H);
-    swiglu_stage(&stages[4], &ly->gate_up, norm, R, H, sc->act, md->intermediate, ahead_of(&ly->down, 0, t, nt), t, nt);
-    matmul_stage(&stages[5], &ly->down, sc->act, R, md->intermediate, sc->x, H, ACCUMULATE, ahead_of(next, 0, t, nt), t, nt);
+    swiglu_stage(&stages[4], &ly->gate_up, norm, R, H, sc->act, md->intermediate, pair, ahead_of(&ly->down, 0, t, nt), t, nt);
+    matmul_stage(&stages[5], &ly->down, sc->act, R, md->intermediate, sc->x, H, ACCUMULATE, pair, ahead_of(next, 0, t, nt), t, nt);
     return failed;
+}
+
+/* Bytes of the weights a step streams: every layer's matrices and the LM head. */
+static int64_t model_bytes(const Model *md) {
+    int64_t bytes = matrix_bytes(md->lm_head);
+    for (int64_t l = 0; l < md->num_layers; l++) {
+        const Layer *ly = &md->layers[l];
+        bytes += matrix_bytes(&ly->qkv) + matrix_bytes(&ly->o) + matrix_bytes(&ly->gate_up) + matrix_bytes(&ly->down);
+    }
+    return bytes;
 }
 
 int decode_step(const Model *md, const Step *st, int num_threads) {
@@ -265,6 +275,7 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     sc.attn = sc.qkv + R * sc.qkv_ld;
     sc.act = sc.attn + R * md->num_heads * D;
     for (int64_t r = 0; r < R; r++) memcpy(sc.x + r * H, md->embed + st->token_ids[r] * H, sizeof(float) * H);
+    const int pair = fits_in_cache(model_bytes(md));
 
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -272,12 +283,12 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         for (int64_t l = 0; l < md->num_layers; l++) {
             const Matrix *next = l + 1 < md->num_layers ? &md->layers[l + 1].qkv : md->lm_head;
-            failed |= layer_step(md, &md->layers[l], next, st, &sc, stages + l * STAGES_PER_LAYER, t, nt);
+            failed |= layer_step(md, &md->layers[l], next, st, &sc, stages + l * STAGES_PER_LAYER, pair, t, nt);
         }
         float *norm = sc.norm + t * sc.norm_ld;
         for (int64_t i = 0; i < st->num_logits; i++) rmsnorm(sc.x + st->logit_rows[i] * H, md->final_norm, H, md->eps, norm + i * H);
         matmul_stage(&stages[md->num_layers * STAGES_PER_LAYER], md->lm_head, norm, st->num_logits, H, st->logits, md->vocab,
-                     STORE, NOTHING_AHEAD, t, nt);
+                     STORE, pair, NOTHING_AHEAD, t, nt);
     }
     free((void *)taken);
     free(stages);

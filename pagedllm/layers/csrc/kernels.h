@@ -68,11 +68,18 @@ typedef struct {
 
 enum { STORE = 0, ACCUMULATE = 1 };
 
-/* y[m][c] (=|+=) x[m] . W[c] (+ bias[c]) for the channels of panels [p0, p1), all m rows. */
+/* y[m][c] (=|+=) x[m] . W[c] (+ bias[c]) for the channels of panels [p0, p1), all m rows.
+ * `pair`: the weights are cache-resident (fits_in_cache), so two panels may be computed in one
+ * pass (small_matmul.c); the results are the same bits either way. */
 void matmul_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int64_t p0, int64_t p1,
-                   int mode);
+                   int mode, int pair);
 /* act[m][c] = silu(gate) * up for the channels of gate/up panel pairs [j0, j1). */
-void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact, int64_t j0, int64_t j1);
+void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact, int64_t j0, int64_t j1,
+                   int pair);
+/* Bytes of a packed matrix's panels, and whether that many bytes of weights stay in the
+ * last-level cache between passes. */
+int64_t matrix_bytes(const Matrix *w);
+int fits_in_cache(int64_t bytes);
 
 /* Contiguous share [lo, hi) of n items for thread t of nt. */
 static inline void thread_share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {

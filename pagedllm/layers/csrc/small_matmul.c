@@ -13,6 +13,18 @@
  * summation order of a row is fixed — k in order, split even/odd, added at the end — whatever M
  * and MB are, so a row's result does not depend on the rest of the batch, nor on the vector width.
  *
+ * Panel pairs. When the weights stay in the cache between steps (a small model: speculative
+ * verification of a few rows is then not bound by memory but by the core), the one-panel loop
+ * is bound by loads: for each k it loads the weight vector and then x[r][k] once per row (a
+ * broadcast, often folded into the FMA), 1 + M loads for M FMAs. dot2() computes two panels in
+ * one pass, loading each x[r][k] into a register once for both panels' FMAs: 2 + M loads per 2M
+ * FMAs. Each panel keeps its own even/odd accumulators and gets the same FMAs in the same order as
+ * in dot(), so a row's bits do not change with the pairing, with how many panels a thread's share
+ * holds (an odd last panel goes through dot()), nor with the row count that chose the path; the
+ * tests compare every row count against single rows and the AVX2 build against AVX-512. Weights
+ * that do not fit in the cache are never paired: streamed from memory, two panels' interleaved
+ * streams read far slower than one. Which row counts pair is per instruction set (below).
+ *
  * int8 panels (weight-only quantization, per-channel symmetric scales) are widened to floats in
  * registers (vpmovsxbd + vcvtdq2ps) and multiplied by the fp32 activations exactly like the fp32
  * path; the channel's scale is applied once to the finished sum. Activations stay fp32.
@@ -20,6 +32,8 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -36,6 +50,43 @@ const char *kernel_isa(void) {
 
 int64_t panel_width(void) { return VW; }
 
+int64_t matrix_bytes(const Matrix *w) { return w->num_panels * w->k * VW * (w->dtype == WEIGHT_I8 ? 1 : (int64_t)sizeof(float)); }
+
+/* The size of the last-level cache as Linux describes it to this CPU (sysfs), 4 MB where it does
+ * not. Not sysconf(_SC_LEVEL3_CACHE_SIZE): glibc takes it from cpuid, which in a VM can report
+ * the L3 of the host's every core complex, many times what this CPU shares. */
+static int64_t last_level_cache(void) {
+    int64_t size = 4 << 20;
+    int best_level = 0;
+    for (int i = 0; i < 8; i++) {
+        char path[96];
+        int level = 0;
+        long kb = 0;
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/level", i);
+        FILE *f = fopen(path, "r");
+        if (f == NULL) break;
+        const int got_level = fscanf(f, "%d", &level) == 1;
+        fclose(f);
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+        if (!got_level || (f = fopen(path, "r")) == NULL) continue;
+        if (fscanf(f, "%ldK", &kb) == 1 && level > best_level && kb > 0) {
+            best_level = level;
+            size = (int64_t)kb << 10;
+        }
+        fclose(f);
+    }
+    return size;
+}
+
+/* Whether `bytes` of weights stay in the last-level cache from one pass to the next: at most half
+ * of it (the rest is left to activations, the KV and whatever else runs). */
+int fits_in_cache(int64_t bytes) {
+    static _Atomic int64_t llc = 0;
+    int64_t size = atomic_load_explicit(&llc, memory_order_relaxed);
+    if (size == 0) atomic_store_explicit(&llc, size = last_level_cache(), memory_order_relaxed);
+    return bytes <= size / 2;
+}
+
 /* Software prefetch distance, in k steps of one panel (VW floats or VW bytes each), and the
  * locality hint. */
 #ifndef PREFETCH_K
@@ -43,6 +94,23 @@ int64_t panel_width(void) { return VW; }
 #endif
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 0
+#endif
+
+/* Panel pairs (dot2) take PAIR_MIN..PAIR_ROWS rows, in passes of at most MB2 rows (4 x MB2
+ * accumulators, plus the 4 weight vectors and the broadcasts, in the register file). With AVX-512
+ * a single row is left to dot(): its weights arrive from the cache no faster for the pairing, and
+ * two streams instead of one slowed it; nor are 7-16 rows paired, which gained nothing. With AVX2
+ * (16 registers, two rows a pass) every row count gained. */
+#ifndef MB2
+#if defined(__AVX512F__)
+#define MB2 6
+#define PAIR_MIN 2
+#define PAIR_ROWS 6
+#else
+#define MB2 2
+#define PAIR_MIN 1
+#define PAIR_ROWS 16
+#endif
 #endif
 
 /* Input k's VW weights of a panel as floats: fp32 as stored, int8 widened in registers. */
@@ -77,6 +145,48 @@ static inline __attribute__((always_inline)) void dot(const void *w, const int i
     for (int r = 0; r < mb; r++) out[r] = even[r] + odd[r];
 }
 
+/* out_a[r], out_b[r] for two panels a and b of the same matrix, rows r < mb: dot() of each, with
+ * the same accumulators and the same order of operations, interleaved so that x[r][k] is loaded
+ * into a register once and used for both panels' FMAs. The empty asms keep the weights and the
+ * broadcasts in registers: without them the compiler folds one or the other back into every FMA
+ * as a memory operand, which is the load per FMA this is meant to save. */
+static inline __attribute__((always_inline)) void dot2(const void *wa, const void *wb, const int i8, const float *x, int64_t ldx,
+                                                       int64_t K, const int mb, vf *out_a, vf *out_b) {
+    vf even_a[MB2], odd_a[MB2], even_b[MB2], odd_b[MB2];
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) even_a[r] = odd_a[r] = even_b[r] = odd_b[r] = (vf){0};
+    int64_t k = 0;
+    for (; k + 1 < K; k += 2) {
+        vf a0 = panel_weights(wa, k, i8), a1 = panel_weights(wa, k + 1, i8);
+        vf b0 = panel_weights(wb, k, i8), b1 = panel_weights(wb, k + 1, i8);
+        __asm__("" : "+v"(a0), "+v"(a1), "+v"(b0), "+v"(b1));
+#pragma GCC unroll 8
+        for (int r = 0; r < mb; r++) {
+            vf x0 = (vf){0} + x[r * ldx + k], x1 = (vf){0} + x[r * ldx + k + 1];
+            __asm__("" : "+v"(x0), "+v"(x1));
+            even_a[r] += a0 * x0;
+            even_b[r] += b0 * x0;
+            odd_a[r] += a1 * x1;
+            odd_b[r] += b1 * x1;
+        }
+    }
+    if (k < K) {
+        const vf a0 = panel_weights(wa, k, i8), b0 = panel_weights(wb, k, i8);
+#pragma GCC unroll 8
+        for (int r = 0; r < mb; r++) {
+            vf x0 = (vf){0} + x[r * ldx + k];
+            __asm__("" : "+v"(x0));
+            even_a[r] += a0 * x0;
+            even_b[r] += b0 * x0;
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) {
+        out_a[r] = even_a[r] + odd_a[r];
+        out_b[r] = even_b[r] + odd_b[r];
+    }
+}
+
 #define DISPATCH(i8, w, x, ldx, K, mb, out)        \
     switch (mb) {                                  \
         case 1: dot(w, i8, x, ldx, K, 1, out); break; \
@@ -96,22 +206,76 @@ static inline __attribute__((always_inline)) void dot(const void *w, const int i
     default: dot(w, i8, x, ldx, K, 4, out); break;
 #endif
 
+#define DISPATCH2(i8, wa, wb, x, ldx, K, mb, oa, ob)              \
+    switch (mb) {                                                 \
+        case 1: dot2(wa, wb, i8, x, ldx, K, 1, oa, ob); break;    \
+        DISPATCH2_WIDE(i8, wa, wb, x, ldx, K, mb, oa, ob)         \
+    }
+#if MB2 == 4
+#define DISPATCH2_WIDE(i8, wa, wb, x, ldx, K, mb, oa, ob)         \
+    case 2: dot2(wa, wb, i8, x, ldx, K, 2, oa, ob); break;        \
+    case 3: dot2(wa, wb, i8, x, ldx, K, 3, oa, ob); break;        \
+    default: dot2(wa, wb, i8, x, ldx, K, 4, oa, ob); break;
+#elif MB2 == 6
+#define DISPATCH2_WIDE(i8, wa, wb, x, ldx, K, mb, oa, ob)         \
+    case 2: dot2(wa, wb, i8, x, ldx, K, 2, oa, ob); break;        \
+    case 3: dot2(wa, wb, i8, x, ldx, K, 3, oa, ob); break;        \
+    case 4: dot2(wa, wb, i8, x, ldx, K, 4, oa, ob); break;        \
+    case 5: dot2(wa, wb, i8, x, ldx, K, 5, oa, ob); break;        \
+    default: dot2(wa, wb, i8, x, ldx, K, 6, oa, ob); break;
+#else
+#define DISPATCH2_WIDE(i8, wa, wb, x, ldx, K, mb, oa, ob)         \
+    default: dot2(wa, wb, i8, x, ldx, K, 2, oa, ob); break;
+#endif
+
+/* Scale (int8) and bias of panel p applied to rows' finished sums, as panel_block does. */
+static inline void epilogue(const Matrix *w, int64_t p, int mb, vf *out) {
+    if (w->dtype == WEIGHT_I8) {
+        const vf scale = loadv(w->scale + p * VW);
+        for (int r = 0; r < mb; r++) out[r] *= scale;
+    }
+    if (w->bias != NULL) {
+        const vf bias = loadv(w->bias + p * VW);
+        for (int r = 0; r < mb; r++) out[r] += bias;
+    }
+}
+
 /* Panel p's VW channels (scale and bias applied) for rows [r0, r0 + mb), mb <= MB. */
 static void panel_block(const Matrix *w, int64_t p, const float *x, int64_t ldx, int mb, vf *out) {
     const int64_t K = w->k;
     if (w->dtype == WEIGHT_I8) {
         const int8_t *panel = (const int8_t *)w->panels + p * K * VW;
         DISPATCH(1, panel, x, ldx, K, mb, out);
-        const vf scale = loadv(w->scale + p * VW);
-        for (int r = 0; r < mb; r++) out[r] *= scale;
     } else {
         const float *panel = (const float *)w->panels + p * K * VW;
         DISPATCH(0, panel, x, ldx, K, mb, out);
     }
-    if (w->bias != NULL) {
-        const vf bias = loadv(w->bias + p * VW);
-        for (int r = 0; r < mb; r++) out[r] += bias;
+    epilogue(w, p, mb, out);
+}
+
+/* Panels p and q's channels for rows [r0, r0 + mb), mb <= MB2: the same values panel_block gives
+ * for each. */
+static void panel_pair(const Matrix *w, int64_t p, int64_t q, const float *x, int64_t ldx, int mb, vf *out_p, vf *out_q) {
+    const int64_t K = w->k;
+    if (w->dtype == WEIGHT_I8) {
+        const int8_t *a = (const int8_t *)w->panels + p * K * VW, *b = (const int8_t *)w->panels + q * K * VW;
+        DISPATCH2(1, a, b, x, ldx, K, mb, out_p, out_q);
+    } else {
+        const float *a = (const float *)w->panels + p * K * VW, *b = (const float *)w->panels + q * K * VW;
+        DISPATCH2(0, a, b, x, ldx, K, mb, out_p, out_q);
     }
+    epilogue(w, p, mb, out_p);
+    epilogue(w, q, mb, out_q);
+}
+
+/* Whether m rows go through panel pairs (`pair`: the weights are cache-resident). */
+static inline int paired(int pair, int64_t m) { return pair && m >= PAIR_MIN && m <= PAIR_ROWS; }
+
+/* The rows of pass i of n passes over m rows (balanced: 5 rows in passes of at most 2 as 1 + 2 + 2). */
+static inline void pass_rows(int64_t m, int64_t n, int64_t i, int64_t *r0, int *mb) {
+    const int64_t lo = m * i / n, hi = m * (i + 1) / n;
+    *r0 = lo;
+    *mb = (int)(hi - lo);
 }
 
 /* Writes the first `valid` lanes of v to y (all VW when the panel is full). */
@@ -126,9 +290,25 @@ static inline void put(float *y, vf v, int64_t valid, int mode) {
 }
 
 void matmul_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int64_t p0, int64_t p1,
-                   int mode) {
-    vf out[MB];
-    for (int64_t p = p0; p < p1; p++) {
+                   int mode, int pair) {
+    vf out[MB > MB2 ? MB : MB2], out_q[MB2];
+    int64_t p = p0;
+    if (paired(pair, m)) {
+        const int64_t passes = (m + MB2 - 1) / MB2;
+        for (; p + 1 < p1; p += 2) {
+            for (int64_t i = 0; i < passes; i++) {
+                int64_t r0;
+                int mb;
+                pass_rows(m, passes, i, &r0, &mb);
+                panel_pair(w, p, p + 1, x + r0 * ldx, ldx, mb, out, out_q);
+                for (int r = 0; r < mb; r++) {
+                    put(y + (r0 + r) * ldy + p * VW, out[r], w->n - p * VW, mode);
+                    put(y + (r0 + r) * ldy + (p + 1) * VW, out_q[r], w->n - (p + 1) * VW, mode);
+                }
+            }
+        }
+    }
+    for (; p < p1; p++) {
         for (int64_t r0 = 0; r0 < m; r0 += MB) {
             const int mb = m - r0 < MB ? (int)(m - r0) : MB;
             panel_block(w, p, x + r0 * ldx, ldx, mb, out);
@@ -150,9 +330,23 @@ static inline vf silu(vf g) {
     return loadv(lanes);
 }
 
-void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact, int64_t j0, int64_t j1) {
+void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact, int64_t j0, int64_t j1,
+                   int pair) {
     vf gate[MB], up[MB];
     const int64_t width = w->n / 2; /* channels of the activation */
+    if (paired(pair, m)) {
+        const int64_t passes = (m + MB2 - 1) / MB2;
+        for (int64_t j = j0; j < j1; j++) {
+            for (int64_t i = 0; i < passes; i++) {
+                int64_t r0;
+                int mb;
+                pass_rows(m, passes, i, &r0, &mb);
+                panel_pair(w, 2 * j, 2 * j + 1, x + r0 * ldx, ldx, mb, gate, up);
+                for (int r = 0; r < mb; r++) put(act + (r0 + r) * ldact + j * VW, silu(gate[r]) * up[r], width - j * VW, STORE);
+            }
+        }
+        return;
+    }
     for (int64_t j = j0; j < j1; j++) {
         for (int64_t r0 = 0; r0 < m; r0 += MB) {
             const int mb = m - r0 < MB ? (int)(m - r0) : MB;
@@ -167,16 +361,17 @@ void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, floa
  * silu(gate) * up when `swiglu`, split by panels over the threads. */
 int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int swiglu, int num_threads) {
     if (w->dtype == WEIGHT_I8 && w->scale == NULL) return 2;
+    const int pair = fits_in_cache(matrix_bytes(w));
 #pragma omp parallel num_threads(num_threads)
     {
         int64_t lo, hi;
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         if (swiglu) {
             thread_share(w->num_panels / 2, t, nt, &lo, &hi);
-            swiglu_panels(w, x, m, ldx, y, ldy, lo, hi);
+            swiglu_panels(w, x, m, ldx, y, ldy, lo, hi, pair);
         } else {
             thread_share(w->num_panels, t, nt, &lo, &hi);
-            matmul_panels(w, x, m, ldx, y, ldy, lo, hi, STORE);
+            matmul_panels(w, x, m, ldx, y, ldy, lo, hi, STORE, pair);
         }
     }
     return 0;
