@@ -7,6 +7,9 @@ target is the default model (models/pagedllm-py-tiny); the draft is models/paged
 trained by our trainer on the same corpus with the same tokenizer. Every configuration serves the
 same requests one at a time (single stream: a user of `pagedllm serve` at concurrency 1), after
 a warm-up; with --batch N, N at a time. Greedy outputs must equal the plain run's (checked).
+The draft's greedy cycles run fused (one C call per cycle, spec_decode/fused_cycles.py) unless
+the engine-driven path is asked for too (--engine-driven); with --num-scheduler-steps N the
+plain engine and the fused draft also run N steps (cycles) per engine step, a pair of its own.
 
 The machine's speed drifts by tens of percent from one minute to the next (a shared host), so
 the configurations take turns over several rounds, each kept loaded, and a configuration's
@@ -81,6 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1, help="requests served at a time (default 1: single stream)")
     parser.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
                         help="speculating configurations pause while N or more sequences run (default: never)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
+                        help="also run the plain engine and the fused draft (scoring --draft-vocab-size tokens) with N "
+                             "steps (cycles) per engine step (default 1: not)")
+    parser.add_argument("--engine-driven", action="store_true",
+                        help="also run the draft with fused_cycles off (the engine drives every pass)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="passes over the prompts, the configurations taking turns within each (default 3)")
 
@@ -92,13 +100,20 @@ def run(args: argparse.Namespace) -> int:
     k = args.num_speculative_tokens
     pause = {"disable_by_batch_size": args.disable_by_batch_size} if args.disable_by_batch_size else {}
     draft = {"model": str(args.draft), "num_speculative_tokens": k, **pause}
+    reduced = {**draft, "draft_vocab_size": args.draft_vocab_size} if args.draft_vocab_size else draft
+    reduced_name = f"draft, {args.draft_vocab_size} tokens" if args.draft_vocab_size else "draft model"
+    steps = args.num_scheduler_steps
     configs = [
         ("no speculation", {}),
         (f"draft model, k={k}", {"speculative_config": draft}),
-        *([(f"draft, {args.draft_vocab_size} tokens, k={k}", {"speculative_config": {
-            **draft, "draft_vocab_size": args.draft_vocab_size}})] if args.draft_vocab_size else []),
+        *([(f"draft, {args.draft_vocab_size} tokens, k={k}", {"speculative_config": reduced})] if args.draft_vocab_size else []),
+        *([(f"{reduced_name}, engine-driven", {"speculative_config": {**reduced, "fused_cycles": False}})]
+          if args.engine_driven else []),
         (f"n-gram, k={k}", {"speculative_config": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
                                                     **pause}}),
+        *([(f"no speculation, {steps} steps", {"num_scheduler_steps": steps}),
+           (f"{reduced_name}, {steps} cycles", {"speculative_config": reduced, "num_scheduler_steps": steps})]
+          if steps > 1 else []),
     ]
     print(f"target {DEFAULT_MODEL.name}, draft {args.draft.name}; {len(prompts)} stdlib completions of {args.prompt_tokens} "
           f"prompt tokens, {args.max_tokens} greedy tokens each, {args.batch} at a time, {torch.get_num_threads()} threads; "
