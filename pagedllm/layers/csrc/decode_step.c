@@ -78,7 +78,28 @@ static void prepare_head(const Model *md, const Layer *ly, const Step *st, float
 typedef struct {
     float *x, *norm, *qkv, *attn, *act;
     int64_t qkv_ld, norm_ld;
+    /* Attention groups: rows first[g] .. first[g] + count[g] - 1 are one sequence's consecutive
+     * positions (a verification, or a draft's catch-up), attended together (attend_rows). */
+    int64_t *group_first, *group_count, num_groups;
 } Scratch;
+
+/* Runs of rows of one sequence at consecutive positions: the same block table, each row one
+ * position (and one context row) past the one before. */
+static void find_groups(const Step *st, Scratch *sc) {
+    sc->num_groups = 0;
+    for (int64_t r = 0; r < st->rows; r++) {
+        const int64_t g = sc->num_groups - 1;
+        const int joins = r > 0 && st->positions[r] == st->positions[r - 1] + 1 && st->ctx_lens[r] == st->ctx_lens[r - 1] + 1 &&
+                          !memcmp(st->block_tables + r * st->max_blocks, st->block_tables + (r - 1) * st->max_blocks,
+                                  sizeof(int64_t) * st->max_blocks);
+        if (joins) {
+            sc->group_count[g]++;
+        } else {
+            sc->group_first[sc->num_groups] = r;
+            sc->group_count[sc->num_groups++] = 1;
+        }
+    }
+}
 
 /* One stage's counters, on their own cache line: `claimed` hands out the items of a small stage
  * in order; a matrix stage's chunks are claimed through their flags in `taken`. */
@@ -228,12 +249,14 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
     for (int64_t i; (i = claim(&stages[1])) < R * Hkv; finish(&stages[1]))
         prepare_head(md, ly, st, sc->qkv, sc->qkv_ld, i / Hkv, i % Hkv);
     await(&stages[1], R * Hkv, o_ahead);
-    for (int64_t i; (i = claim(&stages[2])) < R * Hkv; finish(&stages[2])) {
-        const int64_t r = i / Hkv, h = i % Hkv;
-        failed |= attend_sequence(sc->qkv + r * sc->qkv_ld, ly->k_cache, ly->v_cache, st->block_tables + r * st->max_blocks,
-                                  st->ctx_lens[r], ly->window, md->attn_scale, shape, h, h + 1, sc->attn + r * q_width);
+    const int64_t items = sc->num_groups * Hkv;
+    for (int64_t i; (i = claim(&stages[2])) < items; finish(&stages[2])) {
+        const int64_t r = sc->group_first[i / Hkv], h = i % Hkv;
+        failed |= attend_rows(sc->qkv + r * sc->qkv_ld, sc->qkv_ld, sc->group_count[i / Hkv], st->ctx_lens + r, ly->k_cache,
+                              ly->v_cache, st->block_tables + r * st->max_blocks, ly->window, md->attn_scale, shape, h, h + 1,
+                              sc->attn + r * q_width, q_width);
     }
-    await(&stages[2], R * Hkv, o_ahead);
+    await(&stages[2], items, o_ahead);
     matmul_stage(&stages[3], &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, pair, ahead_of(&ly->gate_up, 1, t, nt), t, nt);
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->post_norm, H, md->eps, norm + r * H);
     swiglu_stage(&stages[4], &ly->gate_up, norm, R, H, sc->act, md->intermediate, pair, ahead_of(&ly->down, 0, t, nt), t, nt);
@@ -262,12 +285,16 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     const int64_t num_stages = md->num_layers * STAGES_PER_LAYER + 1, max_chunks = MAX_CHUNKS_PER_THREAD * num_threads;
     Stage *stages = calloc(num_stages, sizeof(Stage));
     _Atomic unsigned char *taken = calloc(num_stages * max_chunks, 1);
-    if (scratch == NULL || stages == NULL || taken == NULL) {
+    int64_t *groups = malloc(sizeof(int64_t) * 2 * R);
+    if (scratch == NULL || stages == NULL || taken == NULL || groups == NULL) {
         free(scratch);
         free(stages);
         free((void *)taken);
+        free(groups);
         return 1;
     }
+    sc.group_first = groups, sc.group_count = groups + R;
+    find_groups(st, &sc);
     for (int64_t i = 0; i < num_stages; i++) stages[i].taken = taken + i * max_chunks;
     sc.x = scratch;
     sc.norm = sc.x + R * H;
@@ -290,6 +317,7 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
         matmul_stage(&stages[md->num_layers * STAGES_PER_LAYER], md->lm_head, norm, st->num_logits, H, st->logits, md->vocab,
                      STORE, pair, NOTHING_AHEAD, t, nt);
     }
+    free(groups);
     free((void *)taken);
     free(stages);
     free(scratch);

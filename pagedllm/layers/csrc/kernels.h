@@ -95,6 +95,12 @@ typedef struct {
  * row ([Hkv, G, D]). 0 on success, 1 if the scores could not be allocated. */
 int attend_sequence(const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
                     int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out);
+/* The same for `rows` query rows of one sequence at consecutive positions (row j at
+ * q + j * q_stride, attending to lens[j] positions, lens ascending), each K/V row read once for
+ * all rows; each row's result is the bits attend_sequence gives it alone. */
+int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *lens, const float *k_cache, const float *v_cache,
+                const int64_t *table, int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out,
+                int64_t out_stride);
 
 /* Each row's argmax (torch.argmax's tie and NaN rule) and its log-probability (greedy.c). */
 void greedy_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens, float *logprobs);

@@ -26,8 +26,12 @@
  * v_cache: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]; ctx_lens: [B];
  * window <= 0: no window.
  *
- * attend_sequence() is the work of one sequence for a range of KV heads: the fused decode step
- * (decode_step.c) hands its (sequence, KV head) items to its threads with it.
+ * attend_sequence() is the work of one sequence for a range of KV heads; attend_rows() that of
+ * several query rows of one sequence at consecutive positions (a speculative verification: the
+ * newest token and its proposals), each attending up to its own position, with every K/V row read
+ * once for all of them. A row's arithmetic is the same as alone (its scores past its context get
+ * probability 0, and 0 * v adds nothing), so its result is the same bits. The fused decode step
+ * (decode_step.c) hands its (sequence, KV head) items to its threads with these.
  */
 #include <math.h>
 #include <stdint.h>
@@ -92,54 +96,60 @@ static void for_each_tile(const float *cache, const int64_t *table, int64_t firs
 typedef struct {
     const float *q;
     float *scores, *out;
-    int64_t first, n;  /* scores[(qh - h0 * G) * n + (t - first)] */
+    int64_t first, n;  /* scores[((j * (h1 - h0) * G) + qh - h0 * G) * n + (t - first)] for row j */
     int64_t h0, h1;    /* the KV heads computed */
+    int64_t rows, q_stride, out_stride; /* query rows sharing the context (row j: q + j * q_stride) */
     float scale;
     Shape s;
 } Pass;
 
-/* scores[qh][t] = scale * q[qh] . k[t][qh / G] for the tile's positions. */
+/* scores[j][qh][t] = scale * q[j][qh] . k[t][qh / G] for the tile's positions, every row j. */
 static void score_tile(const float *const rows[TILE], int64_t t0, int64_t n, void *ctx) {
     const Pass *p = ctx;
-    const int64_t D = p->s.head_dim, G = p->s.group;
-    for (int64_t h = p->h0; h < p->h1; h++) {
-        for (int64_t qh = h * G; qh < (h + 1) * G; qh++) {
-            const float *qv = p->q + qh * D;
-            v8 acc[TILE] = {0};
-            for (int64_t d = 0; d < D; d += 8) {
-                const v8 qd = load8(qv + d);
-                for (int r = 0; r < TILE; r++) acc[r] += qd * load8(rows[r] + h * D + d);
+    const int64_t D = p->s.head_dim, G = p->s.group, per_row = (p->h1 - p->h0) * G;
+    for (int64_t j = 0; j < p->rows; j++) {
+        for (int64_t h = p->h0; h < p->h1; h++) {
+            for (int64_t qh = h * G; qh < (h + 1) * G; qh++) {
+                const float *qv = p->q + j * p->q_stride + qh * D;
+                v8 acc[TILE] = {0};
+                for (int64_t d = 0; d < D; d += 8) {
+                    const v8 qd = load8(qv + d);
+                    for (int r = 0; r < TILE; r++) acc[r] += qd * load8(rows[r] + h * D + d);
+                }
+                float dots[TILE];
+                store8(dots, sum_lanes(acc) * p->scale);
+                memcpy(p->scores + (j * per_row + qh - p->h0 * G) * p->n + (t0 - p->first), dots, sizeof(float) * n);
             }
-            float dots[TILE];
-            store8(dots, sum_lanes(acc) * p->scale);
-            memcpy(p->scores + (qh - p->h0 * G) * p->n + (t0 - p->first), dots, sizeof(float) * n);
         }
     }
 }
 
-/* out[qh] += sum over the tile's positions of p[qh][t] * v[t][qh / G]. */
+/* out[j][qh] += sum over the tile's positions of p[j][qh][t] * v[t][qh / G], every row j. */
 static void weigh_tile(const float *const rows[TILE], int64_t t0, int64_t n, void *ctx) {
     const Pass *p = ctx;
-    const int64_t D = p->s.head_dim, G = p->s.group;
-    for (int64_t h = p->h0; h < p->h1; h++) {
-        for (int64_t qh = h * G; qh < (h + 1) * G; qh++) {
-            const float *prob = p->scores + (qh - p->h0 * G) * p->n + (t0 - p->first);
-            v8 w[TILE];
-            for (int r = 0; r < TILE; r++) w[r] = (v8){0} + (r < n ? prob[r] : 0.0f);
-            float *o = p->out + qh * D;
-            for (int64_t d = 0; d < D; d += 8) {
-                v8 acc = load8(o + d);
-                for (int r = 0; r < TILE; r++) acc += w[r] * load8(rows[r] + h * D + d);
-                store8(o + d, acc);
+    const int64_t D = p->s.head_dim, G = p->s.group, per_row = (p->h1 - p->h0) * G;
+    for (int64_t j = 0; j < p->rows; j++) {
+        for (int64_t h = p->h0; h < p->h1; h++) {
+            for (int64_t qh = h * G; qh < (h + 1) * G; qh++) {
+                const float *prob = p->scores + (j * per_row + qh - p->h0 * G) * p->n + (t0 - p->first);
+                v8 w[TILE];
+                for (int r = 0; r < TILE; r++) w[r] = (v8){0} + (r < n ? prob[r] : 0.0f);
+                float *o = p->out + j * p->out_stride + qh * D;
+                for (int64_t d = 0; d < D; d += 8) {
+                    v8 acc = load8(o + d);
+                    for (int r = 0; r < TILE; r++) acc += w[r] * load8(rows[r] + h * D + d);
+                    store8(o + d, acc);
+                }
             }
         }
     }
 }
 
-/* Each query head's scores become probabilities, in place. */
-static void softmax(float *scores, int64_t n, int64_t heads) {
+/* Each query head's scores become probabilities, in place: `heads` rows of n scores, `stride`
+ * apart; positions n .. stride - 1 (past this head's context) get probability 0. */
+static void softmax(float *scores, int64_t n, int64_t heads, int64_t stride) {
     for (int64_t qh = 0; qh < heads; qh++) {
-        float *p = scores + qh * n;
+        float *p = scores + qh * stride;
         float max = -INFINITY, sum = 0.0f;
         for (int64_t i = 0; i < n; i++) max = p[i] > max ? p[i] : max;
 #pragma omp simd
@@ -148,24 +158,41 @@ static void softmax(float *scores, int64_t n, int64_t heads) {
         const float inv = 1.0f / sum;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) p[i] *= inv;
+        for (int64_t i = n; i < stride; i++) p[i] = 0.0f;
     }
+}
+
+int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *lens, const float *k_cache, const float *v_cache,
+                const int64_t *table, int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out,
+                int64_t out_stride) {
+    const int64_t len = lens[rows - 1];
+    const int64_t first = window > 0 && len > window ? len - window : 0;
+    if (first > 0 && rows > 1) { /* each row's window starts elsewhere: one row at a time */
+        for (int64_t j = 0; j < rows; j++)
+            if (attend_rows(q + j * q_stride, q_stride, 1, lens + j, k_cache, v_cache, table, window, scale, s, h0, h1,
+                            out + j * out_stride, out_stride))
+                return 1;
+        return 0;
+    }
+    const int64_t heads = (h1 - h0) * s.group;
+    float *scores = malloc(sizeof(float) * rows * heads * (len - first));
+    if (scores == NULL) return 1;
+    Pass pass = {q, scores, out, first, len - first, h0, h1, rows, q_stride, out_stride, scale, s};
+    for_each_tile(k_cache, table, first, len, s, score_tile, &pass);
+    const int64_t block_floats = s.block_size * s.num_kv_heads * s.head_dim;
+    prefetch_rows(v_cache + table[first / s.block_size] * block_floats, block_floats); /* during the softmax */
+    for (int64_t j = 0; j < rows; j++) {
+        softmax(scores + j * heads * (len - first), lens[j] - first, heads, len - first);
+        memset(out + j * out_stride + h0 * s.group * s.head_dim, 0, sizeof(float) * heads * s.head_dim);
+    }
+    for_each_tile(v_cache, table, first, len, s, weigh_tile, &pass);
+    free(scores);
+    return 0;
 }
 
 int attend_sequence(const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
                     int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out) {
-    const int64_t first = window > 0 && len > window ? len - window : 0;
-    const int64_t heads = (h1 - h0) * s.group;
-    float *scores = malloc(sizeof(float) * heads * (len - first));
-    if (scores == NULL) return 1;
-    Pass pass = {q, scores, out, first, len - first, h0, h1, scale, s};
-    for_each_tile(k_cache, table, first, len, s, score_tile, &pass);
-    const int64_t block_floats = s.block_size * s.num_kv_heads * s.head_dim;
-    prefetch_rows(v_cache + table[first / s.block_size] * block_floats, block_floats); /* during the softmax */
-    softmax(scores, len - first, heads);
-    memset(out + h0 * s.group * s.head_dim, 0, sizeof(float) * heads * s.head_dim);
-    for_each_tile(v_cache, table, first, len, s, weigh_tile, &pass);
-    free(scores);
-    return 0;
+    return attend_rows(q, 0, 1, &len, k_cache, v_cache, table, window, scale, s, h0, h1, out, 0);
 }
 
 int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
