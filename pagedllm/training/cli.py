@@ -1,4 +1,4 @@
-"""`pagedllm train`, `pagedllm export` and `pagedllm tokenizer train`.
+"""`pagedllm train`, `pagedllm export`, `pagedllm tokenizer train` and `pagedllm distill`.
 
 `train` validates the job for the world size it is about to launch (nnodes x nproc-per-node) before
 any process starts, writes the job (with its job_id fixed) to <checkpoint_dir>/job.json, then either
@@ -45,6 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tok_train.add_argument("--glob", default="**/*", help="files taken from an input folder (e.g. '**/*.py')")
     tok_train.add_argument("--min-frequency", type=int, default=2)
     tok_train.set_defaults(func=run_tokenizer_train)
+
+    from pagedllm.training import distill  # a draft model's corpus: its target's continuations
+
+    distill.register(subparsers)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
