@@ -4,12 +4,14 @@ Workload: code completion on the Python standard library — prompts are the ope
 functions from stdlib modules (files the default model was trained on, as any completion user's
 own code base would be), each completed for --max-tokens greedy tokens with ignore_eos. The
 target is the default model (models/pagedllm-py-tiny); the draft is models/pagedllm-py-draft,
-trained by our trainer on the same corpus with the same tokenizer. Every configuration serves the
-same requests one at a time (single stream: a user of `pagedllm serve` at concurrency 1), after
-a warm-up; with --batch N, N at a time. Greedy outputs must equal the plain run's (checked).
-The draft's greedy cycles run fused (one C call per cycle, spec_decode/fused_cycles.py) unless
-the engine-driven path is asked for too (--engine-driven); with --num-scheduler-steps N the
-plain engine and the fused draft also run N steps (cycles) per engine step, a pair of its own.
+trained by our trainer, with the same tokenizer, on the target's own continuations of that
+corpus (`pagedllm distill`; its prompts are windows anywhere in the files, not these function
+heads). Every configuration serves the same requests one at a time (single stream: a user of
+`pagedllm serve` at concurrency 1), after a warm-up; with --batch N, N at a time. Greedy
+outputs must equal the plain run's (checked). The draft's greedy cycles run fused (one C call
+per cycle, spec_decode/fused_cycles.py) unless the engine-driven path is asked for too
+(--engine-driven); with --num-scheduler-steps N the plain engine and the fused draft also run N
+steps (cycles) per engine step, a pair of its own.
 
 The machine's speed drifts by tens of percent from one minute to the next (a shared host), so
 the configurations take turns over several rounds, each kept loaded, and a configuration's
