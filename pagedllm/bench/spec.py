@@ -13,6 +13,10 @@ per cycle, spec_decode/fused_cycles.py) unless the engine-driven path is asked f
 (--engine-driven); with --num-scheduler-steps N the plain engine and the fused draft also run N
 steps (cycles) per engine step, a pair of its own.
 
+Besides tokens/s over the whole run (the prompts' prefills included), each configuration's decode
+rate — tokens after a request's first, over the time from its first token to its last, what a
+streaming user sees between tokens (TPOT) — is compared the same way.
+
 The machine's speed drifts by tens of percent from one minute to the next (a shared host), so
 the configurations take turns over several rounds, each kept loaded, and a configuration's
 speed-up is the median over rounds of its rate against the plain engine's in the same round.
@@ -63,14 +67,21 @@ def run_config(llm, prompts: list[list[int]], max_tokens: int, batch: int) -> di
     from pagedllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = []
+    outputs, decoded, decoding_s = [], 0, 0.0
     start = time.perf_counter()
     for first in range(0, len(prompts), batch):
         group = [{"prompt_token_ids": p} for p in prompts[first : first + batch]]
-        outputs += [o.outputs[0].token_ids for o in llm.generate(group, params, use_tqdm=False)]
+        for o in llm.generate(group, params, use_tqdm=False):
+            outputs.append(o.outputs[0].token_ids)
+            decoded += len(o.outputs[0].token_ids) - 1
+            decoding_s += o.metrics.last_token_time - o.metrics.first_token_time
     elapsed = time.perf_counter() - start
     stats = llm.get_stats()
+    # tok/s: output tokens over the whole run (prefills included); decode tok/s: tokens after each
+    # request's first over the time from its first token to its last (what a streaming user sees
+    # between tokens; with batch > 1 the requests' decode times overlap, so it is per request)
     return {"tokens": outputs, "tok_s": sum(map(len, outputs)) / elapsed, "seconds": elapsed,
+            "decode_tok_s": decoded / decoding_s if decoding_s > 0 else float("nan"),
             "acceptance": stats.get("spec_decode_acceptance_rate"), "mean_len": stats.get("spec_decode_mean_accepted_length"),
             "draft_share": stats.get("spec_decode_draft_time_share")}
 
@@ -124,15 +135,16 @@ def run(args: argparse.Namespace) -> int:
     llms = [make_llm(engine_args) for _, engine_args in configs]
     rounds = [[run_config(llm, prompts, args.max_tokens, args.batch) for llm in llms] for _ in range(args.rounds)]
     base_tokens = rounds[0][0]["tokens"]
-    print(f"{'configuration':<30} {'tok/s (median)':>15} {'speed-up (median of rounds)':>28} {'accepted':>9} {'mean len':>9} "
-          f"{'draft time':>11}")
+    print(f"{'configuration':<34} {'tok/s (median)':>15} {'speed-up (median of rounds)':>28} {'decode speed-up':>16} "
+          f"{'accepted':>9} {'mean len':>9} {'draft time':>11}")
     for index, (name, _) in enumerate(configs):
         runs = [r[index] for r in rounds]
         speedups = [run["tok_s"] / r[0]["tok_s"] for run, r in zip(runs, rounds)]
+        decode_speedups = [run["decode_tok_s"] / r[0]["decode_tok_s"] for run, r in zip(runs, rounds)]
         last = runs[-1]
         spec = last["acceptance"] is not None
-        print(f"{name:<30} {statistics.median(r['tok_s'] for r in runs):15.1f} {statistics.median(speedups):10.2f}x "
-              f"({', '.join(f'{x:.2f}' for x in speedups)}) "
+        print(f"{name:<34} {statistics.median(r['tok_s'] for r in runs):15.1f} {statistics.median(speedups):10.2f}x "
+              f"({', '.join(f'{x:.2f}' for x in speedups)}) {statistics.median(decode_speedups):15.2f}x "
               + (f"{last['acceptance']:8.1%} {last['mean_len']:9.2f} {last['draft_share']:10.1%}" if spec else ""))
         if any(run["tokens"] != base_tokens for run in runs):
             print(f"  !! {name}: greedy tokens differ from the run without speculation")
