@@ -100,6 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-scheduler-steps", type=int, default=1, metavar="N",
                         help="also run the plain engine and the fused draft (scoring --draft-vocab-size tokens) with N "
                              "steps (cycles) per engine step (default 1: not)")
+    parser.add_argument("--draft-quantization", choices=["int8"], default=None,
+                        help="also run the draft scoring --draft-vocab-size tokens with its weights quantized")
     parser.add_argument("--engine-driven", action="store_true",
                         help="also run the draft with fused_cycles off (the engine drives every pass)")
     parser.add_argument("--rounds", type=int, default=3,
@@ -120,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
         ("no speculation", {}),
         (f"draft model, k={k}", {"speculative_config": draft}),
         *([(f"draft, {args.draft_vocab_size} tokens, k={k}", {"speculative_config": reduced})] if args.draft_vocab_size else []),
+        *([(f"{reduced_name}, {args.draft_quantization}", {"speculative_config": {**reduced, "quantization": args.draft_quantization}})]
+          if args.draft_quantization else []),
         *([(f"{reduced_name}, engine-driven", {"speculative_config": {**reduced, "fused_cycles": False}})]
           if args.engine_driven else []),
         (f"n-gram, k={k}", {"speculative_config": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,

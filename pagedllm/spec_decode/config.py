@@ -5,6 +5,7 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}     # prompt lookup
     {..., "disable_by_batch_size": 4}   # no proposals while 4 or more sequences run
     {"model": ..., "fused_cycles": false}  # the engine drives every pass even of greedy decodes
+    {"model": ..., "quantization": "int8"}  # the draft's weights quantized at load (int8, per channel)
 """
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.layers.quantization import QUANTIZATION_METHODS
+
 METHODS = ("draft_model", "ngram")
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_vocab_size",
-         "disable_by_batch_size", "fused_cycles"}
+         "disable_by_batch_size", "fused_cycles", "quantization"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,9 @@ class SpeculativeConfig:
     # sequence of a step decodes greedily and both models run the fused decode step
     # (spec_decode/fused_cycles.py); false keeps the engine-driven path for them too.
     fused_cycles: bool = True
+    # The draft's weights quantized at load (vLLM's key): its passes read a quarter of the bytes,
+    # and only the proposals can change — the target verifies every token.
+    quantization: str | None = None
 
     @property
     def uses_draft_model(self) -> bool:
@@ -64,6 +70,7 @@ class SpeculativeConfig:
             draft_vocab_size=value.get("draft_vocab_size"),
             disable_by_batch_size=value.get("disable_by_batch_size"),
             fused_cycles=value.get("fused_cycles", True),
+            quantization=value.get("quantization"),
         )
         config._validate()
         return config
@@ -85,6 +92,12 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: draft_vocab_size must be a positive integer, got {self.draft_vocab_size!r}")
             if self.method != "draft_model":
                 raise ValueError("speculative_config: draft_vocab_size applies to a draft model only")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(f"speculative_config: quantization must be one of {list(QUANTIZATION_METHODS)}, "
+                                 f"got {self.quantization!r}")
+            if self.method != "draft_model":
+                raise ValueError("speculative_config: quantization applies to a draft model only")
         if not isinstance(self.fused_cycles, bool):
             raise ValueError(f"speculative_config: fused_cycles must be true or false, got {self.fused_cycles!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:

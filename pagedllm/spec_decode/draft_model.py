@@ -46,8 +46,9 @@ class DraftRequest:
 
 class DraftModel:
     def __init__(self, path: str, target: ModelConfig, max_model_len: int, dtype: torch.dtype, device: torch.device,
-                 vocab_size: int | None = None):
-        """`vocab_size`: score only the draft's that many most frequent tokens (draft_vocab.py)."""
+                 vocab_size: int | None = None, quantization: str | None = None):
+        """`vocab_size`: score only the draft's that many most frequent tokens (draft_vocab.py);
+        `quantization`: its weights quantized at load (layers/quantization.py)."""
         config = ModelConfig.from_pretrained(path)
         if config.vocab_size != target.vocab_size:
             raise ModelLoadError(
@@ -60,7 +61,8 @@ class DraftModel:
         subset = draft_vocab.read(path, config.vocab_size)[:vocab_size] if vocab_size is not None else None
         self.library = _fused_library(config, dtype, device)
         panels = self.library.panel_width() if self.library is not None else None
-        self.model = load_model(config, max_model_len, dtype, device, logit_token_ids=subset, panel_width=panels)
+        self.model = load_model(config, max_model_len, dtype, device, logit_token_ids=subset, panel_width=panels,
+                                quantization=quantization)
         # column of the draft's logits -> token id (None: the whole vocabulary, in order)
         self.vocab = torch.tensor(subset, device=device) if subset is not None else None
         self.full_vocab_size = config.vocab_size

@@ -37,7 +37,8 @@ class Speculator:
         self.block_size = block_size
         self.draft = None
         if config.uses_draft_model:
-            self.draft = DraftModel(config.model, target, max_model_len, dtype, device, config.draft_vocab_size)
+            self.draft = DraftModel(config.model, target, max_model_len, dtype, device, config.draft_vocab_size,
+                                    config.quantization)
         self.draft_time_s = 0.0
         self.fused: FusedCycles | None = None  # whole greedy cycles in one call, when both models run fused
 

@@ -114,10 +114,28 @@ def test_the_fused_path_is_taken_only_for_plain_greedy_decodes(model_dir):
     assert not never and engine_driven.get_stats()["spec_decode_num_drafts"] > 0
 
 
-def test_bad_fused_cycles_values_are_refused(model_dir):
+def test_an_int8_draft_only_changes_the_proposals(model_dir, draft_dir):
+    """quantization="int8" quantizes the draft's weights at load (its passes read a quarter of
+    the bytes); the target verifies every token, so greedy tokens are unchanged."""
+    folder = str(model_dir("llama"))
+    plain = [greedy_tokens(LLM(folder), [p]) for p in PROMPTS[:3]]
+    llm = LLM(folder, speculative_config={"model": str(draft_dir("llama")), "num_speculative_tokens": 3, "quantization": "int8"})
+    fused = fused_steps(llm)
+    assert [greedy_tokens(llm, [p]) for p in PROMPTS[:3]] == plain
+    assert fused and llm.get_stats()["spec_decode_num_accepted_tokens"] > 0
+    draft = llm.llm_engine.runner.speculator.draft.model
+    assert {linear.small.panels.dtype for linear in draft.linears()} == {torch.int8}
+    assert {linear.small.panels.dtype for linear in llm.llm_engine.runner.model.linears()} == {torch.float32}
+
+
+def test_bad_fused_cycles_and_quantization_values_are_refused(model_dir):
     folder = str(model_dir("llama"))
     with pytest.raises(ValueError, match="fused_cycles must be true or false"):
         LLM(folder, speculative_config=same_model_draft(folder, fused_cycles="yes"))
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(folder, speculative_config=same_model_draft(folder, quantization="int4"))
+    with pytest.raises(ValueError, match="quantization applies to a draft model only"):
+        LLM(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"})
     with pytest.raises(ValueError, match="needs a draft model with fused_cycles"):
         LLM(folder, speculative_config=same_model_draft(folder, fused_cycles=False), num_scheduler_steps=2)
 
