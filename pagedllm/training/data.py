@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,14 @@ def is_validation(doc: Document, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
+def encode_documents(docs: list[Document], tokenizer: Tokenizer) -> Iterator[tuple[Document, list[int]]]:
+    """Each document with its token ids (no special tokens), encoded ENCODE_BATCH at a time."""
+    for start in range(0, len(docs), ENCODE_BATCH):
+        chunk = docs[start:start + ENCODE_BATCH]
+        for doc, encoding in zip(chunk, tokenizer.encode_batch([d.text for d in chunk], add_special_tokens=False)):
+            yield doc, encoding.ids
+
+
 def build_cache(data: DataConfig, cache_dir: Path) -> Path:
     """Tokenize the corpus into cache_dir/<key>/{train,val}.bin; returns that folder (reused if present)."""
     folder = cache_dir / cache_key(data)
@@ -66,11 +75,9 @@ def build_cache(data: DataConfig, cache_dir: Path) -> Path:
     docs = list(iter_documents(data.dataset_path, data.file_glob))
     if not docs:
         raise ValueError(f"data_config.dataset_path: no text documents in {data.dataset_path}")
-    for start in range(0, len(docs), ENCODE_BATCH):
-        chunk = docs[start:start + ENCODE_BATCH]
-        for doc, encoding in zip(chunk, tokenizer.encode_batch([d.text for d in chunk], add_special_tokens=False)):
-            ids = encoding.ids + ([eos] if eos is not None else [])
-            splits["val" if is_validation(doc, data.validation_split) else "train"].append(np.asarray(ids))
+    for doc, ids in encode_documents(docs, tokenizer):
+        ids = ids + ([eos] if eos is not None else [])
+        splits["val" if is_validation(doc, data.validation_split) else "train"].append(np.asarray(ids))
     dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
     streams = {name: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype) for name, parts in splits.items()}
     if data.validation_split > 0 and not (streams["train"].size and streams["val"].size):

@@ -49,18 +49,18 @@ class DistillConfig:
     seed: int = 0
 
 
+# DistillConfig's fields that are command-line options of their own name and type
+_TUNABLES = ("validation_split", "num_prompts", "min_prompt_tokens", "max_prompt_tokens", "max_tokens", "sampled_fraction",
+             "temperature", "batch", "first_prompt", "seed")
+
+
 def training_documents(cfg: DistillConfig, tokenizer) -> list[tuple[str, list[int]]]:
     """(doc_id, token ids) of every training-split document long enough for the shortest prompt."""
     from pagedllm.training.corpus import iter_documents
-    from pagedllm.training.data import is_validation
+    from pagedllm.training.data import encode_documents, is_validation
 
     docs = [d for d in iter_documents(cfg.dataset_path, cfg.file_glob) if not is_validation(d, cfg.validation_split)]
-    out = []
-    for start in range(0, len(docs), 256):
-        chunk = docs[start:start + 256]
-        for doc, enc in zip(chunk, tokenizer.encode_batch([d.text for d in chunk], add_special_tokens=False)):
-            if len(enc.ids) > cfg.min_prompt_tokens:
-                out.append((doc.doc_id, enc.ids))
+    out = [(doc.doc_id, ids) for doc, ids in encode_documents(docs, tokenizer) if len(ids) > cfg.min_prompt_tokens]
     if not out:
         raise ValueError(f"no training documents of more than {cfg.min_prompt_tokens} tokens in {cfg.dataset_path}")
     return out
@@ -125,8 +125,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset", required=True, help="prompt corpus: text file, folder, JSONL with 'text', or @stdlib")
     p.add_argument("--out", required=True, type=Path, help="JSONL to write")
     p.add_argument("--glob", default=d["file_glob"].default, help="files taken from a dataset folder")
-    for name in ("validation_split", "num_prompts", "min_prompt_tokens", "max_prompt_tokens", "max_tokens",
-                 "sampled_fraction", "temperature", "batch", "first_prompt", "seed"):
+    for name in _TUNABLES:
         default = d[name].default
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=f"default: {default}")
     p.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="engine KV budget in bytes (default 512 MiB)")
@@ -135,9 +134,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = DistillConfig(model=args.model, dataset_path=args.dataset, out=args.out, file_glob=args.glob,
-                        **{name: getattr(args, name) for name in (
-                            "validation_split", "num_prompts", "min_prompt_tokens", "max_prompt_tokens", "max_tokens",
-                            "sampled_fraction", "temperature", "batch", "first_prompt", "seed")})
+                        **{name: getattr(args, name) for name in _TUNABLES})
     try:
         stats = generate_corpus(cfg, kv_cache_memory=args.kv_cache_memory)
     except (ValueError, FileNotFoundError) as exc:
