@@ -173,7 +173,7 @@ class FusedDecoder:
         started = time.perf_counter()
         failed = self.library.decode_step(ctypes.byref(self._struct), ctypes.byref(step), threads[0])
         self.threads.record(step.rows, threads, [time.perf_counter() - started])
-        _check(failed)
+        check_status(failed)
         return keep[-1]
 
     def greedy_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -190,7 +190,7 @@ class FusedDecoder:
         failed = self.library.decode_steps(ctypes.byref(self._struct), ctypes.byref(step), num_steps, threads, seconds,
                                            tokens.data_ptr(), logprobs.data_ptr())
         self.threads.record(step.rows, plan, list(seconds))
-        _check(failed)
+        check_status(failed)
         return tokens, logprobs
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -206,7 +206,8 @@ class FusedDecoder:
         return step, [*tensors, logits]
 
 
-def _check(failed: int) -> None:
+def check_status(failed: int) -> None:
+    """The error a C call's nonzero status stands for (shared by the calls built on the fused step)."""
     if failed == 1:
         raise MemoryError("fused decode step: out of memory for its scratch space")
     if failed == 3:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.models.fused_decode import FusedDecoder
+from pagedllm.models.fused_decode import FusedDecoder, check_status
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -98,9 +98,7 @@ class FusedCycles:
                                                ctypes.byref(spec), num_cycles, threads, seconds)
         if failed == 3:
             raise ValueError("fused speculation: a request's history must reach from its draft position to its newest token")
-        if failed:
-            raise MemoryError("fused speculation: out of memory") if failed == 1 else ValueError(
-                "fused speculation: head_dim must be a multiple of 8 and heads a multiple of KV heads")
+        check_status(failed)
         proposed_rows = [proposed[s * num_cycles : (s + 1) * num_cycles] for s in range(S)]
         accepted_rows = [accepted[s * num_cycles : (s + 1) * num_cycles] for s in range(S)]
         ran = max(sum(p >= 0 for p in row) for row in proposed_rows)  # cycles run (by the longest-running sequence)

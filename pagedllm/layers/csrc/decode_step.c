@@ -204,7 +204,7 @@ static int64_t next_chunk(Stage *stage, Walk *w) {
  * may prefetch of it. */
 static Ahead ahead_of(const Matrix *w, int paired, int t, int nt) {
     const int64_t units = paired ? w->num_panels / 2 : w->num_panels;
-    const int64_t unit_bytes = w->k * VW * (w->dtype == WEIGHT_I8 ? 1 : (int64_t)sizeof(float)) * (paired ? 2 : 1);
+    const int64_t unit_bytes = panel_bytes(w) * (paired ? 2 : 1);
     const Chunks ch = chunks_of(units, nt);
     const Walk walk = walk_start(ch.n, t, nt);
     const int64_t first = walk.lo * ch.per, left = units - first;
@@ -357,7 +357,7 @@ int decode_steps(const Model *md, const Step *st, int64_t num_steps, const int *
             const int64_t r = st->logit_rows[i], p = ++pos[r];
             ids[r] = tokens[s * R + i];
             lens[r]++;
-            slots[r] = st->block_tables[r * st->max_blocks + p / bs] * bs + p % bs;
+            slots[r] = slot_of(st->block_tables + r * st->max_blocks, p, bs);
         }
     }
     free(state);

@@ -34,6 +34,11 @@ typedef struct {
     float *logits; /* [num_logits, vocab] */
 } Step;
 
+/* The pool slot of `position` in a sequence whose block table is `table`. */
+static inline int64_t slot_of(const int64_t *table, int64_t position, int64_t block_size) {
+    return table[position / block_size] * block_size + position % block_size;
+}
+
 /* One decode step of st->rows rows on num_threads threads: every row's K/V written at its slot,
  * the logits of st->logit_rows. 0 on success; 1 out of memory; 2 an unsupported head shape. */
 int decode_step(const Model *md, const Step *st, int num_threads);

@@ -76,6 +76,9 @@ void matmul_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, floa
 /* act[m][c] = silu(gate) * up for the channels of gate/up panel pairs [j0, j1). */
 void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact, int64_t j0, int64_t j1,
                    int pair);
+/* Bytes of one panel of a packed matrix. */
+static inline int64_t panel_bytes(const Matrix *w) { return w->k * VW * (w->dtype == WEIGHT_I8 ? 1 : (int64_t)sizeof(float)); }
+
 /* Bytes of a packed matrix's panels, and whether that many bytes of weights stay in the
  * last-level cache between passes. */
 int64_t matrix_bytes(const Matrix *w);

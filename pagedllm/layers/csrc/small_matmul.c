@@ -50,7 +50,7 @@ const char *kernel_isa(void) {
 
 int64_t panel_width(void) { return VW; }
 
-int64_t matrix_bytes(const Matrix *w) { return w->num_panels * w->k * VW * (w->dtype == WEIGHT_I8 ? 1 : (int64_t)sizeof(float)); }
+int64_t matrix_bytes(const Matrix *w) { return w->num_panels * panel_bytes(w); }
 
 /* The size of the last-level cache as Linux describes it to this CPU (sysfs), 4 MB where it does
  * not. Not sysconf(_SC_LEVEL3_CACHE_SIZE): glibc takes it from cpuid, which in a VM can report
@@ -101,7 +101,6 @@ int fits_in_cache(int64_t bytes) {
  * a single row is left to dot(): its weights arrive from the cache no faster for the pairing, and
  * two streams instead of one slowed it; nor are 7-16 rows paired, which gained nothing. With AVX2
  * (16 registers, two rows a pass) every row count gained. */
-#ifndef MB2
 #if defined(__AVX512F__)
 #define MB2 6
 #define PAIR_MIN 2
@@ -110,7 +109,6 @@ int fits_in_cache(int64_t bytes) {
 #define MB2 2
 #define PAIR_MIN 1
 #define PAIR_ROWS 16
-#endif
 #endif
 
 /* Input k's VW weights of a panel as floats: fp32 as stored, int8 widened in registers. */
@@ -211,12 +209,7 @@ static inline __attribute__((always_inline)) void dot2(const void *wa, const voi
         case 1: dot2(wa, wb, i8, x, ldx, K, 1, oa, ob); break;    \
         DISPATCH2_WIDE(i8, wa, wb, x, ldx, K, mb, oa, ob)         \
     }
-#if MB2 == 4
-#define DISPATCH2_WIDE(i8, wa, wb, x, ldx, K, mb, oa, ob)         \
-    case 2: dot2(wa, wb, i8, x, ldx, K, 2, oa, ob); break;        \
-    case 3: dot2(wa, wb, i8, x, ldx, K, 3, oa, ob); break;        \
-    default: dot2(wa, wb, i8, x, ldx, K, 4, oa, ob); break;
-#elif MB2 == 6
+#if MB2 == 6
 #define DISPATCH2_WIDE(i8, wa, wb, x, ldx, K, mb, oa, ob)         \
     case 2: dot2(wa, wb, i8, x, ldx, K, 2, oa, ob); break;        \
     case 3: dot2(wa, wb, i8, x, ldx, K, 3, oa, ob); break;        \

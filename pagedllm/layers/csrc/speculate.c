@@ -55,7 +55,7 @@ static void add_row(Rows *b, const int64_t *table, int64_t token, int64_t positi
     b->ids[r] = token;
     b->pos[r] = position;
     b->lens[r] = position + 1;
-    b->slots[r] = table[position / b->block_size] * b->block_size + position % b->block_size;
+    b->slots[r] = slot_of(table, position, b->block_size);
     memcpy(b->tables + r * b->max_blocks, table, sizeof(int64_t) * b->max_blocks);
     if (logit) b->logit_rows[b->num_logits++] = r;
 }
