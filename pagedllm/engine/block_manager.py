@@ -1,6 +1,6 @@
 """KV block manager: free list, ref counts, prefix cache, copy-on-write fork and swap maps.
 
-Seed 001 algorithms 1, 2, 4 and 7. Physical device blocks are shared by ref count; a block is
+Allocation, append, free and fork of block tables. Physical device blocks are shared by ref count; a block is
 *free* when nothing references it. Free blocks that still hold a full, hashed prefix stay in the
 prefix cache until they are reused: those are evicted least-recently-freed first, after every
 free block without cached content has been used.
@@ -179,7 +179,7 @@ class BlockManager:
         return copies
 
     def fork(self, parent_id: int, child_id: int) -> None:
-        """Share every block of the parent (seed 001 algorithm 7); writes go through CoW."""
+        """Share every block of the parent (a fork); writes go through CoW."""
         assert child_id not in self.tables
         table = list(self.tables[parent_id])
         for block in table:

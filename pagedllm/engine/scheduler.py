@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler: one token budget per step (seed 001 algorithms 3, 6 and 8).
+"""Continuous-batching scheduler: one token budget per step (scheduling, chunked prefill and preemption).
 
 Each step serves, in order: running sequences (decodes and unfinished prefill chunks), then
 swapped-out sequences coming back, then waiting sequences by priority then arrival. A step can
@@ -6,8 +6,8 @@ therefore mix prefill chunks with decodes. When the pool cannot hold a running s
 tokens, the scheduler preempts the running sequence its policy values least:
 
 - fcfs: the latest arrival (older requests keep their progress);
-- priority: the lowest priority (higher number = more important, as seed 000 says), then latest;
-- shortest_remaining: the one closest to its max_tokens, as seed 001 specifies.
+- priority: the lowest priority (higher number = more important, as the platform's data model defines it), then latest;
+- shortest_remaining: the one closest to its max_tokens, as the engine design specifies.
 
 Running sequences are visited from most to least worth keeping and victims are taken from the
 other end, so a victim has never been scheduled earlier in the same step.

@@ -1,4 +1,4 @@
-"""Request and sequence state (seed 001, "Sequence State" and the request lifecycle).
+"""Request and sequence state (sequence state and the request lifecycle).
 
 A `Request` is what a user submitted; it owns one `Sequence` per sample (n / best_of). Only the
 first sequence is prefilled: the others are forked from it once its prompt is computed, sharing
@@ -33,7 +33,7 @@ class SequenceStatus(enum.Enum):
 
 _FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
 
-# Seed 001's state diagram, plus RUNNING -> WAITING for recompute preemption.
+# The sequence state diagram, plus RUNNING -> WAITING for recompute preemption.
 _TRANSITIONS = {
     SequenceStatus.WAITING: {SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_LENGTH},
     SequenceStatus.RUNNING: {SequenceStatus.SWAPPED, SequenceStatus.WAITING, *_FINISHED},

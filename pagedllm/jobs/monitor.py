@@ -4,7 +4,7 @@ The channel is the trainer's events file (`--events-file`, one JSON object per l
 pagedllm/training/progress.py): "started" (ranks, pids, start step), "step" (the metrics),
 "checkpoint" (SAVING / COMPLETE / CORRUPT / DELETED, with the folder of its manifest), "failed"
 (any rank's exception), "finished" (completed or stopped, exit code). Checkpoint records are taken
-from the manifests themselves (seed 000's Checkpoint, with shard sizes and checksums). No log line
+from the manifests themselves (the platform's Checkpoint record, with shard sizes and checksums). No log line
 is parsed.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""REST routes of the training job service (seed 000's "Training APIs" and "Cluster Management").
+"""REST routes of the training job service (training jobs, their checkpoints, and the cluster's status).
 
 Handlers resolve the service from app.state and translate its exceptions into the server's
 OpenAI-shaped errors: an invalid config is 400 naming the field, an unknown job or checkpoint 404, a

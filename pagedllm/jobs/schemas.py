@@ -1,6 +1,6 @@
-"""The REST API's request and response bodies (seed 000's "Training APIs" and "Cluster Management").
+"""The REST API's request and response bodies (the platform's training and cluster-management APIs).
 
-A job is answered as seed 000's TrainingJob (the training package's model, so the config schema is
+A job is answered as the platform's TrainingJob (the training package's model, so the config schema is
 defined once) with the service's state and current metrics added.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ class ProcessView(BaseModel):
 class JobView(TrainingJob):
     """GET /v1/training/jobs/{job_id}: the TrainingJob, its state and its current metrics."""
 
-    status: JobState  # seed 000's states plus CANCELLED
+    status: JobState  # the TrainingJob states plus CANCELLED
     world_size: int
     started_at: datetime | None = None
     finished_at: datetime | None = None
@@ -104,7 +104,7 @@ class ResumeRequest(BaseModel):
 
 
 class CheckpointView(Checkpoint):
-    """Seed 000's Checkpoint record (manifest.json), and where it is on disk."""
+    """The platform's Checkpoint record (manifest.json), and where it is on disk."""
 
     path: str | None = None
 
@@ -127,7 +127,7 @@ class LogChunk(BaseModel):
 
 
 class ClusterStatus(BaseModel):
-    """Seed 000's cluster status. On a node without GPUs the devices are CPU worker slots (--train-slots)
+    """The cluster status of the platform's management API. On a node without GPUs the devices are CPU worker slots (--train-slots)
     and gpu_utilization is the CPU utilisation."""
 
     device_type: Literal["cuda", "cpu"]

@@ -62,7 +62,7 @@ class JobStore(ABC):
 
     @abstractmethod
     def put_checkpoint(self, job_id: str, checkpoint: dict) -> None:
-        """Insert or update a seed 000 Checkpoint record (JSON-ready dict) by checkpoint_id."""
+        """Insert or update a Checkpoint record (JSON-ready dict) by checkpoint_id."""
 
     @abstractmethod
     def checkpoints(self, job_id: str) -> list[dict]:

@@ -1,6 +1,6 @@
 """Paged attention, arranged to be fast on CPU.
 
-The KV pool of a layer is `[num_blocks, block_size, num_kv_heads, head_dim]` (seed 001's layout).
+The KV pool of a layer is `[num_blocks, block_size, num_kv_heads, head_dim]` (the paged layout).
 A step's batch puts its decode tokens first, then its prefill chunks:
 
 - decodes: by default (fp32 on a CPU with a C compiler) one C kernel attends them all, reading

@@ -1,4 +1,4 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP) and seed 000's Checkpoint manifest.
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP) and the platform's Checkpoint manifest.
 
 Layout of one checkpoint, `<checkpoint_dir>/step-00000042/`:
 
@@ -111,7 +111,7 @@ class RngStateRecord(BaseModel):
 
 
 class Checkpoint(BaseModel):
-    """Seed 000's Checkpoint, as written to manifest.json."""
+    """The platform's Checkpoint record, as written to manifest.json."""
 
     checkpoint_id: uuid.UUID
     job_id: uuid.UUID

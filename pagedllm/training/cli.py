@@ -19,7 +19,7 @@ from pagedllm.training.config import ConfigError, TrainingJob, apply_overrides, 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     train = subparsers.add_parser("train", help="train a model from a TrainingJob config (TOML or JSON)")
-    train.add_argument("--config", type=Path, required=True, help="job.toml or job.json (seed 000's TrainingJob)")
+    train.add_argument("--config", type=Path, required=True, help="job.toml or job.json (a TrainingJob: training/config.py)")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                        help="override a config field, e.g. --set optimization_config.total_steps=100")
     train.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (>1 launches torchrun)")

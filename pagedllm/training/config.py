@@ -1,8 +1,8 @@
-"""Seed 000's TrainingJob as pydantic models: the one config that flows from the entry point down.
+"""The platform's TrainingJob as pydantic models: the one config that flows from the entry point down.
 
-Field names and sections are the seed's (`model_config`, `parallelism_config`, ...). Fields the seed
+Field names and sections are the platform design's (`model_config`, `parallelism_config`, ...). Fields the design
 does not name but a real run needs (head_dim, rope_theta, pipeline_schedule, validation_split, seed,
-...) are added next to the seed's fields and documented in docs/training.md. Unknown keys are
+...) are added next to the design's fields and documented in docs/training.md. Unknown keys are
 rejected so a typo never silently falls back to a default.
 
 Two levels of checking: pydantic validates each field on its own; `resolve(job, world_size)` checks
@@ -37,7 +37,7 @@ class _Section(BaseModel):
 
 
 class JobStatus(str, enum.Enum):
-    """Seed 000's states plus CANCELLED, which the job service (issue 5) needs."""
+    """The TrainingJob states plus CANCELLED, which the job service (issue 5) needs."""
 
     PENDING = "PENDING"
     RUNNING = "RUNNING"
@@ -200,7 +200,7 @@ def _now() -> datetime:
 
 
 class TrainingJob(BaseModel):
-    """Seed 000's TrainingJob. `status`/timestamps are for the job service; the trainer ignores them."""
+    """A training job: model, parallelism, optimization, memory, data and checkpoint configs. `status`/timestamps are for the job service; the trainer ignores them."""
 
     model_config = ConfigDict(
         extra="forbid",

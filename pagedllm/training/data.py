@@ -1,4 +1,4 @@
-"""Storage -> tokenize -> pack -> batch -> distribute (seed 000's training data flow).
+"""Storage -> tokenize -> pack -> batch -> distribute (the training data flow).
 
 Documents are tokenized once with the `tokenizers` library, joined with the end-of-text token and
 stored as a flat token stream (validation_split holds out whole documents by a stable hash, or the

@@ -3,7 +3,7 @@
 Each pipeline rank keeps a copy of the model pruned to its stage's layers (embed_tokens on the first
 stage, norm and lm_head on the last); layer names keep their global index, so the stages' checkpoint
 shards form one model. A stage is then parallelised like a whole model (TP -> AC -> FSDP on its own
-layers) and handed to a PipelineStage. Schedule1F1B is the default (seed 000's algorithm 5: warm-up
+layers) and handed to a PipelineStage. Schedule1F1B is the default (one forward, one backward: warm-up
 forwards, one-forward-one-backward steady state, cool-down backwards); ScheduleGPipe and
 ScheduleInterleaved1F1B (several "virtual" stages per rank, assigned round-robin) are selectable.
 The schedule splits each rank's batch into global_batch / (micro_batch_size x dp) microbatches and,

@@ -1,4 +1,4 @@
-"""The KV pool: one K and one V tensor for all layers, allocated once (seed 001 "KV Cache Pool").
+"""The KV pool: one K and one V tensor for all layers, allocated once (the KV cache pool).
 
 Shape `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`. The host-side swap pool
 has the same layout and exists only when preemption swaps. Swaps and copy-on-write copies move

@@ -93,7 +93,7 @@ def assert_metrics_continue(http, job_id: str, checkpoint_step: int) -> None:
 
 
 def assert_checkpoints_listed(http, job_id: str, checkpoint_id: str, checkpoint_step: int) -> None:
-    """Seed 000 Checkpoint records with shard sizes and sha256 checksums that match the files."""
+    """Checkpoint records with shard sizes and sha256 checksums that match the files."""
     checkpoints = http.get(f"/v1/training/jobs/{job_id}/checkpoints").json()
     by_id = {c["checkpoint_id"]: c for c in checkpoints}
     mine = by_id[checkpoint_id]

@@ -1,4 +1,4 @@
-"""Checkpoint manifests (seed 000's Checkpoint), keep-k pruning, async save, time intervals and the request
+"""Checkpoint manifests (the platform's Checkpoint record), keep-k pruning, async save, time intervals and the request
 files -- single process, in-process (the multi-rank cases are in test_distributed.py and test_cli.py)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Seed 000's TrainingJob: defaults, TOML/JSON loading, overrides, and every validation rule naming its field."""
+"""The TrainingJob config: defaults, TOML/JSON loading, overrides, and every validation rule naming its field."""
 from __future__ import annotations
 
 import json
