@@ -102,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "steps (cycles) per engine step (default 1: not)")
     parser.add_argument("--draft-quantization", choices=["int8"], default=None,
                         help="also run the draft scoring --draft-vocab-size tokens with its weights quantized")
+    parser.add_argument("--draft-p-min", type=float, default=None, metavar="P",
+                        help="also run the draft scoring --draft-vocab-size tokens (quantized with --draft-quantization) "
+                             "proposing only while it gives its token at least P (draft_p_min)")
     parser.add_argument("--engine-driven", action="store_true",
                         help="also run the draft with fused_cycles off (the engine drives every pass)")
     parser.add_argument("--rounds", type=int, default=3,
@@ -118,12 +121,17 @@ def run(args: argparse.Namespace) -> int:
     reduced = {**draft, "draft_vocab_size": args.draft_vocab_size} if args.draft_vocab_size else draft
     reduced_name = f"draft, {args.draft_vocab_size} tokens" if args.draft_vocab_size else "draft model"
     steps = args.num_scheduler_steps
+    quantization = {"quantization": args.draft_quantization} if args.draft_quantization else {}
+    quantized = f", {args.draft_quantization}" if args.draft_quantization else ""
     configs = [
         ("no speculation", {}),
         (f"draft model, k={k}", {"speculative_config": draft}),
         *([(f"draft, {args.draft_vocab_size} tokens, k={k}", {"speculative_config": reduced})] if args.draft_vocab_size else []),
         *([(f"{reduced_name}, {args.draft_quantization}", {"speculative_config": {**reduced, "quantization": args.draft_quantization}})]
           if args.draft_quantization else []),
+        *([(f"{reduced_name}{quantized}, p-min {args.draft_p_min:g}",
+            {"speculative_config": {**reduced, **quantization, "draft_p_min": args.draft_p_min}})]
+          if args.draft_p_min is not None else []),
         *([(f"{reduced_name}, engine-driven", {"speculative_config": {**reduced, "fused_cycles": False}})]
           if args.engine_driven else []),
         (f"n-gram, k={k}", {"speculative_config": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
@@ -139,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     llms = [make_llm(engine_args) for _, engine_args in configs]
     rounds = [[run_config(llm, prompts, args.max_tokens, args.batch) for llm in llms] for _ in range(args.rounds)]
     base_tokens = rounds[0][0]["tokens"]
-    print(f"{'configuration':<34} {'tok/s (median)':>15} {'speed-up (median of rounds)':>28} {'decode speed-up':>16} "
+    print(f"{'configuration':<38} {'tok/s (median)':>15} {'speed-up (median of rounds)':>28} {'decode speed-up':>16} "
           f"{'accepted':>9} {'mean len':>9} {'draft time':>11}")
     for index, (name, _) in enumerate(configs):
         runs = [r[index] for r in rounds]
@@ -147,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         decode_speedups = [run["decode_tok_s"] / r[0]["decode_tok_s"] for run, r in zip(runs, rounds)]
         last = runs[-1]
         spec = last["acceptance"] is not None
-        print(f"{name:<34} {statistics.median(r['tok_s'] for r in runs):15.1f} {statistics.median(speedups):10.2f}x "
+        print(f"{name:<38} {statistics.median(r['tok_s'] for r in runs):15.1f} {statistics.median(speedups):10.2f}x "
               f"({', '.join(f'{x:.2f}' for x in speedups)}) {statistics.median(decode_speedups):15.2f}x "
               + (f"{last['acceptance']:8.1%} {last['mean_len']:9.2f} {last['draft_share']:10.1%}" if spec else ""))
         if any(run["tokens"] != base_tokens for run in runs):

@@ -6,6 +6,7 @@
     {..., "disable_by_batch_size": 4}   # no proposals while 4 or more sequences run
     {"model": ..., "fused_cycles": false}  # the engine drives every pass even of greedy decodes
     {"model": ..., "quantization": "int8"}  # the draft's weights quantized at load (int8, per channel)
+    {"model": ..., "draft_p_min": 0.3}  # greedy proposals stop before one the draft gives less than 0.3
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pagedllm.layers.quantization import QUANTIZATION_METHODS
 
 METHODS = ("draft_model", "ngram")
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_vocab_size",
-         "disable_by_batch_size", "fused_cycles", "quantization"}
+         "disable_by_batch_size", "fused_cycles", "quantization", "draft_p_min"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ class SpeculativeConfig:
     # The draft's weights quantized at load (vLLM's key): its passes read a quarter of the bytes,
     # and only the proposals can change — the target verifies every token.
     quantization: str | None = None
+    # A greedy decode's proposals end before the first the draft gives a probability below this
+    # (llama.cpp's --draft-p-min): an unsure proposal is seldom accepted, and each costs a draft
+    # pass and a verification row. 0 proposes all k. Sampled proposals are not cut (their
+    # rejection sampling needs no help, and llama.cpp applies it to greedy drafting only).
+    draft_p_min: float = 0.0
 
     @property
     def uses_draft_model(self) -> bool:
@@ -71,6 +77,7 @@ class SpeculativeConfig:
             disable_by_batch_size=value.get("disable_by_batch_size"),
             fused_cycles=value.get("fused_cycles", True),
             quantization=value.get("quantization"),
+            draft_p_min=value.get("draft_p_min", 0.0),
         )
         config._validate()
         return config
@@ -98,6 +105,11 @@ class SpeculativeConfig:
                                  f"got {self.quantization!r}")
             if self.method != "draft_model":
                 raise ValueError("speculative_config: quantization applies to a draft model only")
+        p_min = self.draft_p_min
+        if isinstance(p_min, bool) or not isinstance(p_min, (int, float)) or not 0 <= p_min < 1:
+            raise ValueError(f"speculative_config: draft_p_min must be a number in [0, 1), got {p_min!r}")
+        if p_min and self.method != "draft_model":
+            raise ValueError("speculative_config: draft_p_min applies to a draft model only")
         if not isinstance(self.fused_cycles, bool):
             raise ValueError(f"speculative_config: fused_cycles must be true or false, got {self.fused_cycles!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -15,6 +15,7 @@ proposals come back to the host in one copy at the end.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import takewhile
 from typing import Callable
 
 import torch
@@ -46,9 +47,11 @@ class DraftRequest:
 
 class DraftModel:
     def __init__(self, path: str, target: ModelConfig, max_model_len: int, dtype: torch.dtype, device: torch.device,
-                 vocab_size: int | None = None, quantization: str | None = None):
+                 vocab_size: int | None = None, quantization: str | None = None, p_min: float = 0.0):
         """`vocab_size`: score only the draft's that many most frequent tokens (draft_vocab.py);
-        `quantization`: its weights quantized at load (layers/quantization.py)."""
+        `quantization`: its weights quantized at load (layers/quantization.py); `p_min`: a greedy
+        proposal the draft gives less probability ends the request's proposals (SpeculativeConfig.draft_p_min)."""
+        self.p_min = p_min
         config = ModelConfig.from_pretrained(path)
         if config.vocab_size != target.vocab_size:
             raise ModelLoadError(
@@ -107,14 +110,15 @@ class DraftModel:
                 continue
             logits = self.model.step_logits(ids, views[prefix + "positions"], meta, views[prefix + "logit_rows"])
             rows = [requests[proposing[m]].row for m in members]
-            tokens = self._sample(logits, plan, views, sampler, lambda r: generator_for(rows[r]), rows, probs)
+            tokens, sure = self._sample(logits, plan, views, sampler, lambda r: generator_for(rows[r]), rows, probs)
             member_index = views[prefix + "members"]
             latest = latest.index_copy(0, member_index, tokens)
-            proposals.index_put_((member_index, torch.full_like(member_index, j - 1)), tokens)
+            made = tokens if sure is None else tokens.masked_fill(~sure, -1)  # -1: unproposed, and so is the rest
+            proposals.index_put_((member_index, torch.full_like(member_index, j - 1)), made)
         values = proposals.tolist()  # the proposals' one device->host copy
         for seq_id, rows in probs.items():
             self.probs[seq_id] = torch.stack(rows)
-        return {requests[i].seq_id: [t for t in values[m] if t >= 0] for m, i in enumerate(proposing)}
+        return {requests[i].seq_id: list(takewhile(lambda t: t >= 0, values[m])) for m, i in enumerate(proposing)}
 
     def _stage_first_pass(self, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_decode: bool):
         chunks = [ScheduledChunk(r.seq_id, r.start, r.tokens, r.block_table, num_spec=self._catch_up_rows(r)) for r in requests]
@@ -149,11 +153,15 @@ class DraftModel:
         return layout, members, plan
 
     def _sample(self, logits: torch.Tensor, plan: SamplingPlan, views: dict, sampler: Sampler, generator_for,
-                rows: list[SampleRow], probs: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+                rows: list[SampleRow], probs: dict[int, list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Greedy rows propose the argmax; others sample from q (kept for verification, over the
-        whole vocabulary: zero outside a reduced one)."""
+        whole vocabulary: zero outside a reduced one). With a p-min, also whether each row's
+        proposal is made: a greedy one only if the draft gives it at least p_min."""
         meta = sampling_metadata(plan, views, generator_for)
         choice = logits.argmax(dim=-1)
+        sure = torch.softmax(logits, dim=-1).amax(dim=-1) >= self.p_min if self.p_min > 0 else None
+        if sure is not None and meta.random_rows is not None:
+            sure = sure.index_fill(0, meta.random_rows, True)
         if meta.random_rows is not None:
             q = sampler.probs(logits, meta)
             choice = choice.index_copy(0, meta.random_rows, (q / sampler.exponential_noise(q, meta)).argmax(dim=-1))
@@ -161,7 +169,7 @@ class DraftModel:
                 q = q.new_zeros(q.shape[0], self.full_vocab_size).index_copy_(1, self.vocab, q)
             for position, row_index in enumerate(plan.random):
                 probs.setdefault(rows[row_index].seq_id, []).append(q[position])
-        return self.vocab.index_select(0, choice) if self.vocab is not None else choice
+        return (self.vocab.index_select(0, choice) if self.vocab is not None else choice), sure
 
     def forget(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:

@@ -13,6 +13,7 @@ token's) keeps the engine-driven path.
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ class SpeculationStruct(ctypes.Structure):
         ("num_seqs", _i64), ("k", _i64), ("block_tables", _p), ("max_blocks", _i64), ("capacity", _p), ("budget", _p),
         ("history", _p), ("history_ld", _i64), ("position", _p), ("draft_position", _p), ("draft_vocab", _p),
         ("tokens", _p), ("logprobs", _p), ("out_ld", _i64), ("num_tokens", _p), ("proposed", _p), ("accepted", _p),
+        ("min_log_prob", ctypes.c_float),
     ]
 
 
@@ -62,9 +64,10 @@ class FusedCycles:
     """Built once both models' fused decode steps exist (their KV pools bound)."""
 
     def __init__(self, target: FusedDecoder, draft: FusedDecoder, num_speculative_tokens: int, block_size: int,
-                 draft_vocab: torch.Tensor | None):
+                 draft_vocab: torch.Tensor | None, draft_p_min: float = 0.0):
         self.target, self.draft = target, draft
         self.k = num_speculative_tokens
+        self.min_log_prob = math.log(draft_p_min) if draft_p_min > 0 else -math.inf
         self.block_size = block_size
         self.library = target.library
         self._vocab = draft_vocab.to(torch.int64).contiguous() if draft_vocab is not None else None
@@ -89,6 +92,7 @@ class FusedCycles:
             S, k, _address(tables), max_blocks, _address(capacity), _address(budget), _address(history), history_ld,
             _address(position), _address(draft_position), self._vocab.data_ptr() if self._vocab is not None else None,
             _address(tokens), _address(logprobs), out_ld, _address(num_tokens), _address(proposed), _address(accepted),
+            self.min_log_prob,
         )
         target_key, draft_key = ("speculate", S * (k + 1)), ("speculate", S)
         plan = list(zip(self.target.threads.plan(target_key, num_cycles), self.draft.threads.plan(draft_key, num_cycles)))

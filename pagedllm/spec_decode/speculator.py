@@ -38,7 +38,7 @@ class Speculator:
         self.draft = None
         if config.uses_draft_model:
             self.draft = DraftModel(config.model, target, max_model_len, dtype, device, config.draft_vocab_size,
-                                    config.quantization)
+                                    config.quantization, config.draft_p_min)
         self.draft_time_s = 0.0
         self.fused: FusedCycles | None = None  # whole greedy cycles in one call, when both models run fused
 
@@ -57,7 +57,7 @@ class Speculator:
         self.draft.allocate(num_blocks, num_cpu_blocks, self.block_size, kernel_decode)
         if self.config.fused_cycles and target is not None and self.draft.model.fused is not None:
             self.fused = FusedCycles(target, self.draft.model.fused, self.config.num_speculative_tokens, self.block_size,
-                                     self.draft.vocab)
+                                     self.draft.vocab, self.config.draft_p_min)
 
     @property
     def max_fused_seqs(self) -> int:

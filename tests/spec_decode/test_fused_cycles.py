@@ -2,7 +2,7 @@
 the tokens of greedy decoding without speculation, in every engine mode and with several cycles
 per engine step; the draft's KV exact across the fused and the engine-driven paths (a draft
 equal to the target has every proposal accepted); stop rules and length limits inside a burst;
-and the fused path taken exactly when every running sequence is a plain greedy decode."""
+proposals cut at the draft's confidence floor (draft_p_min); and the fused path taken exactly when every running sequence is a plain greedy decode."""
 from __future__ import annotations
 
 import pytest
@@ -128,7 +128,35 @@ def test_an_int8_draft_only_changes_the_proposals(model_dir, draft_dir):
     assert {linear.small.panels.dtype for linear in llm.llm_engine.runner.model.linears()} == {torch.float32}
 
 
-def test_bad_fused_cycles_and_quantization_values_are_refused(model_dir):
+@pytest.mark.parametrize("engine_args", [{"num_scheduler_steps": 1}, {"num_scheduler_steps": 4},
+                                         {"speculative_config": {"fused_cycles": False}}], ids=["fused", "fused-4", "engine-driven"])
+def test_draft_p_min_leaves_out_unsure_proposals_only(engine_args, model_dir):
+    """draft_p_min: a greedy proposal the draft gives less than p_min ends the proposals. With the
+    target as its own draft, p_min at the median probability of the target's greedy tokens makes
+    about half the proposals, every one of them accepted (the draft's KV stays exact after an
+    early stop: the fused path's frontier counts the proposals it was fed), and the tokens are
+    those of decoding without speculation."""
+    import math
+
+    folder = str(model_dir("llama"))
+    outputs = LLM(folder).generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0), use_tqdm=False)
+    plain = [o.outputs[0].token_ids for o in outputs]
+    chosen = [math.exp(lp[t].logprob) for o in outputs for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+    p_min = sorted(chosen)[len(chosen) // 2]
+    made = {}
+    for threshold in (0.0, p_min):
+        config = same_model_draft(folder, draft_p_min=threshold, **engine_args.get("speculative_config", {}))
+        llm = LLM(folder, speculative_config=config, num_scheduler_steps=engine_args.get("num_scheduler_steps", 1))
+        fused = fused_steps(llm)
+        assert greedy_tokens(llm, PROMPTS[:4]) == plain
+        assert bool(fused) == config.get("fused_cycles", True)
+        stats = llm.get_stats()
+        assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+        made[threshold] = stats["spec_decode_num_draft_tokens"]
+    assert 0 < made[p_min] < made[0.0]
+
+
+def test_bad_fused_cycles_quantization_and_p_min_values_are_refused(model_dir):
     folder = str(model_dir("llama"))
     with pytest.raises(ValueError, match="fused_cycles must be true or false"):
         LLM(folder, speculative_config=same_model_draft(folder, fused_cycles="yes"))
@@ -138,6 +166,11 @@ def test_bad_fused_cycles_and_quantization_values_are_refused(model_dir):
         LLM(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"})
     with pytest.raises(ValueError, match="needs a draft model with fused_cycles"):
         LLM(folder, speculative_config=same_model_draft(folder, fused_cycles=False), num_scheduler_steps=2)
+    for bad in (1.0, -0.1, "0.5", True):
+        with pytest.raises(ValueError, match=r"draft_p_min must be a number in \[0, 1\)"):
+            LLM(folder, speculative_config=same_model_draft(folder, draft_p_min=bad))
+    with pytest.raises(ValueError, match="draft_p_min applies to a draft model only"):
+        LLM(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "draft_p_min": 0.5})
 
 
 def test_the_drafts_kv_below_its_frontier_is_the_targets(model_dir):

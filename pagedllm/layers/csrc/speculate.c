@@ -17,6 +17,10 @@
  * position (the target's KV is valid below it) and the draft's own frontier: the draft has
  * computed KV for the inputs it was fed that the target then accepted, and catches up on the
  * rest (one or two tokens after a cycle, or the history it was given) in its first pass.
+ *
+ * A proposal the draft itself gives less than `min_log_prob` (llama.cpp's draft p-min) ends the
+ * sequence's proposals for the cycle, unproposed: a token the draft is unsure of is seldom
+ * accepted, and each proposal costs a draft pass and a verification row whether or not it is.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -41,6 +45,7 @@ typedef struct {
     int64_t *num_tokens; /* [num_seqs] out */
     int64_t *proposed;   /* [num_seqs, num_cycles] out: proposals verified per cycle, -1: none ran */
     int64_t *accepted;   /* [num_seqs, num_cycles] out: of them accepted */
+    float min_log_prob;  /* a proposal with a lower draft log-probability is not made (-inf: all are) */
 } Speculation;
 
 /* The rows of one fused step, built up row by row. */
@@ -89,9 +94,11 @@ static int64_t token_at(const Known *kn, int64_t s, int64_t p) {
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* The draft's passes of one cycle: proposals d[s * k + j] for the sequences with kk[s] > j. */
-static int propose(const Model *draft, const Known *kn, const int64_t *kk, Rows *b, int threads, int64_t *d, int64_t *scratch,
-                   float *lp) {
+/* The draft's passes of one cycle: proposals d[s * k + j] for the sequences with kk[s] > j. A
+ * proposal below the draft's confidence floor lowers kk[s] to the proposals before it. fed[s]:
+ * how many proposals the draft was fed (computed KV for), kk[s] - 1 or, after an early stop, kk[s]. */
+static int propose(const Model *draft, const Known *kn, int64_t *kk, int64_t *fed, Rows *b, int threads, int64_t *d,
+                   int64_t *scratch, float *lp) {
     const Speculation *sp = kn->sp;
     const int64_t S = sp->num_seqs, k = sp->k;
     for (int64_t j = 0; j < k; j++) {
@@ -108,15 +115,19 @@ static int propose(const Model *draft, const Known *kn, const int64_t *kk, Rows 
         if (b->rows == 0) break;
         const int failed = run_rows(draft, b, threads, sp->draft_vocab, scratch, lp);
         if (failed) return failed;
-        for (int64_t s = 0, i = 0; s < S; s++)
-            if (kk[s] > j) d[s * k + j] = scratch[i++];
+        for (int64_t s = 0, i = 0; s < S; s++) {
+            if (kk[s] <= j) continue;
+            fed[s] = j;
+            if (lp[i] < sp->min_log_prob) kk[s] = j; /* unsure: this one and the rest go unproposed */
+            d[s * k + j] = scratch[i++];
+        }
     }
     return 0;
 }
 
 /* The target's verification of one cycle, and the tokens it yields. */
-static int verify(const Model *target, const Known *kn, const int64_t *kk, Rows *b, int threads, const int64_t *d, int64_t *argmax,
-                  float *lp, int64_t cycle, int64_t num_cycles) {
+static int verify(const Model *target, const Known *kn, const int64_t *kk, const int64_t *fed, Rows *b, int threads,
+                  const int64_t *d, int64_t *argmax, float *lp, int64_t cycle, int64_t num_cycles) {
     const Speculation *sp = kn->sp;
     const int64_t S = sp->num_seqs, k = sp->k;
     b->rows = b->num_logits = 0;
@@ -139,8 +150,8 @@ static int verify(const Model *target, const Known *kn, const int64_t *kk, Rows 
         sp->proposed[s * num_cycles + cycle] = kk[s];
         sp->accepted[s * num_cycles + cycle] = m;
         /* the draft's KV is right for the inputs it was fed (the newest token, then proposals
-         * 1 .. kk - 1) that the target kept */
-        if (kk[s] > 0) sp->draft_position[s] = sp->position[s] + min64(m, kk[s] - 1) + 1;
+         * 1 .. fed) that the target kept */
+        if (fed[s] >= 0) sp->draft_position[s] = sp->position[s] + min64(m, fed[s]) + 1;
         sp->position[s] += m + 1;
         first += kk[s] + 1;
     }
@@ -166,7 +177,7 @@ int speculate_greedy(const Model *target, const Model *draft, Speculation *sp, i
     /* a pass has at most max_rows rows, of which at most max_logits score (a verification's) */
     const int64_t max_rows = S * (lag > k + 1 ? lag : k + 1), max_logits = S * (k + 1);
     const int64_t vocab = target->vocab > draft->vocab ? target->vocab : draft->vocab;
-    int64_t *ints = malloc(sizeof(int64_t) * (max_rows * (5 + B) + S + S * k + 2 * max_logits));
+    int64_t *ints = malloc(sizeof(int64_t) * (max_rows * (5 + B) + 2 * S + S * k + 2 * max_logits));
     float *floats = malloc(sizeof(float) * (max_logits * vocab + max_logits));
     int64_t *first = malloc(sizeof(int64_t) * 2 * S);
     if (ints == NULL || floats == NULL || first == NULL) {
@@ -175,7 +186,7 @@ int speculate_greedy(const Model *target, const Model *draft, Speculation *sp, i
     }
     Rows b = {ints, ints + max_rows, ints + 2 * max_rows, ints + 3 * max_rows, ints + 5 * max_rows, ints + 4 * max_rows,
               floats, 0, 0, B, target->block_size};
-    int64_t *kk = ints + max_rows * (5 + B), *d = kk + S, *argmax = d + S * k, *scratch = argmax + max_logits;
+    int64_t *kk = ints + max_rows * (5 + B), *fed = kk + S, *d = fed + S, *argmax = d + S * k, *scratch = argmax + max_logits;
     float *lp = floats + max_logits * vocab;
     memcpy(first, sp->position, sizeof(int64_t) * S);
     memcpy(first + S, sp->draft_position, sizeof(int64_t) * S);
@@ -186,15 +197,16 @@ int speculate_greedy(const Model *target, const Model *draft, Speculation *sp, i
         for (int64_t s = 0; s < S; s++) {
             const int64_t left = sp->budget[s] - sp->num_tokens[s], room = sp->capacity[s] - sp->position[s];
             kk[s] = left > 0 && room > 0 ? min64(k, min64(left, room) - 1) : -1;
+            fed[s] = -1; /* the draft saw nothing of this cycle yet */
             active |= kk[s] >= 0;
         }
         if (!active) break;
         double start = omp_get_wtime();
-        failed = propose(draft, &kn, kk, &b, threads[2 * c + 1], d, scratch, lp);
+        failed = propose(draft, &kn, kk, fed, &b, threads[2 * c + 1], d, scratch, lp);
         seconds[2 * c + 1] = omp_get_wtime() - start;
         if (failed) break;
         start = omp_get_wtime();
-        failed = verify(target, &kn, kk, &b, threads[2 * c], d, argmax, lp, c, num_cycles);
+        failed = verify(target, &kn, kk, fed, &b, threads[2 * c], d, argmax, lp, c, num_cycles);
         seconds[2 * c] = omp_get_wtime() - start;
     }
     free(ints), free(floats), free(first);
