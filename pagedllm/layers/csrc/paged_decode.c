@@ -7,7 +7,8 @@
  * is gathered into a padded copy.
  *
  * Within a block, rows are taken TILE = 8 at a time and the arithmetic is register-tiled in
- * 8-float vectors (GCC/Clang vector extensions, so any x86 or Arm SIMD width works):
+ * vectors of the library's width (16 floats with AVX-512, where a head's size allows, else 8;
+ * GCC/Clang vector extensions, so any x86 or Arm SIMD width works):
  *  - scores: every query head of a KV head is dotted with the tile's 8 K rows in 8 independent
  *    vector accumulators, which one shuffle tree then reduces to 8 scores at once — rather than
  *    a horizontal sum per dot product, which left the dot products latency-bound;
@@ -103,6 +104,48 @@ typedef struct {
     Shape s;
 } Pass;
 
+/* acc[r] = the 8 partial sums of q . rows[r][0 .. D): in full-width vectors where D allows (half
+ * the instructions of 8-float ones with AVX-512), whose halves are then added. */
+static inline void dot_tile(const float *q, const float *const rows[TILE], int64_t D, v8 acc[TILE]) {
+#if VW == 16
+    if (D % VW == 0) {
+        vf wide[TILE] = {0};
+        for (int64_t d = 0; d < D; d += VW) {
+            const vf qd = loadv(q + d);
+            for (int r = 0; r < TILE; r++) wide[r] += qd * loadv(rows[r] + d);
+        }
+        for (int r = 0; r < TILE; r++)
+            acc[r] = __builtin_shufflevector(wide[r], wide[r], 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(wide[r], wide[r], 8, 9, 10, 11, 12, 13, 14, 15);
+        return;
+    }
+#endif
+    for (int r = 0; r < TILE; r++) acc[r] = (v8){0};
+    for (int64_t d = 0; d < D; d += 8) {
+        const v8 qd = load8(q + d);
+        for (int r = 0; r < TILE; r++) acc[r] += qd * load8(rows[r] + d);
+    }
+}
+
+/* o[0 .. D) += sum over r of w[r] * rows[r][0 .. D), full-width vectors where D allows. */
+static inline void weigh_rows(float *o, const float w[TILE], const float *const rows[TILE], int64_t D) {
+#if VW == 16
+    if (D % VW == 0) {
+        for (int64_t d = 0; d < D; d += VW) {
+            vf acc = loadv(o + d);
+            for (int r = 0; r < TILE; r++) acc += w[r] * loadv(rows[r] + d);
+            storev(o + d, acc);
+        }
+        return;
+    }
+#endif
+    for (int64_t d = 0; d < D; d += 8) {
+        v8 acc = load8(o + d);
+        for (int r = 0; r < TILE; r++) acc += w[r] * load8(rows[r] + d);
+        store8(o + d, acc);
+    }
+}
+
 /* scores[j][qh][t] = scale * q[j][qh] . k[t][qh / G] for the tile's positions, every row j. */
 static void score_tile(const float *const rows[TILE], int64_t t0, int64_t n, void *ctx) {
     const Pass *p = ctx;
@@ -110,12 +153,10 @@ static void score_tile(const float *const rows[TILE], int64_t t0, int64_t n, voi
     for (int64_t j = 0; j < p->rows; j++) {
         for (int64_t h = p->h0; h < p->h1; h++) {
             for (int64_t qh = h * G; qh < (h + 1) * G; qh++) {
-                const float *qv = p->q + j * p->q_stride + qh * D;
-                v8 acc[TILE] = {0};
-                for (int64_t d = 0; d < D; d += 8) {
-                    const v8 qd = load8(qv + d);
-                    for (int r = 0; r < TILE; r++) acc[r] += qd * load8(rows[r] + h * D + d);
-                }
+                const float *head[TILE];
+                for (int r = 0; r < TILE; r++) head[r] = rows[r] + h * D;
+                v8 acc[TILE];
+                dot_tile(p->q + j * p->q_stride + qh * D, head, D, acc);
                 float dots[TILE];
                 store8(dots, sum_lanes(acc) * p->scale);
                 memcpy(p->scores + (j * per_row + qh - p->h0 * G) * p->n + (t0 - p->first), dots, sizeof(float) * n);
@@ -132,14 +173,10 @@ static void weigh_tile(const float *const rows[TILE], int64_t t0, int64_t n, voi
         for (int64_t h = p->h0; h < p->h1; h++) {
             for (int64_t qh = h * G; qh < (h + 1) * G; qh++) {
                 const float *prob = p->scores + (j * per_row + qh - p->h0 * G) * p->n + (t0 - p->first);
-                v8 w[TILE];
-                for (int r = 0; r < TILE; r++) w[r] = (v8){0} + (r < n ? prob[r] : 0.0f);
-                float *o = p->out + j * p->out_stride + qh * D;
-                for (int64_t d = 0; d < D; d += 8) {
-                    v8 acc = load8(o + d);
-                    for (int r = 0; r < TILE; r++) acc += w[r] * load8(rows[r] + h * D + d);
-                    store8(o + d, acc);
-                }
+                float w[TILE];
+                const float *head[TILE];
+                for (int r = 0; r < TILE; r++) w[r] = r < n ? prob[r] : 0.0f, head[r] = rows[r] + h * D;
+                weigh_rows(p->out + j * p->out_stride + qh * D, w, head, D);
             }
         }
     }
