@@ -25,8 +25,9 @@ prefix cache (on by default, as in vLLM) and prefill only the last few tokens, a
 re-sending a file's head would; both are reported (the later rounds' median), with the decode
 rate's median over all rounds. By default the draft runs four ways: whole vocabulary, its 512
 most frequent tokens, those with int8 weights, and those with a confidence floor for its
-proposals (draft_p_min 0.3, with which a cycle proposes 0 to k tokens: "mean len", the
-engine's mean accepted length, counts only the cycles that proposed).
+proposals at a larger k (draft_p_min 0.4, k = 6: a cycle proposes 0 to k tokens, as many as
+the draft is sure of; "mean len", the engine's mean accepted length, counts only the cycles
+that proposed).
 """
 from __future__ import annotations
 
@@ -110,9 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-quantization", choices=["int8", "none"], default="int8",
                         help="also run the draft scoring --draft-vocab-size tokens with its weights quantized "
                              "(default: %(default)s; none: skip)")
-    parser.add_argument("--draft-p-min", type=float, default=0.3, metavar="P",
+    parser.add_argument("--draft-p-min", type=float, default=0.4, metavar="P",
                         help="also run the draft scoring --draft-vocab-size tokens (quantized with --draft-quantization) "
                              "proposing only while it gives its token at least P (draft_p_min; default %(default)s, 0: skip)")
+    parser.add_argument("--p-min-speculative-tokens", type=int, default=6, metavar="K",
+                        help="k of that configuration: with a floor a longer run of proposals pays (default %(default)s)")
     parser.add_argument("--engine-driven", action="store_true",
                         help="also run the draft with fused_cycles off (the engine drives every pass)")
     parser.add_argument("--rounds", type=int, default=3,
@@ -138,8 +141,9 @@ def run(args: argparse.Namespace) -> int:
         *([(f"draft, {args.draft_vocab_size} tokens, k={k}", {"speculative_config": reduced})] if args.draft_vocab_size else []),
         *([(f"{reduced_name}, {args.draft_quantization}", {"speculative_config": {**reduced, "quantization": args.draft_quantization}})]
           if quantize else []),
-        *([(f"{reduced_name}{quantized}, p-min {args.draft_p_min:g}",
-            {"speculative_config": {**reduced, **quantization, "draft_p_min": args.draft_p_min}})]
+        *([(f"{reduced_name}{quantized}, p-min {args.draft_p_min:g}, k={args.p_min_speculative_tokens}",
+            {"speculative_config": {**reduced, **quantization, "draft_p_min": args.draft_p_min,
+                                    "num_speculative_tokens": args.p_min_speculative_tokens}})]
           if args.draft_p_min else []),
         *([(f"{reduced_name}, engine-driven", {"speculative_config": {**reduced, "fused_cycles": False}})]
           if args.engine_driven else []),
@@ -158,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     base_tokens = rounds[0][0]["tokens"]
     print("round 1 prefills every prompt in full (each is new to every engine); later rounds find each prompt's full "
           "blocks in the prefix cache, as a re-sent prompt would")
-    print(f"{'configuration':<38} {'tok/s (median)':>15} {'cold':>6} {'prompts cached (rounds 2+)':>30} "
+    print(f"{'configuration':<44} {'tok/s (median)':>15} {'cold':>6} {'prompts cached (rounds 2+)':>30} "
           f"{'decode speed-up':>16} {'accepted':>9} {'mean len':>9} {'draft time':>11}")
     for index, (name, _) in enumerate(configs):
         runs = [r[index] for r in rounds]
@@ -168,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         cached_text = f"{statistics.median(cached):6.2f}x ({', '.join(f'{x:.2f}' for x in cached)})" if cached else "-"
         last = runs[-1]
         spec = last["acceptance"] is not None
-        print(f"{name:<38} {statistics.median(r['tok_s'] for r in runs):15.1f} {speedups[0]:5.2f}x {cached_text:>30} "
+        print(f"{name:<44} {statistics.median(r['tok_s'] for r in runs):15.1f} {speedups[0]:5.2f}x {cached_text:>30} "
               f"{statistics.median(decode_speedups):15.2f}x "
               + (f"{last['acceptance']:8.1%} {last['mean_len']:9.2f} {last['draft_share']:10.1%}" if spec else ""))
         if any(run["tokens"] != base_tokens for run in runs):
