@@ -9,6 +9,10 @@ never reaches a client, not even for a moment while streaming.
 """
 from __future__ import annotations
 
+from typing import Callable
+
+import tokenizers
+
 from pagedllm.engine.sequence import Sequence
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for spacing
@@ -17,6 +21,7 @@ _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for 
 class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._decode = _direct_decode(tokenizer)
 
     def start(self, seq: Sequence) -> None:
         seq.detok_read_offset = seq.num_prompt_tokens
@@ -33,8 +38,8 @@ class Detokenizer:
             self.start(seq)
         skip = seq.request.params.skip_special_tokens
         ids = seq.token_ids
-        prefix = self.tokenizer.decode(ids[seq.detok_prefix_offset : seq.detok_read_offset], skip_special_tokens=skip)
-        full = self.tokenizer.decode(ids[seq.detok_prefix_offset :], skip_special_tokens=skip)
+        prefix = self._decode(ids[seq.detok_prefix_offset : seq.detok_read_offset], skip)
+        full = self._decode(ids[seq.detok_prefix_offset :], skip)
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not flush):
             return ""
         seq.detok_prefix_offset = seq.detok_read_offset
@@ -45,12 +50,26 @@ class Detokenizer:
         """A whole finished output at once (beam search hypotheses)."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self._decode(token_ids, skip_special_tokens)
 
     def decode_token(self, token_id: int) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode([token_id])
+        return self._decode([token_id], False)
+
+
+def _direct_decode(tokenizer) -> Callable[[list[int], bool], str]:
+    """decode(ids, skip_special_tokens): the Rust tokenizer's own when transformers' would return
+    exactly its text (a fast tokenizer that does not clean up tokenization spaces), else
+    transformers'. Why: every token is decoded twice (the window with and without it), and
+    transformers' wrapper costs several times the decode itself on these short windows — per
+    token, as much as a small model's whole verification row."""
+    if tokenizer is None:
+        return lambda ids, skip: ""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if isinstance(backend, tokenizers.Tokenizer) and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 def find_stop(text: str, num_new_chars: int, stops: list[str]) -> tuple[int, str] | None:
