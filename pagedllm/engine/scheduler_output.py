@@ -33,7 +33,9 @@ class ScheduledChunk:
     token_ids: list[int]
     block_table: list[int]  # the sequence's blocks; covers every position up to the chunk's end
     prompt_logprobs: PromptLogprobsRequest | None = None
-    # A decode with speculative tokens: token_ids = [last token, *num_spec proposals to verify]
+    # Rows past the first laid out as decode rows, each attending to the context up to its own
+    # position: a decode's proposals to verify (token_ids = [last token, *proposals]), or, where
+    # the model runner or a draft runs a short chunk as one fused step, the chunk's other tokens.
     num_spec: int = 0
     draft_start: int = 0  # first position whose draft-model KV is not yet valid
 

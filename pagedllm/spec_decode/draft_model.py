@@ -105,8 +105,8 @@ class DraftModel:
             prefix = f"d{j}."
             meta = attention_metadata(layout, views, kernel_decode, block_size, self.windows, self.dtype, prefix)
             ids = views[prefix + "input_ids"] if j == 1 else latest.index_select(0, views[prefix + "feed"])
-            if not members:
-                self.model(ids, views[prefix + "positions"], meta)  # catching up only: KV, no logits
+            if not members:  # catching up only: KV, no logits (as one fused step when its rows fit one)
+                self.model.step_logits(ids, views[prefix + "positions"], meta, views[prefix + "logit_rows"])
                 continue
             logits = self.model.step_logits(ids, views[prefix + "positions"], meta, views[prefix + "logit_rows"])
             rows = [requests[proposing[m]].row for m in members]
@@ -121,7 +121,9 @@ class DraftModel:
         return {requests[i].seq_id: list(takewhile(lambda t: t >= 0, values[m])) for m, i in enumerate(proposing)}
 
     def _stage_first_pass(self, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_decode: bool):
-        chunks = [ScheduledChunk(r.seq_id, r.start, r.tokens, r.block_table, num_spec=self._catch_up_rows(r)) for r in requests]
+        fits = self.model.fused is not None and sum(len(r.tokens) for r in requests) <= MAX_ROWS
+        chunks = [ScheduledChunk(r.seq_id, r.start, r.tokens, r.block_table, num_spec=self._catch_up_rows(r, fits))
+                  for r in requests]
         layout = stage_batch(chunks, block_size, kernel_decode, staging, "d1.")
         members = list(range(len(proposing)))
         staging.add("d1.logit_rows", [layout.last_rows[i] for i in proposing])
@@ -129,12 +131,13 @@ class DraftModel:
         plan = stage_sampling([requests[i].row for i in proposing], staging, "d1.s.") if proposing else None
         return layout, members, plan
 
-    def _catch_up_rows(self, request: DraftRequest) -> int:
+    def _catch_up_rows(self, request: DraftRequest, fits: bool) -> int:
         """A proposing decode's catch-up (the tokens the target just accepted) is laid out as
         decode rows, each attending to the context up to its position, like a verification, so
-        the pass can run as a fused decode step; a prompt chunk stays a prefill."""
+        the pass can run as a fused decode step; so is a prompt chunk when the whole pass `fits`
+        one fused step (the end of a cached prompt, a short prompt), else it stays a prefill."""
         short = len(request.tokens) <= MAX_ROWS  # at most what one fused step takes
-        return len(request.tokens) - 1 if request.num_proposals > 0 and short else 0
+        return len(request.tokens) - 1 if short and (request.num_proposals > 0 or fits) else 0
 
     def _stage_pass(self, j: int, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_decode: bool):
         """Pass j feeds proposal j-1 of each request proposing >= j tokens, at its position."""

@@ -16,7 +16,7 @@ import torch
 
 from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
 from pagedllm.distributed.group import ParallelGroup
-from pagedllm.engine.scheduler_output import SampleRow, SchedulerOutput
+from pagedllm.engine.scheduler_output import SampleRow, ScheduledChunk, SchedulerOutput
 from pagedllm.layers import kernels
 from pagedllm.layers.paged_decode import kernel_supported, load
 from pagedllm.layers.sampler import Sampler
@@ -151,7 +151,7 @@ class ModelRunner:
             result, target_s = self.speculator.run_fused(sched)
             self.target_time_s += target_s
             return result
-        layout = stage_batch(sched.chunks, self.block_size, self.kernel_decode, staging)
+        layout = stage_batch(self._short_chunks_as_rows(sched.chunks), self.block_size, self.kernel_decode, staging)
         plain = [row for row in sched.samples if not row.spec_token_ids]
         spec = [row for row in sched.samples if row.spec_token_ids]
         expanded = Speculator.expand(spec)
@@ -180,6 +180,15 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.propose(sched, result, self.sampler, self._generator)
         return result
+
+    def _short_chunks_as_rows(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """When all of a step's positions fit one fused step, its prompt chunks too are laid out as
+        decode rows, each attending to the context up to its own position — what their prefill
+        computes — so the step is one C call instead of a pass through the modules: the end of a
+        prompt found in the prefix cache, or a short prompt, costs about a decode step."""
+        if self.model.fused is None or not self.kernel_decode or sum(c.num_tokens for c in chunks) > MAX_ROWS:
+            return chunks
+        return [c if c.is_decode else replace(c, num_spec=c.num_tokens - 1) for c in chunks]
 
     @property
     def max_fused_spec_seqs(self) -> int:

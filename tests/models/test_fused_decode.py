@@ -36,6 +36,7 @@ def run(monkeypatch):
         outputs = LLM(str(folder), **engine_args).generate(PROMPTS, PARAMS, use_tqdm=False)
         return outputs, list(calls)
 
+    go.calls = calls
     return go
 
 
@@ -173,3 +174,27 @@ def test_a_verification_row_gets_the_bits_of_a_1_row_step(model_dir, monkeypatch
     alone = torch.cat([step(i, 1) for i in range(MAX_ROWS)])
     for rows in range(2, MAX_ROWS + 1):
         assert torch.equal(step(0, rows), alone[:rows]), f"rows={rows}"
+
+
+def test_a_short_prompt_chunk_runs_as_one_fused_step(model_dir, run):
+    """A step whose positions fit one fused step runs as one even with a prompt chunk in it: a
+    short prompt (its prompt logprobs too), and a prompt's remainder after a prefix-cache hit
+    (two of the 40-token prompt's three blocks cached), laid out as decode rows. Tokens,
+    logprobs and prompt logprobs as the modules compute them."""
+    short, cached = [3 + j for j in range(12)], [50 + j for j in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    scored = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    runs = {}
+    for backend in ("fused", "torch"):
+        llm = LLM(str(model_dir("llama")), decode_backend=backend, block_size=16)
+        first = llm.generate([short, cached], params, use_tqdm=False)  # 52 positions: the modules
+        run.calls.clear()
+        again = [llm.generate([prompt], p, use_tqdm=False)[0] for prompt, p in ((short, scored), (cached, params))]
+        runs[backend] = (first + again, list(run.calls))
+    (fused, calls), (reference, none) = runs["fused"], runs["torch"]
+    assert not none and calls[0] == 12 and 40 - 32 in calls, calls  # the short prompt; the cached prompt's last 8
+    assert_same(fused, reference)
+    mine, theirs = fused[2].prompt_logprobs, reference[2].prompt_logprobs
+    assert len(mine) == len(short) and mine[0] is None
+    for a, b in zip(mine[1:], theirs[1:]):
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)

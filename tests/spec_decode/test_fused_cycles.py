@@ -196,3 +196,28 @@ def test_the_drafts_kv_below_its_frontier_is_the_targets(model_dir):
     for layer in range(engine.model_config.num_layers):
         for ours, theirs in zip(draft.layer(layer), target.layer(layer)):
             torch.testing.assert_close(ours[blocks, offsets], theirs[blocks, offsets], rtol=1e-5, atol=1e-6)
+
+
+def test_a_short_prompt_is_mirrored_into_the_draft_as_one_fused_step(model_dir, monkeypatch):
+    """The draft mirrors a short prompt (what fits one fused step) as decode rows in one fused
+    call, as the target computes it; with the target as draft every proposal is then accepted
+    (its KV exact), and the tokens are those of decoding without speculation."""
+    from pagedllm.models.fused_decode import FusedDecoder
+
+    folder = str(model_dir("llama"))
+    prompt = [3 + j for j in range(12)]
+    plain = greedy_tokens(LLM(folder), [prompt])
+    llm = LLM(folder, speculative_config=same_model_draft(folder))
+    draft = llm.llm_engine.runner.speculator.draft.model.fused
+    calls: list[tuple[bool, int]] = []
+    original = FusedDecoder.__call__
+
+    def counted(self, input_ids, *rest):
+        calls.append((self is draft, input_ids.shape[0]))
+        return original(self, input_ids, *rest)
+
+    monkeypatch.setattr(FusedDecoder, "__call__", counted)
+    assert greedy_tokens(llm, [prompt]) == plain
+    assert calls[:2] == [(False, 12), (True, 12)]  # the target's prefill, then the draft's mirror
+    stats = llm.get_stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
