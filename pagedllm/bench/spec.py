@@ -19,15 +19,14 @@ streaming user sees between tokens (TPOT) — is compared the same way.
 
 The machine's speed drifts by tens of percent from one minute to the next (a shared host), so
 the configurations take turns over several rounds, each kept loaded, and a configuration's
-speed-up is its rate against the plain engine's in the same round. The rounds serve the same
-prompts: round 1 prefills each in full ("cold"), later rounds find all its full blocks in the
-prefix cache (on by default, as in vLLM) and prefill only the last few tokens, as a user
-re-sending a file's head would; both are reported (the later rounds' median), with the decode
-rate's median over all rounds. By default the draft runs four ways: whole vocabulary, its 512
+speed-up is the median over rounds of its rate against the plain engine's in the same round.
+Each round serves prompts no engine has seen twice: first "cold", each prefilled in full, then
+"cached", their full blocks found in the prefix cache (on by default, as in vLLM) so that only
+the last few tokens are prefilled, as a user re-sending a file's head would; both are reported,
+with the decode rate's median over both. By default the draft runs four ways: whole vocabulary, its 512
 most frequent tokens, those with int8 weights, and those with a confidence floor for its
-proposals at a larger k (draft_p_min 0.4, k = 6: a cycle proposes 0 to k tokens, as many as
-the draft is sure of; "mean len", the engine's mean accepted length, counts only the cycles
-that proposed).
+proposals (draft_p_min 0.3: a cycle proposes 0 to k tokens, as many as the draft is sure of;
+"mean len", the engine's mean accepted length, counts only the cycles that proposed).
 """
 from __future__ import annotations
 
@@ -45,18 +44,19 @@ from pagedllm.paths import DEFAULT_MODEL, DRAFT_MODEL
 # Every configuration's engine stays loaded, each with this KV budget (~40k tokens of the default
 # model; the workload needs at most 8 x 320).
 KV_CACHE_MEMORY = 256 << 20
-SOURCES = ("argparse.py", "textwrap.py", "difflib.py", "pathlib.py", "inspect.py", "typing.py", "ast.py", "shlex.py")
+SOURCES = ("argparse.py", "configparser.py", "difflib.py", "pathlib.py", "inspect.py", "typing.py", "ast.py", "shlex.py")
 
 
-def make_prompts(tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
+def make_prompts(tokenizer, count: int, prompt_tokens: int, first: int = 0) -> list[list[int]]:
     """The `prompt_tokens` tokens ending at the first line of a function's body, from each file in
-    turn (deterministic: the same prompts every run)."""
+    turn: prompts first .. first + count - 1 of a fixed sequence (the same every run; each file
+    has at least 10 method heads, so the first 80 prompts differ)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     prompts: list[list[int]] = []
-    for round_ in range(count):
-        text = (stdlib / SOURCES[round_ % len(SOURCES)]).read_text(encoding="utf-8")
+    for index in range(first, first + count):
+        text = (stdlib / SOURCES[index % len(SOURCES)]).read_text(encoding="utf-8")
         heads = [m.end() for m in re.finditer(r"\n    def [^\n]*:\n", text)]
-        end = heads[((round_ // len(SOURCES)) * 7 + 3) % len(heads)]
+        end = heads[((index // len(SOURCES)) * 7 + 3) % len(heads)]
         ids = tokenizer.encode(text[:end])
         prompts.append(ids[-prompt_tokens:])
     return prompts
@@ -111,21 +111,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-quantization", choices=["int8", "none"], default="int8",
                         help="also run the draft scoring --draft-vocab-size tokens with its weights quantized "
                              "(default: %(default)s; none: skip)")
-    parser.add_argument("--draft-p-min", type=float, default=0.4, metavar="P",
+    parser.add_argument("--draft-p-min", type=float, default=0.3, metavar="P",
                         help="also run the draft scoring --draft-vocab-size tokens (quantized with --draft-quantization) "
                              "proposing only while it gives its token at least P (draft_p_min; default %(default)s, 0: skip)")
-    parser.add_argument("--p-min-speculative-tokens", type=int, default=6, metavar="K",
-                        help="k of that configuration: with a floor a longer run of proposals pays (default %(default)s)")
+    parser.add_argument("--p-min-speculative-tokens", type=int, default=None, metavar="K",
+                        help="k of that configuration (default: --num-speculative-tokens)")
     parser.add_argument("--engine-driven", action="store_true",
                         help="also run the draft with fused_cycles off (the engine drives every pass)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="passes over the prompts, the configurations taking turns within each (default 3)")
+                        help="rounds, the configurations taking turns within each; a round serves --num-prompts new "
+                             "prompts twice, cold then cached (default 3; up to 80 prompts in all are distinct)")
 
 
 def run(args: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import load_tokenizer
 
-    prompts = make_prompts(load_tokenizer(str(DEFAULT_MODEL)), args.num_prompts, args.prompt_tokens)
     k = args.num_speculative_tokens
     pause = {"disable_by_batch_size": args.disable_by_batch_size} if args.disable_by_batch_size else {}
     draft = {"model": str(args.draft), "num_speculative_tokens": k, **pause}
@@ -133,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     reduced_name = f"draft, {args.draft_vocab_size} tokens" if args.draft_vocab_size else "draft model"
     steps = args.num_scheduler_steps
     quantize = args.draft_quantization != "none"
+    p_min_k = args.p_min_speculative_tokens or k
     quantization = {"quantization": args.draft_quantization} if quantize else {}
     quantized = f", {args.draft_quantization}" if quantize else ""
     configs = [
@@ -141,9 +142,9 @@ def run(args: argparse.Namespace) -> int:
         *([(f"draft, {args.draft_vocab_size} tokens, k={k}", {"speculative_config": reduced})] if args.draft_vocab_size else []),
         *([(f"{reduced_name}, {args.draft_quantization}", {"speculative_config": {**reduced, "quantization": args.draft_quantization}})]
           if quantize else []),
-        *([(f"{reduced_name}{quantized}, p-min {args.draft_p_min:g}, k={args.p_min_speculative_tokens}",
+        *([(f"{reduced_name}{quantized}, p-min {args.draft_p_min:g}, k={p_min_k}",
             {"speculative_config": {**reduced, **quantization, "draft_p_min": args.draft_p_min,
-                                    "num_speculative_tokens": args.p_min_speculative_tokens}})]
+                                    "num_speculative_tokens": p_min_k}})]
           if args.draft_p_min else []),
         *([(f"{reduced_name}, engine-driven", {"speculative_config": {**reduced, "fused_cycles": False}})]
           if args.engine_driven else []),
@@ -153,29 +154,33 @@ def run(args: argparse.Namespace) -> int:
            (f"{reduced_name}, {steps} cycles", {"speculative_config": reduced, "num_scheduler_steps": steps})]
           if steps > 1 else []),
     ]
-    print(f"target {DEFAULT_MODEL.name}, draft {args.draft.name}; {len(prompts)} stdlib completions of {args.prompt_tokens} "
+    print(f"target {DEFAULT_MODEL.name}, draft {args.draft.name}; {args.num_prompts} stdlib completions of {args.prompt_tokens} "
           f"prompt tokens, {args.max_tokens} greedy tokens each, {args.batch} at a time, {torch.get_num_threads()} threads; "
           f"{args.rounds} rounds, the configurations taking turns"
           + (f"; speculation pauses at {args.disable_by_batch_size} sequences" if pause else ""))
     llms = [make_llm(engine_args) for _, engine_args in configs]
-    rounds = [[run_config(llm, prompts, args.max_tokens, args.batch) for llm in llms] for _ in range(args.rounds)]
-    base_tokens = rounds[0][0]["tokens"]
-    print("round 1 prefills every prompt in full (each is new to every engine); later rounds find each prompt's full "
-          "blocks in the prefix cache, as a re-sent prompt would")
-    print(f"{'configuration':<44} {'tok/s (median)':>15} {'cold':>6} {'prompts cached (rounds 2+)':>30} "
+    tokenizer = load_tokenizer(str(DEFAULT_MODEL))
+    rounds = []  # per round, per configuration: (cold pass, cached pass)
+    for number in range(args.rounds):
+        new = make_prompts(tokenizer, args.num_prompts, args.prompt_tokens, first=number * args.num_prompts)
+        rounds.append([tuple(run_config(llm, new, args.max_tokens, args.batch) for _ in range(2)) for llm in llms])
+    print("each round serves prompts new to every engine (cold: each prefilled in full), then the same prompts again "
+          "(cached: their full blocks found in the prefix cache, as a re-sent prompt would)")
+    print(f"{'configuration':<44} {'tok/s cold':>10} {'cold (median of rounds)':>30} {'cached':>7} "
           f"{'decode speed-up':>16} {'accepted':>9} {'mean len':>9} {'draft time':>11}")
     for index, (name, _) in enumerate(configs):
-        runs = [r[index] for r in rounds]
-        speedups = [run["tok_s"] / r[0]["tok_s"] for run, r in zip(runs, rounds)]
-        decode_speedups = [run["decode_tok_s"] / r[0]["decode_tok_s"] for run, r in zip(runs, rounds)]
-        cached = speedups[1:]
-        cached_text = f"{statistics.median(cached):6.2f}x ({', '.join(f'{x:.2f}' for x in cached)})" if cached else "-"
-        last = runs[-1]
+        def ratios(key: str, which: int) -> list[float]:
+            return [r[index][which][key] / r[0][which][key] for r in rounds]
+
+        cold, cached = ratios("tok_s", 0), ratios("tok_s", 1)
+        decode = ratios("decode_tok_s", 0) + ratios("decode_tok_s", 1)
+        last = rounds[-1][index][1]
         spec = last["acceptance"] is not None
-        print(f"{name:<44} {statistics.median(r['tok_s'] for r in runs):15.1f} {speedups[0]:5.2f}x {cached_text:>30} "
-              f"{statistics.median(decode_speedups):15.2f}x "
+        print(f"{name:<44} {statistics.median(r[index][0]['tok_s'] for r in rounds):10.1f} "
+              f"{statistics.median(cold):6.2f}x ({', '.join(f'{x:.2f}' for x in cold)}) {statistics.median(cached):6.2f}x "
+              f"{statistics.median(decode):15.2f}x "
               + (f"{last['acceptance']:8.1%} {last['mean_len']:9.2f} {last['draft_share']:10.1%}" if spec else ""))
-        if any(run["tokens"] != base_tokens for run in runs):
+        if any(r[index][which]["tokens"] != r[0][which]["tokens"] for r in rounds for which in (0, 1)):
             print(f"  !! {name}: greedy tokens differ from the run without speculation")
             return 1
     return 0
