@@ -23,10 +23,11 @@ speed-up is the median over rounds of its rate against the plain engine's in the
 Each round serves prompts no engine has seen twice: first "cold", each prefilled in full, then
 "cached", their full blocks found in the prefix cache (on by default, as in vLLM) so that only
 the last few tokens are prefilled, as a user re-sending a file's head would; both are reported,
-with the decode rate's median over both. By default the draft runs four ways: whole vocabulary, its 512
-most frequent tokens, those with int8 weights, and those with a confidence floor for its
-proposals (draft_p_min 0.3: a cycle proposes 0 to k tokens, as many as the draft is sure of;
-"mean len", the engine's mean accepted length, counts only the cycles that proposed).
+with the decode rate's median over both. By default the draft runs four ways: whole
+vocabulary, its 512 most frequent tokens, those with int8 weights, and those with a confidence
+floor for its proposals (draft_p_min 0.3: a cycle proposes 0 to k tokens, as many as the draft
+is sure of; "mean len", the engine's mean accepted length, counts only the cycles that
+proposed).
 """
 from __future__ import annotations
 
