@@ -27,7 +27,7 @@ with the decode rate's median over both. By default the draft runs four ways: wh
 vocabulary, its 512 most frequent tokens, those with int8 weights, and those with a confidence
 floor for its proposals (draft_p_min 0.3: a cycle proposes 0 to k tokens, as many as the draft
 is sure of; "mean len", the engine's mean accepted length, counts only the cycles that
-proposed).
+proposed) and attending to its last 64 positions only (draft_attention_window).
 """
 from __future__ import annotations
 
@@ -117,6 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "proposing only while it gives its token at least P (draft_p_min; default %(default)s, 0: skip)")
     parser.add_argument("--p-min-speculative-tokens", type=int, default=None, metavar="K",
                         help="k of that configuration (default: --num-speculative-tokens)")
+    parser.add_argument("--draft-window", type=int, default=64, metavar="W",
+                        help="and its draft attending to its last W positions (draft_attention_window; default "
+                             "%(default)s, 0: the whole context)")
     parser.add_argument("--engine-driven", action="store_true",
                         help="also run the draft with fused_cycles off (the engine drives every pass)")
     parser.add_argument("--rounds", type=int, default=3,
@@ -135,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
     steps = args.num_scheduler_steps
     quantize = args.draft_quantization != "none"
     p_min_k = args.p_min_speculative_tokens or k
+    window = {"draft_attention_window": args.draft_window} if args.draft_window else {}
+    windowed = f", window {args.draft_window}" if args.draft_window else ""
     quantization = {"quantization": args.draft_quantization} if quantize else {}
     quantized = f", {args.draft_quantization}" if quantize else ""
     configs = [
@@ -143,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
         *([(f"draft, {args.draft_vocab_size} tokens, k={k}", {"speculative_config": reduced})] if args.draft_vocab_size else []),
         *([(f"{reduced_name}, {args.draft_quantization}", {"speculative_config": {**reduced, "quantization": args.draft_quantization}})]
           if quantize else []),
-        *([(f"{reduced_name}{quantized}, p-min {args.draft_p_min:g}, k={p_min_k}",
-            {"speculative_config": {**reduced, **quantization, "draft_p_min": args.draft_p_min,
+        *([(f"{reduced_name}{quantized}, p-min {args.draft_p_min:g}{windowed}, k={p_min_k}",
+            {"speculative_config": {**reduced, **quantization, "draft_p_min": args.draft_p_min, **window,
                                     "num_speculative_tokens": p_min_k}})]
           if args.draft_p_min else []),
         *([(f"{reduced_name}, engine-driven", {"speculative_config": {**reduced, "fused_cycles": False}})]
@@ -167,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         rounds.append([tuple(run_config(llm, new, args.max_tokens, args.batch) for _ in range(2)) for llm in llms])
     print("each round serves prompts new to every engine (cold: each prefilled in full), then the same prompts again "
           "(cached: their full blocks found in the prefix cache, as a re-sent prompt would)")
-    print(f"{'configuration':<44} {'tok/s cold':>10} {'cold (median of rounds)':>30} {'cached':>7} "
+    print(f"{'configuration':<52} {'tok/s cold':>10} {'cold (median of rounds)':>30} {'cached':>7} "
           f"{'decode speed-up':>16} {'accepted':>9} {'mean len':>9} {'draft time':>11}")
     for index, (name, _) in enumerate(configs):
         def ratios(key: str, which: int) -> list[float]:
@@ -177,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         decode = ratios("decode_tok_s", 0) + ratios("decode_tok_s", 1)
         last = rounds[-1][index][1]
         spec = last["acceptance"] is not None
-        print(f"{name:<44} {statistics.median(r[index][0]['tok_s'] for r in rounds):10.1f} "
+        print(f"{name:<52} {statistics.median(r[index][0]['tok_s'] for r in rounds):10.1f} "
               f"{statistics.median(cold):6.2f}x ({', '.join(f'{x:.2f}' for x in cold)}) {statistics.median(cached):6.2f}x "
               f"{statistics.median(decode):15.2f}x "
               + (f"{last['acceptance']:8.1%} {last['mean_len']:9.2f} {last['draft_share']:10.1%}" if spec else ""))

@@ -7,6 +7,7 @@
     {"model": ..., "fused_cycles": false}  # the engine drives every pass even of greedy decodes
     {"model": ..., "quantization": "int8"}  # the draft's weights quantized at load (int8, per channel)
     {"model": ..., "draft_p_min": 0.3}  # greedy proposals stop before one the draft gives less than 0.3
+    {"model": ..., "draft_attention_window": 64}  # the draft attends to its last 64 positions only
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pagedllm.layers.quantization import QUANTIZATION_METHODS
 
 METHODS = ("draft_model", "ngram")
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_vocab_size",
-         "disable_by_batch_size", "fused_cycles", "quantization", "draft_p_min"}
+         "disable_by_batch_size", "fused_cycles", "quantization", "draft_p_min", "draft_attention_window"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ class SpeculativeConfig:
     # pass and a verification row. 0 proposes all k. Sampled proposals are not cut (their
     # rejection sampling needs no help, and llama.cpp applies it to greedy drafting only).
     draft_p_min: float = 0.0
+    # The draft attends to its last W positions only (a sliding window on every layer): a proposer
+    # needs little context, and then its passes read W positions' KV, and a long prompt is
+    # mirrored into its pool only as far back as its layers x W positions can reach. Only
+    # proposals can change; the target verifies every token.
+    draft_attention_window: int | None = None
 
     @property
     def uses_draft_model(self) -> bool:
@@ -78,12 +84,13 @@ class SpeculativeConfig:
             fused_cycles=value.get("fused_cycles", True),
             quantization=value.get("quantization"),
             draft_p_min=value.get("draft_p_min", 0.0),
+            draft_attention_window=value.get("draft_attention_window"),
         )
         config._validate()
         return config
 
     def _validate(self) -> None:
-        optional = ("disable_by_batch_size",) if self.disable_by_batch_size is not None else ()
+        optional = tuple(name for name in ("disable_by_batch_size", "draft_attention_window") if getattr(self, name) is not None)
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", *optional):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -110,6 +117,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: draft_p_min must be a number in [0, 1), got {p_min!r}")
         if p_min and self.method != "draft_model":
             raise ValueError("speculative_config: draft_p_min applies to a draft model only")
+        if self.draft_attention_window is not None and self.method != "draft_model":
+            raise ValueError("speculative_config: draft_attention_window applies to a draft model only")
         if not isinstance(self.fused_cycles, bool):
             raise ValueError(f"speculative_config: fused_cycles must be true or false, got {self.fused_cycles!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -47,12 +47,16 @@ class DraftRequest:
 
 class DraftModel:
     def __init__(self, path: str, target: ModelConfig, max_model_len: int, dtype: torch.dtype, device: torch.device,
-                 vocab_size: int | None = None, quantization: str | None = None, p_min: float = 0.0):
+                 vocab_size: int | None = None, quantization: str | None = None, p_min: float = 0.0,
+                 window: int | None = None):
         """`vocab_size`: score only the draft's that many most frequent tokens (draft_vocab.py);
         `quantization`: its weights quantized at load (layers/quantization.py); `p_min`: a greedy
-        proposal the draft gives less probability ends the request's proposals (SpeculativeConfig.draft_p_min)."""
+        proposal the draft gives less probability ends the request's proposals (SpeculativeConfig.draft_p_min);
+        `window`: every layer attends to at most this many positions (SpeculativeConfig.draft_attention_window)."""
         self.p_min = p_min
         config = ModelConfig.from_pretrained(path)
+        if window is not None:
+            config = replace(config, sliding_windows=tuple(window if w is None else min(w, window) for w in config.sliding_windows))
         if config.vocab_size != target.vocab_size:
             raise ModelLoadError(
                 f"the draft model's vocab_size {config.vocab_size} differs from the target's {target.vocab_size}; "
@@ -74,6 +78,14 @@ class DraftModel:
         self.kv_cache: KVCache | None = None
         self.kernel_decode = False
         self.probs: dict[int, torch.Tensor] = {}  # seq id -> q rows of its pending proposals (random sampling)
+
+    @property
+    def reach(self) -> int | None:
+        """How far back from a position its KV depends on the KV of earlier ones (each layer's
+        window, summed): a prompt's positions further back than this from its end are never
+        read. None: every layer sees the whole context."""
+        windows = self.model_config.sliding_windows
+        return None if any(w is None for w in windows) else sum(windows)
 
     def bytes_per_block(self, block_size: int) -> int:
         return bytes_per_block(self.model_config, block_size, self.dtype)

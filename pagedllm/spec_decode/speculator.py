@@ -38,7 +38,7 @@ class Speculator:
         self.draft = None
         if config.uses_draft_model:
             self.draft = DraftModel(config.model, target, max_model_len, dtype, device, config.draft_vocab_size,
-                                    config.quantization, config.draft_p_min)
+                                    config.quantization, config.draft_p_min, config.draft_attention_window)
         self.draft_time_s = 0.0
         self.fused: FusedCycles | None = None  # whole greedy cycles in one call, when both models run fused
 
@@ -170,11 +170,16 @@ class Speculator:
             else:
                 assert chunk.draft_start >= chunk.start, "the draft's KV never lags a prompt chunk's start"
                 known, cap, row = chunk.token_ids[chunk.draft_start - chunk.start :], 0, None
-            tokens = known[: max(0, capacity - chunk.draft_start)]
+            start = chunk.draft_start
+            if row is None and self.draft.reach is not None and len(known) > self.draft.reach:
+                # a windowed draft never reads a prompt's KV further back than its reach from the
+                # chunk's end (nor does anything that follows): those slots stay as they are
+                start, known = chunk.end - self.draft.reach, known[len(known) - self.draft.reach :]
+            tokens = known[: max(0, capacity - start)]
             if len(tokens) < len(known):
                 cap = 0  # not every known token fits the reserved slots: catch up only
             if tokens:
-                requests.append(DraftRequest(chunk.seq_id, chunk.draft_start, tokens, chunk.block_table, cap, row))
+                requests.append(DraftRequest(chunk.seq_id, start, tokens, chunk.block_table, cap, row))
         return requests
 
     def _cap(self, row: SampleRow, history: list[int], capacity: int | None) -> int:

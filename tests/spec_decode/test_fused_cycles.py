@@ -221,3 +221,55 @@ def test_a_short_prompt_is_mirrored_into_the_draft_as_one_fused_step(model_dir, 
     assert calls[:2] == [(False, 12), (True, 12)]  # the target's prefill, then the draft's mirror
     stats = llm.get_stats()
     assert 0 < stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("fused_cycles", [True, False], ids=["fused", "engine-driven"])
+def test_a_windowed_draft_mirrors_only_what_it_can_read(fused_cycles, model_dir, draft_dir, monkeypatch):
+    """draft_attention_window W: every draft layer attends to its last W positions, so a prompt
+    is mirrored only as far back as the layers' windows reach from its end. Greedy tokens are
+    unchanged (only proposals can be); the mirror computes `reach` positions; and the draft's KV
+    of the positions it computed equals that of a mirror of the whole prompt."""
+    from pagedllm.spec_decode.draft_model import DraftModel
+
+    folder = str(model_dir("llama"))
+    prompt = [3 + (5 * j) % 200 for j in range(70)]
+    plain = greedy_tokens(LLM(folder), [prompt])
+    config = {"model": str(draft_dir("llama")), "num_speculative_tokens": 3, "draft_attention_window": 8,
+              "fused_cycles": fused_cycles}
+    pools = []
+    for skip in (True, False):
+        if not skip:  # the same draft mirroring the whole prompt
+            monkeypatch.setattr(DraftModel, "reach", property(lambda self: None))
+        llm = LLM(folder, speculative_config=config)
+        draft = llm.llm_engine.runner.speculator.draft
+        rows = []
+        original = draft.propose
+
+        def propose(requests, *rest, original=original):
+            rows.append(sum(len(r.tokens) for r in requests))
+            return original(requests, *rest)
+
+        draft.propose = propose
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)  # the prefill (and its mirror) only
+        llm.generate([prompt], params, use_tqdm=False)
+        layers = [tuple(t.clone() for t in draft.kv_cache.layer(i)) for i in range(len(draft.model_config.sliding_windows))]
+        pools.append((rows[0], layers))  # the sequence's blocks are free again, their KV still in the pool
+        assert greedy_tokens(llm, [prompt]) == plain
+        assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
+    (computed, windowed), (whole, full) = pools
+    assert (computed, whole) == (8 * len(windowed), len(prompt))
+    bs = windowed[0][0].shape[1]
+    for layer, (mine, theirs) in enumerate(zip(windowed, full)):
+        # layer l's KV at p depends on positions back to p - 8 l: exact from the mirror's start + 8 l
+        for p in range(len(prompt) - computed + 8 * layer, len(prompt)):  # block ids count from 0 in a fresh pool
+            for a, b in zip(mine, theirs):
+                assert b[p // bs, p % bs].abs().sum() > 0 and torch.allclose(a[p // bs, p % bs], b[p // bs, p % bs], atol=1e-5)
+
+
+def test_bad_draft_attention_windows_are_refused(model_dir):
+    folder = str(model_dir("llama"))
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match="draft_attention_window must be a positive integer"):
+            LLM(folder, speculative_config=same_model_draft(folder, draft_attention_window=bad))
+    with pytest.raises(ValueError, match="draft_attention_window applies to a draft model only"):
+        LLM(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "draft_attention_window": 8})
