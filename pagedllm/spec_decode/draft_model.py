@@ -35,6 +35,10 @@ from pagedllm.worker.sampling_inputs import SamplingPlan, sampling_metadata, sta
 from pagedllm.worker.staging import Staging
 
 
+# A prompt chunk of up to this many fused steps' rows is mirrored as fused steps (DraftModel._mirror_in_fused_steps).
+MIRROR_STEPS = 8
+
+
 @dataclass
 class DraftRequest:
     seq_id: int
@@ -104,6 +108,10 @@ class DraftModel:
                 block_size: int) -> dict[int, list[int]]:
         """Catch up every request's KV and propose its tokens; seq id -> proposals."""
         kernel_decode = self.kernel_decode
+        if self.model.fused is not None:
+            requests = [r for r in requests if not self._mirror_in_fused_steps(r, block_size)]
+        if not requests:
+            return {}
         proposing = [i for i, r in enumerate(requests) if r.num_proposals > 0]
         staging = Staging()
         passes = [self._stage_first_pass(requests, proposing, staging, block_size, kernel_decode)]
@@ -131,6 +139,25 @@ class DraftModel:
         for seq_id, rows in probs.items():
             self.probs[seq_id] = torch.stack(rows)
         return {requests[i].seq_id: list(takewhile(lambda t: t >= 0, values[m])) for m, i in enumerate(proposing)}
+
+    def _mirror_in_fused_steps(self, request: DraftRequest, block_size: int) -> bool:
+        """A prompt chunk to mirror longer than one fused step but at most MIRROR_STEPS of them (a
+        windowed draft's reach, a short prompt) runs at once as fused steps of consecutive rows,
+        each row attending up to its own position; True if it did. Why: the draft is small, so a
+        pass through its modules costs mostly their fixed dispatch, several fused steps' worth."""
+        n = len(request.tokens)
+        if request.num_proposals > 0 or n <= MAX_ROWS or n > MIRROR_STEPS * MAX_ROWS:
+            return False
+        for first in range(0, n, MAX_ROWS):
+            piece = request.tokens[first : first + MAX_ROWS]
+            staging = Staging()
+            chunk = ScheduledChunk(request.seq_id, request.start + first, piece, request.block_table, num_spec=len(piece) - 1)
+            layout = stage_batch([chunk], block_size, True, staging)
+            staging.add("logit_rows", [layout.last_rows[0]])  # the step computes one row's logits, unused
+            views = staging.to(self.device)
+            meta = attention_metadata(layout, views, True, block_size, self.windows, self.dtype)
+            self.model.step_logits(views["input_ids"], views["positions"], meta, views["logit_rows"])
+        return True
 
     def _stage_first_pass(self, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_decode: bool):
         fits = self.model.fused is not None and sum(len(r.tokens) for r in requests) <= MAX_ROWS

@@ -223,18 +223,20 @@ def test_a_short_prompt_is_mirrored_into_the_draft_as_one_fused_step(model_dir, 
     assert 0 < stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
 
 
-@pytest.mark.parametrize("fused_cycles", [True, False], ids=["fused", "engine-driven"])
-def test_a_windowed_draft_mirrors_only_what_it_can_read(fused_cycles, model_dir, draft_dir, monkeypatch):
+@pytest.mark.parametrize("fused_cycles, window", [(True, 8), (True, 24), (False, 8)],
+                         ids=["fused", "fused-mirrored-in-steps", "engine-driven"])
+def test_a_windowed_draft_mirrors_only_what_it_can_read(fused_cycles, window, model_dir, draft_dir, monkeypatch):
     """draft_attention_window W: every draft layer attends to its last W positions, so a prompt
-    is mirrored only as far back as the layers' windows reach from its end. Greedy tokens are
-    unchanged (only proposals can be); the mirror computes `reach` positions; and the draft's KV
-    of the positions it computed equals that of a mirror of the whole prompt."""
+    is mirrored only as far back as the layers' windows reach from its end (in one fused step, or
+    at W = 24 in several: more rows than one takes). Greedy tokens are unchanged (only proposals
+    can be); the mirror computes `reach` positions; and the draft's KV of the positions it
+    computed equals that of a mirror of the whole prompt (through the modules)."""
     from pagedllm.spec_decode.draft_model import DraftModel
 
     folder = str(model_dir("llama"))
     prompt = [3 + (5 * j) % 200 for j in range(70)]
     plain = greedy_tokens(LLM(folder), [prompt])
-    config = {"model": str(draft_dir("llama")), "num_speculative_tokens": 3, "draft_attention_window": 8,
+    config = {"model": str(draft_dir("llama")), "num_speculative_tokens": 3, "draft_attention_window": window,
               "fused_cycles": fused_cycles}
     pools = []
     for skip in (True, False):
@@ -257,11 +259,11 @@ def test_a_windowed_draft_mirrors_only_what_it_can_read(fused_cycles, model_dir,
         assert greedy_tokens(llm, [prompt]) == plain
         assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
     (computed, windowed), (whole, full) = pools
-    assert (computed, whole) == (8 * len(windowed), len(prompt))
+    assert (computed, whole) == (window * len(windowed), len(prompt))
     bs = windowed[0][0].shape[1]
     for layer, (mine, theirs) in enumerate(zip(windowed, full)):
-        # layer l's KV at p depends on positions back to p - 8 l: exact from the mirror's start + 8 l
-        for p in range(len(prompt) - computed + 8 * layer, len(prompt)):  # block ids count from 0 in a fresh pool
+        # layer l's KV at p depends on positions back to p - W l: exact from the mirror's start + W l
+        for p in range(len(prompt) - computed + window * layer, len(prompt)):  # block ids count from 0 in a fresh pool
             for a, b in zip(mine, theirs):
                 assert b[p // bs, p % bs].abs().sum() > 0 and torch.allclose(a[p // bs, p % bs], b[p // bs, p % bs], atol=1e-5)
 
