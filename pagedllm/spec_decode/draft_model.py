@@ -125,10 +125,9 @@ class DraftModel:
             prefix = f"d{j}."
             meta = attention_metadata(layout, views, kernel_decode, block_size, self.windows, self.dtype, prefix)
             ids = views[prefix + "input_ids"] if j == 1 else latest.index_select(0, views[prefix + "feed"])
-            if not members:  # catching up only: KV, no logits (as one fused step when its rows fit one)
-                self.model.step_logits(ids, views[prefix + "positions"], meta, views[prefix + "logit_rows"])
-                continue
             logits = self.model.step_logits(ids, views[prefix + "positions"], meta, views[prefix + "logit_rows"])
+            if not members:  # catching up only: the KV it wrote, no logits
+                continue
             rows = [requests[proposing[m]].row for m in members]
             tokens, sure = self._sample(logits, plan, views, sampler, lambda r: generator_for(rows[r]), rows, probs)
             member_index = views[prefix + "members"]
@@ -153,7 +152,7 @@ class DraftModel:
             staging = Staging()
             chunk = ScheduledChunk(request.seq_id, request.start + first, piece, request.block_table, num_spec=len(piece) - 1)
             layout = stage_batch([chunk], block_size, True, staging)
-            staging.add("logit_rows", [layout.last_rows[0]])  # the step computes one row's logits, unused
+            staging.add("logit_rows", [])  # only the KV it writes
             views = staging.to(self.device)
             meta = attention_metadata(layout, views, True, block_size, self.windows, self.dtype)
             self.model.step_logits(views["input_ids"], views["positions"], meta, views["logit_rows"])
