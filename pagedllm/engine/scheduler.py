@@ -64,6 +64,7 @@ class _Step:
     out: SchedulerOutput = field(default_factory=SchedulerOutput)
     preempted: list[Sequence] = field(default_factory=list)
     num_blocks: int = 0  # block-table entries of the scheduled sequences (shared blocks counted twice)
+    fusing: bool = False  # its decodes are meant for fused speculation cycles
 
 
 @dataclass
@@ -103,7 +104,6 @@ class Scheduler:
         self._finished_ids: list[int] = []  # finished since the last schedule(), for the runner
         self._ended: list[Sequence] = []  # ended by the scheduler itself during schedule()
         self._scheduled: list[ScheduledSequence] = []  # what the last schedule() sent to the runner
-        self._fusing = False  # this step's decodes are meant for fused speculation cycles
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_prompt_tokens_total = 0
@@ -146,8 +146,7 @@ class Scheduler:
 
     # ---- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        step = _Step()
-        self._fusing = self._fuse_speculation()
+        step = _Step(fusing=self._fuse_speculation())
         budget = self._schedule_running(step, self.config.max_num_batched_tokens)
         if not step.preempted:
             budget = self._schedule_queued(step, budget)
@@ -198,19 +197,14 @@ class Scheduler:
         seqs = [item.seq for item in step.scheduled]
         if self.waiting or self.swapped or step.preempted or out.blocks_to_swap_in or len(out.samples) != len(seqs):
             return
-        if self._fusing:
+        if step.fusing:
             self._plan_fused_speculation(step, seqs)
             return
         if len(seqs) > config.max_multi_step_rows:
             return
         n = multi_step.num_steps(seqs, config.num_scheduler_steps, config.max_model_len)
-        if n == 1:
+        if n == 1 or not self._reserve(seqs, n, out):
             return
-        for seq in seqs:
-            copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
-            if copies is None:
-                return
-            out.blocks_to_copy.extend(copies)
         for item in step.scheduled:
             item.num_steps = n
         out.num_steps = n
@@ -234,15 +228,19 @@ class Scheduler:
         multi-step scheduling a step runs num_scheduler_steps cycles, each needing k + 1 more."""
         config, out = self.config, step.out
         cycles = config.num_scheduler_steps
-        if cycles > 1:
-            for seq in seqs:
-                copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens,
-                                                           cycles * (config.num_lookahead_slots + 1))
-                if copies is None:
-                    cycles = 1  # blocks already added stay in the tables for the tokens to come
-                    break
-                out.blocks_to_copy.extend(copies)
+        if cycles > 1 and not self._reserve(seqs, cycles * (config.num_lookahead_slots + 1), out):
+            cycles = 1
         out.fused_spec_cycles = cycles
+
+    def _reserve(self, seqs: list[Sequence], slots: int, out: SchedulerOutput) -> bool:
+        """Slots for `slots` positions from each sequence's first uncomputed one, or False when one
+        does not fit (blocks already added stay in the tables for the tokens to come)."""
+        for seq in seqs:
+            copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, slots)
+            if copies is None:
+                return False
+            out.blocks_to_copy.extend(copies)
+        return True
 
     def _attach_masks(self, out: SchedulerOutput) -> None:
         """The grammar masks of this step's constrained sample rows, computed in one batch."""
@@ -339,12 +337,12 @@ class Scheduler:
             return num_new
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _plan(self, seq: Sequence, budget: int) -> tuple[int, list[int]]:
+    def _plan(self, seq: Sequence, budget: int, fusing: bool) -> tuple[int, list[int]]:
         """(tokens to compute, proposals among them): a decode also verifies its proposals, as
-        many as the budget leaves room for."""
+        many as the budget leaves room for (none in a step of fused cycles, which propose afresh)."""
         num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
         if (num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1 or not seq.spec_token_ids or seq.grammar is not None
-                or self._fusing):
+                or fusing):
             return num_new, []
         spec = seq.spec_token_ids[: budget - 1]
         return 1 + len(spec), spec
@@ -362,7 +360,7 @@ class Scheduler:
             if self._exceeds_pool(seq):
                 self._end_for_capacity(seq)
                 continue
-            num_new, spec = self._plan(seq, budget)
+            num_new, spec = self._plan(seq, budget, step.fusing)
             slots = num_new + self._lookahead(seq, num_new)
             if num_new == 0 or not self._fits_step(step, seq.num_computed_tokens + slots):
                 kept.append(seq)  # no budget left this step; it keeps its blocks
@@ -398,7 +396,7 @@ class Scheduler:
             self.swapped.remove(seq)
             step.out.blocks_to_swap_in.extend(self.block_manager.swap_in(seq.seq_id))
             seq.set_status(SequenceStatus.RUNNING)
-            num_new, spec = self._plan(seq, budget)
+            num_new, spec = self._plan(seq, budget, step.fusing)
             self.running.append(seq)
             if num_new:
                 copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new + self._lookahead(seq, num_new))

@@ -140,12 +140,13 @@ class DraftModel:
         return {requests[i].seq_id: list(takewhile(lambda t: t >= 0, values[m])) for m, i in enumerate(proposing)}
 
     def _mirror_in_fused_steps(self, request: DraftRequest, block_size: int) -> bool:
-        """A prompt chunk to mirror longer than one fused step but at most MIRROR_STEPS of them (a
-        windowed draft's reach, a short prompt) runs at once as fused steps of consecutive rows,
-        each row attending up to its own position; True if it did. Why: the draft is small, so a
-        pass through its modules costs mostly their fixed dispatch, several fused steps' worth."""
+        """A prompt chunk to mirror of at most MIRROR_STEPS fused steps' rows (the end of a cached
+        prompt, a short prompt, a windowed draft's reach) runs at once as fused steps of
+        consecutive rows, each attending up to its own position; True if it did. Why: the draft is
+        small, so a pass through its modules costs mostly their fixed dispatch, several fused
+        steps' worth."""
         n = len(request.tokens)
-        if request.num_proposals > 0 or n <= MAX_ROWS or n > MIRROR_STEPS * MAX_ROWS:
+        if request.num_proposals > 0 or n > MIRROR_STEPS * MAX_ROWS:
             return False
         for first in range(0, n, MAX_ROWS):
             piece = request.tokens[first : first + MAX_ROWS]
@@ -159,9 +160,7 @@ class DraftModel:
         return True
 
     def _stage_first_pass(self, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_decode: bool):
-        fits = self.model.fused is not None and sum(len(r.tokens) for r in requests) <= MAX_ROWS
-        chunks = [ScheduledChunk(r.seq_id, r.start, r.tokens, r.block_table, num_spec=self._catch_up_rows(r, fits))
-                  for r in requests]
+        chunks = [ScheduledChunk(r.seq_id, r.start, r.tokens, r.block_table, num_spec=self._catch_up_rows(r)) for r in requests]
         layout = stage_batch(chunks, block_size, kernel_decode, staging, "d1.")
         members = list(range(len(proposing)))
         staging.add("d1.logit_rows", [layout.last_rows[i] for i in proposing])
@@ -169,13 +168,13 @@ class DraftModel:
         plan = stage_sampling([requests[i].row for i in proposing], staging, "d1.s.") if proposing else None
         return layout, members, plan
 
-    def _catch_up_rows(self, request: DraftRequest, fits: bool) -> int:
+    def _catch_up_rows(self, request: DraftRequest) -> int:
         """A proposing decode's catch-up (the tokens the target just accepted) is laid out as
         decode rows, each attending to the context up to its position, like a verification, so
-        the pass can run as a fused decode step; so is a prompt chunk when the whole pass `fits`
-        one fused step (the end of a cached prompt, a short prompt), else it stays a prefill."""
+        the pass can run as a fused decode step; a prompt chunk left here (no fused step, or too
+        long to mirror in fused steps) stays a prefill."""
         short = len(request.tokens) <= MAX_ROWS  # at most what one fused step takes
-        return len(request.tokens) - 1 if short and (request.num_proposals > 0 or fits) else 0
+        return len(request.tokens) - 1 if request.num_proposals > 0 and short else 0
 
     def _stage_pass(self, j: int, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_decode: bool):
         """Pass j feeds proposal j-1 of each request proposing >= j tokens, at its position."""
