@@ -48,13 +48,9 @@ class Detokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """A whole finished output at once (beam search hypotheses)."""
-        if self.tokenizer is None:
-            return ""
         return self._decode(token_ids, skip_special_tokens)
 
     def decode_token(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return ""
         return self._decode([token_id], False)
 
 
@@ -64,7 +60,7 @@ def _direct_decode(tokenizer) -> Callable[[list[int], bool], str]:
     transformers'. Why: every token is decoded twice (the window with and without it), and
     transformers' wrapper costs several times the decode itself on these short windows — per
     token, as much as a small model's whole verification row."""
-    if tokenizer is None:
+    if tokenizer is None:  # a model folder without one: token ids in, token ids out, no text
         return lambda ids, skip: ""
     backend = getattr(tokenizer, "_tokenizer", None)
     if isinstance(backend, tokenizers.Tokenizer) and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
