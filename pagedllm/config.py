@@ -257,7 +257,7 @@ class EngineConfig:
     preemption_policy: str = "fcfs"
     swap_space: int = 1 << 30
     seed: int = 0
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto | kernel | sdpa: the C attention kernels (decode, prefill) or SDPA
     # auto | fused | torch: small all-decode steps as one C call (models/fused_decode.py) or modules
     decode_backend: str = "auto"
     quantization: str | None = None  # "int8": weight-only, per-channel scales, quantized at load

@@ -9,10 +9,12 @@ A step's batch puts its decode tokens first, then its prefill chunks:
   the longest; each bucket's blocks are gathered with one `index_select` over whole blocks
   (several times faster on CPU than advanced indexing), positions past each context are
   masked, and SDPA attends;
-- a prefill chunk with no cached prefix attends causally to its own fresh K/V, never touching
-  the pool (SDPA's causal fast path);
-- a prefill chunk that follows a cached prefix (prefix-cache hit, later chunk of a chunked
-  prefill, recompute) gathers its context from the pool and uses a bottom-right causal mask.
+- prefill chunks: by default one C kernel per chunk (layers/csrc/prefill_attention.c) reads the
+  chunk's context — cached prefix and the K/V just written — straight from the pool. Otherwise
+  a chunk with no cached prefix attends causally to its own fresh K/V, never touching the pool
+  (SDPA's causal fast path), and a chunk that follows a cached prefix (prefix-cache hit, later
+  chunk of a chunked prefill, recompute) gathers its context from the pool and uses a
+  bottom-right causal mask.
 
 GQA is handled by SDPA's `enable_gqa`, so K/V are never repeated per query head.
 """
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.paged_decode import run_kernel
+from pagedllm.layers.paged_decode import run_kernel, run_prefill_kernel
 
 
 @dataclass
@@ -35,7 +37,7 @@ class PrefillChunk:
     q_start: int
     q_len: int
     ctx_len: int
-    block_ids: torch.Tensor | None = None  # blocks holding the context, when there is a prefix
+    block_ids: torch.Tensor | None = None  # blocks holding the context (C kernel, or SDPA after a prefix)
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
 
@@ -57,7 +59,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each token
     decodes: list[DecodeBucket]
     prefills: list[PrefillChunk]
-    kernel_decode: bool = False  # the C kernel (layers/paged_decode.py) or SDPA
+    kernel_attention: bool = False  # the C kernels (layers/paged_decode.py) or SDPA
 
 
 def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -94,13 +96,16 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         for bucket in meta.decodes:
             end = bucket.start + bucket.count
-            if meta.kernel_decode:
+            if meta.kernel_attention:
                 self._kernel_decode(q[bucket.start : end], bucket, out[bucket.start : end])
             else:
                 out[bucket.start : end] = self._decode(q[bucket.start : end], bucket)
         for chunk in meta.prefills:
             end = chunk.q_start + chunk.q_len
-            out[chunk.q_start : end] = self._prefill(q[chunk.q_start : end], k[chunk.q_start : end], v[chunk.q_start : end], chunk)
+            if meta.kernel_attention:
+                self._kernel_prefill(q[chunk.q_start : end], chunk, out[chunk.q_start : end])
+            else:
+                out[chunk.q_start : end] = self._prefill(q[chunk.q_start : end], k[chunk.q_start : end], v[chunk.q_start : end], chunk)
         return out
 
     def _kernel_decode(self, q: torch.Tensor, bucket: DecodeBucket, out: torch.Tensor) -> None:
@@ -109,6 +114,13 @@ class PagedAttention(nn.Module):
         run_kernel(
             q.view(grouped), self.k_cache, self.v_cache, bucket.block_tables, bucket.ctx_lens,
             self.sliding_window or 0, self.head_dim**-0.5, out=out.view(grouped),
+        )
+
+    def _kernel_prefill(self, q: torch.Tensor, chunk: PrefillChunk, out: torch.Tensor) -> None:
+        grouped = (q.shape[0], self.num_kv_heads, -1, self.head_dim)
+        run_prefill_kernel(
+            q.view(grouped), self.k_cache, self.v_cache, chunk.block_ids, chunk.ctx_len, self.sliding_window or 0,
+            self.head_dim**-0.5, out.view(grouped),
         )
 
     def _decode(self, q: torch.Tensor, bucket: DecodeBucket) -> torch.Tensor:

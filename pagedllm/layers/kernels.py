@@ -1,8 +1,8 @@
 """The engine's C kernels for CPUs (layers/csrc/*.c), built with the machine's compiler the first
 time an engine needs them, cached, and loaded through ctypes.
 
-One shared library holds them all: decode attention over the paged pool (paged_decode.c), small-M
-matmuls whose weights stream at the memory's speed (small_matmul.c) and the whole-model decode
+One shared library holds them all: decode and prefill attention over the paged pool
+(paged_decode.c, prefill_attention.c), small-M matmuls whose weights stream at the memory's speed (small_matmul.c) and the whole-model decode
 step (decode_step.c), and greedy speculative decoding's draft-and-verify cycles built on it
 (speculate.c). The instruction set is chosen at build time: `-march=native` gives
 AVX-512 code on a CPU that has it and AVX2 code on one that does not (the sources switch on
@@ -30,7 +30,7 @@ from pathlib import Path
 logger = logging.getLogger("pagedllm.kernels")
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.c", "small_matmul.c", "decode_step.c", "greedy.c", "speculate.c")
+SOURCES = ("paged_decode.c", "prefill_attention.c", "small_matmul.c", "decode_step.c", "greedy.c", "speculate.c")
 HEADERS = ("kernels.h", "decode_step.h")
 # -ffast-math (but keeping infinities) lets the reductions and exp vectorise. It is given to the
 # compile step only: linked with it, gcc adds crtfastmath.o, whose constructor switches the whole
@@ -119,6 +119,8 @@ def _declare(library: ctypes.CDLL) -> None:
     i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     library.paged_decode_f32.restype = i32
     library.paged_decode_f32.argtypes = [ptr, i64] + [ptr] * 5 + [i64] * 8 + [f32, i32]
+    library.prefill_attention_f32.restype = i32
+    library.prefill_attention_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr] + [i64] * 6 + [f32, i32]
     library.kernel_isa.restype = ctypes.c_char_p
     library.kernel_isa.argtypes = []
     library.panel_width.restype = i64

@@ -10,7 +10,13 @@ dispatch per call. The kernel reads each K/V row of a context once, scores a til
 against all the query heads of its GQA group while they are in cache, keeps its sums in vector
 registers, and is called for ~10 µs.
 
-`paged_decode` below is the same computation in PyTorch: the reference the kernel is tested
+Prefill chunks have their own kernel (csrc/prefill_attention.c, `run_prefill_kernel`): with
+many query rows attention is a small matrix product, so it is laid out as one (a tile of query
+rows transposed, each K element broadcast against it) rather than as a dot product per row; on a
+short prompt with few heads it also keeps every thread busy where SDPA's CPU kernel splits the
+work by head only.
+
+`paged_decode` below is the same computation in PyTorch: the reference both kernels are tested
 against. Without a C compiler, for dtypes other than fp32, or for a head_dim that is not a
 multiple of 8, the engine uses SDPA instead. The build, its cache and the
 fallback are shared with the other CPU kernels (layers/kernels.py).
@@ -72,6 +78,32 @@ def run_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
         raise ValueError(f"paged decode kernel: head_dim must be a multiple of 8, got {head_dim}")
     if failed:
         raise MemoryError("paged decode kernel: out of memory for attention scores")
+    return out
+
+
+def run_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                       ctx_len: int, window: int, scale: float, out: torch.Tensor,
+                       library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Causal attention of one prefill chunk's query rows q: [q_len, Hkv, G, D] (the last q_len
+    positions of a context of ctx_len, whose K/V the pool already holds) into out, through the C
+    kernel (csrc/prefill_attention.c): row r is `paged_decode` of a context of
+    ctx_len - q_len + r + 1. `library`: another build of the kernels (tests)."""
+    library = library or load()
+    if library is None:
+        raise RuntimeError("the paged attention kernel is unavailable (no C compiler, or the build failed)")
+    if not (_rows_dense(q) and _rows_dense(out)) or out.shape != q.shape:
+        raise ValueError("q and out must have the same shape and dense rows")
+    table = block_table.to(torch.int64).contiguous()
+    q_len, num_kv_heads, group, head_dim = q.shape
+    failed = library.prefill_attention_f32(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), q_len, ctx_len,
+        out.data_ptr(), out.stride(0), k_cache.shape[1], num_kv_heads, group, head_dim, window, scale,
+        torch.get_num_threads(),
+    )
+    if failed == 2:
+        raise ValueError(f"paged attention kernel: head_dim must be a multiple of 8, got {head_dim}")
+    if failed:
+        raise MemoryError("paged attention kernel: out of memory for attention scores")
     return out
 
 

@@ -163,7 +163,7 @@ class FusedDecoder:
     @staticmethod
     def accepts(meta: AttentionMetadata, num_rows: int) -> bool:
         """All rows decodes attended by the C kernel (one bucket), at most MAX_ROWS of them."""
-        return meta.kernel_decode and not meta.prefills and len(meta.decodes) == 1 and num_rows <= MAX_ROWS
+        return meta.kernel_attention and not meta.prefills and len(meta.decodes) == 1 and num_rows <= MAX_ROWS
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logit_rows: torch.Tensor) -> torch.Tensor:

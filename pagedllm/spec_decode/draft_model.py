@@ -80,7 +80,7 @@ class DraftModel:
         self.dtype, self.device = dtype, device
         self.windows = sorted(set(config.sliding_windows), key=lambda w: (w is not None, w or 0))
         self.kv_cache: KVCache | None = None
-        self.kernel_decode = False
+        self.kernel_attention = False
         self.probs: dict[int, torch.Tensor] = {}  # seq id -> q rows of its pending proposals (random sampling)
 
     @property
@@ -94,36 +94,36 @@ class DraftModel:
     def bytes_per_block(self, block_size: int) -> int:
         return bytes_per_block(self.model_config, block_size, self.dtype)
 
-    def allocate(self, num_blocks: int, num_cpu_blocks: int, block_size: int, kernel_decode: bool) -> None:
+    def allocate(self, num_blocks: int, num_cpu_blocks: int, block_size: int, kernel_attention: bool) -> None:
         """The mirror pool; the C decode kernel when the target uses it and this model's heads fit it."""
         self.kv_cache = KVCache(self.model_config, num_blocks, num_cpu_blocks, block_size, self.dtype, self.device)
         for index, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(*self.kv_cache.layer(index))
-        self.kernel_decode = kernel_decode and kernel_supported(self.kv_cache.layer(0)[0])
-        if self.library is not None and self.kernel_decode:
+        self.kernel_attention = kernel_attention and kernel_supported(self.kv_cache.layer(0)[0])
+        if self.library is not None and self.kernel_attention:
             self.model.fused = FusedDecoder(self.model, self.library)  # the one-token passes: one C call each
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], sampler: Sampler, generator_for: Callable[[SampleRow], torch.Generator],
                 block_size: int) -> dict[int, list[int]]:
         """Catch up every request's KV and propose its tokens; seq id -> proposals."""
-        kernel_decode = self.kernel_decode
+        kernel_attention = self.kernel_attention
         if self.model.fused is not None:
             requests = [r for r in requests if not self._mirror_in_fused_steps(r, block_size)]
         if not requests:
             return {}
         proposing = [i for i, r in enumerate(requests) if r.num_proposals > 0]
         staging = Staging()
-        passes = [self._stage_first_pass(requests, proposing, staging, block_size, kernel_decode)]
+        passes = [self._stage_first_pass(requests, proposing, staging, block_size, kernel_attention)]
         for j in range(2, max((requests[i].num_proposals for i in proposing), default=0) + 1):
-            passes.append(self._stage_pass(j, requests, proposing, staging, block_size, kernel_decode))
+            passes.append(self._stage_pass(j, requests, proposing, staging, block_size, kernel_attention))
         views = staging.to(self.device)
         latest = torch.zeros(len(proposing), dtype=torch.long, device=self.device)
         proposals = torch.full((len(proposing), max(len(passes), 1)), -1, dtype=torch.long, device=self.device)
         probs: dict[int, list[torch.Tensor]] = {}
         for j, (layout, members, plan) in enumerate(passes, start=1):
             prefix = f"d{j}."
-            meta = attention_metadata(layout, views, kernel_decode, block_size, self.windows, self.dtype, prefix)
+            meta = attention_metadata(layout, views, kernel_attention, block_size, self.windows, self.dtype, prefix)
             ids = views[prefix + "input_ids"] if j == 1 else latest.index_select(0, views[prefix + "feed"])
             logits = self.model.step_logits(ids, views[prefix + "positions"], meta, views[prefix + "logit_rows"])
             if not members:  # catching up only: the KV it wrote, no logits
@@ -159,9 +159,9 @@ class DraftModel:
             self.model.step_logits(views["input_ids"], views["positions"], meta, views["logit_rows"])
         return True
 
-    def _stage_first_pass(self, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_decode: bool):
+    def _stage_first_pass(self, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_attention: bool):
         chunks = [ScheduledChunk(r.seq_id, r.start, r.tokens, r.block_table, num_spec=self._catch_up_rows(r)) for r in requests]
-        layout = stage_batch(chunks, block_size, kernel_decode, staging, "d1.")
+        layout = stage_batch(chunks, block_size, kernel_attention, staging, "d1.")
         members = list(range(len(proposing)))
         staging.add("d1.logit_rows", [layout.last_rows[i] for i in proposing])
         staging.add("d1.members", members)
@@ -176,7 +176,7 @@ class DraftModel:
         short = len(request.tokens) <= MAX_ROWS  # at most what one fused step takes
         return len(request.tokens) - 1 if request.num_proposals > 0 and short else 0
 
-    def _stage_pass(self, j: int, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_decode: bool):
+    def _stage_pass(self, j: int, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_attention: bool):
         """Pass j feeds proposal j-1 of each request proposing >= j tokens, at its position."""
         prefix = f"d{j}."
         members = [m for m, i in enumerate(proposing) if requests[i].num_proposals >= j]
@@ -185,7 +185,7 @@ class DraftModel:
             request = requests[proposing[m]]
             position = request.start + len(request.tokens) - 1 + j - 1
             chunks.append(ScheduledChunk(request.seq_id, position, [0], request.block_table))
-        layout = stage_batch(chunks, block_size, kernel_decode, staging, prefix)
+        layout = stage_batch(chunks, block_size, kernel_attention, staging, prefix)
         staging.add(prefix + "feed", [members[c] for c in layout.order])  # batch row -> its input's member
         staging.add(prefix + "logit_rows", [layout.last_rows[c] for c in range(len(chunks))])
         staging.add(prefix + "members", members)

@@ -50,11 +50,11 @@ class Speculator:
     def bytes_per_block(self) -> int:
         return self.draft.bytes_per_block(self.block_size) if self.draft is not None else 0
 
-    def allocate(self, num_blocks: int, num_cpu_blocks: int, kernel_decode: bool, target: FusedDecoder | None) -> None:
+    def allocate(self, num_blocks: int, num_cpu_blocks: int, kernel_attention: bool, target: FusedDecoder | None) -> None:
         """The draft's mirror pool; fused cycles when the target's step and the draft's both run fused."""
         if self.draft is None:
             return
-        self.draft.allocate(num_blocks, num_cpu_blocks, self.block_size, kernel_decode)
+        self.draft.allocate(num_blocks, num_cpu_blocks, self.block_size, kernel_attention)
         if self.config.fused_cycles and target is not None and self.draft.model.fused is not None:
             self.fused = FusedCycles(target, self.draft.model.fused, self.config.num_speculative_tokens, self.block_size,
                                      self.draft.vocab, self.config.draft_p_min)

@@ -43,7 +43,7 @@ def batch_order(chunks: list[ScheduledChunk]) -> list[int]:
     return sorted(range(len(chunks)), key=lambda i: (not chunks[i].is_decode, -chunks[i].start))
 
 
-def stage_batch(chunks: list[ScheduledChunk], block_size: int, kernel_decode: bool, staging: Staging, prefix: str = "",
+def stage_batch(chunks: list[ScheduledChunk], block_size: int, kernel_attention: bool, staging: Staging, prefix: str = "",
                 num_steps: int = 1) -> BatchLayout:
     """Lay out the chunks and stage their arrays under `prefix`. A decode that verifies k
     proposals contributes k + 1 decode rows, each attending to the context up to its position.
@@ -73,19 +73,19 @@ def stage_batch(chunks: list[ScheduledChunk], block_size: int, kernel_decode: bo
     staging.add(prefix + "input_ids", ids)
     staging.add(prefix + "positions", positions)
     staging.add(prefix + "slot_mapping", slots)
-    layout.buckets = _stage_decode_buckets(decodes, block_size, kernel_decode, staging, prefix, num_steps - 1)
+    layout.buckets = _stage_decode_buckets(decodes, block_size, kernel_attention, staging, prefix, num_steps - 1)
     for number, (_, chunk) in enumerate(layout.prefills):
-        if chunk.start > 0:
+        if chunk.start > 0 or kernel_attention:  # the C kernel reads even a fresh chunk's K/V from the pool
             staging.add(f"{prefix}prefill{number}.blocks", chunk.block_table[: -(-chunk.end // block_size)])
     return layout
 
 
-def _stage_decode_buckets(decodes: list[tuple[int, list[int]]], block_size: int, kernel_decode: bool, staging: Staging,
+def _stage_decode_buckets(decodes: list[tuple[int, list[int]]], block_size: int, kernel_attention: bool, staging: Staging,
                           prefix: str, reach: int = 0) -> list[_Bucket]:
     """Cut decode rows (sorted about longest first) where padding to the bucket's first context
     would multiply its KV by more than the backend's factor, into at most its number of calls.
     Tables cover `reach` positions past each context."""
-    max_buckets, factor = KERNEL_DECODE_BUCKETS if kernel_decode else SDPA_DECODE_BUCKETS
+    max_buckets, factor = KERNEL_DECODE_BUCKETS if kernel_attention else SDPA_DECODE_BUCKETS
     num_blocks = [-(-(ctx + reach) // block_size) for ctx, _ in decodes]
     buckets: list[_Bucket] = []
     start = 0
@@ -104,14 +104,14 @@ def _stage_decode_buckets(decodes: list[tuple[int, list[int]]], block_size: int,
     return buckets
 
 
-def attention_metadata(layout: BatchLayout, views: dict[str, torch.Tensor], kernel_decode: bool, block_size: int,
+def attention_metadata(layout: BatchLayout, views: dict[str, torch.Tensor], kernel_attention: bool, block_size: int,
                        windows: list[int | None], dtype: torch.dtype, prefix: str = "") -> AttentionMetadata:
     device = views[prefix + "slot_mapping"].device
     decodes = []
     for number, bucket in enumerate(layout.buckets):
         ctx_lens = views[f"{prefix}decode{number}.ctx_lens"]
         masks = {}
-        if not kernel_decode:
+        if not kernel_attention:
             k_pos = torch.arange(bucket.max_blocks * block_size, device=device)
             for window in windows:
                 masks[window] = additive_mask(allowed_keys(ctx_lens - 1, k_pos, window), dtype)[:, None, None, :]
@@ -119,12 +119,12 @@ def attention_metadata(layout: BatchLayout, views: dict[str, torch.Tensor], kern
     prefills = []
     for number, (first_row, chunk) in enumerate(layout.prefills):
         prefill = PrefillChunk(q_start=first_row, q_len=chunk.num_tokens, ctx_len=chunk.end)
-        if chunk.start > 0:
+        if chunk.start > 0 or kernel_attention:
             prefill.block_ids = views[f"{prefix}prefill{number}.blocks"]
-        for window in windows:
+        for window in () if kernel_attention else windows:
             if chunk.start > 0 or window is not None:
                 q_pos = torch.arange(chunk.start, chunk.end, device=device)
                 allowed = allowed_keys(q_pos, torch.arange(chunk.end, device=device), window)
                 prefill.masks[window] = additive_mask(allowed, dtype)
         prefills.append(prefill)
-    return AttentionMetadata(views[prefix + "slot_mapping"], decodes, prefills, kernel_decode)
+    return AttentionMetadata(views[prefix + "slot_mapping"], decodes, prefills, kernel_attention)

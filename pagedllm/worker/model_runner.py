@@ -64,8 +64,8 @@ class ModelRunner:
             attn.bind_cache(*(self.offload.buffer(0) if self.offload else self.kv_cache.layer(index)))
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
         self.sampler = Sampler(config.seed, self.device, kernels.load() if self.device.type == "cpu" else None)
-        self.kernel_decode = self._choose_decode_backend()
-        if fused_library is not None and self.kernel_decode:
+        self.kernel_attention = self._choose_attention_backend()
+        if fused_library is not None and self.kernel_attention:
             self.model.fused = FusedDecoder(self.model, fused_library)
         elif fused_library is not None:  # the attention kernel is off: the fused step cannot run
             if config.decode_backend == "fused":
@@ -73,7 +73,7 @@ class ModelRunner:
             for linear in self.model.linears():
                 linear.small = None
         if self.speculator is not None:
-            self.speculator.allocate(self.num_blocks, self.num_cpu_blocks, self.kernel_decode, self.model.fused)
+            self.speculator.allocate(self.num_blocks, self.num_cpu_blocks, self.kernel_attention, self.model.fused)
         self.target_time_s = 0.0  # in execute() before proposing
         self.generators: dict[int, torch.Generator] = {}  # seq id -> a seeded sequence's own generator
 
@@ -111,8 +111,8 @@ class ModelRunner:
             raise ValueError("decode_backend='fused' cannot be used: " + "; ".join(reasons))
         return library
 
-    def _choose_decode_backend(self) -> bool:
-        """The C decode kernel for fp32 on CPU when it builds (auto), else SDPA."""
+    def _choose_attention_backend(self) -> bool:
+        """The C attention kernels (decode and prefill) for fp32 on CPU when they build (auto), else SDPA."""
         backend = self.config.attention_backend
         k_cache = self.model.attention_layers()[0].k_cache  # the pool, or the offload buffer
         if backend == "sdpa" or (backend == "auto" and not kernel_supported(k_cache)):
@@ -151,7 +151,7 @@ class ModelRunner:
             result, target_s = self.speculator.run_fused(sched)
             self.target_time_s += target_s
             return result
-        layout = stage_batch(self._short_chunks_as_rows(sched.chunks), self.block_size, self.kernel_decode, staging)
+        layout = stage_batch(self._short_chunks_as_rows(sched.chunks), self.block_size, self.kernel_attention, staging)
         plain = [row for row in sched.samples if not row.spec_token_ids]
         spec = [row for row in sched.samples if row.spec_token_ids]
         expanded = Speculator.expand(spec)
@@ -162,7 +162,7 @@ class ModelRunner:
             Speculator.stage_verify(spec, staging)
         views = staging.to(self.device)
         self._apply_block_maps(sched, views)
-        meta = attention_metadata(layout, views, self.kernel_decode, self.block_size, self.windows, self.dtype)
+        meta = attention_metadata(layout, views, self.kernel_attention, self.block_size, self.windows, self.dtype)
         logits = self.model.step_logits(views["input_ids"], views["positions"], meta, views["logit_rows"])
         if logits is None:
             return ModelRunnerOutput()  # a tensor-parallel worker: rank 0 samples
@@ -186,7 +186,7 @@ class ModelRunner:
         decode rows, each attending to the context up to its own position — what their prefill
         computes — so the step is one C call instead of a pass through the modules: the end of a
         prompt found in the prefix cache, or a short prompt, costs about a decode step."""
-        if self.model.fused is None or not self.kernel_decode or sum(c.num_tokens for c in chunks) > MAX_ROWS:
+        if self.model.fused is None or not self.kernel_attention or sum(c.num_tokens for c in chunks) > MAX_ROWS:
             return chunks
         return [c if c.is_decode else replace(c, num_spec=c.num_tokens - 1) for c in chunks]
 
@@ -203,11 +203,11 @@ class ModelRunner:
     def _greedy_steps(self, sched: SchedulerOutput, staging: Staging) -> ModelRunnerOutput:
         """Multi-step scheduling: `sched.num_steps` greedy steps of plain decodes in one fused
         call, each row's argmax its next input; every row gets num_steps tokens."""
-        layout = stage_batch(sched.chunks, self.block_size, self.kernel_decode, staging, num_steps=sched.num_steps)
+        layout = stage_batch(sched.chunks, self.block_size, self.kernel_attention, staging, num_steps=sched.num_steps)
         stage_logit_rows(sched, layout, staging, [sched.samples])
         views = staging.to(self.device)
         self._apply_block_maps(sched, views)
-        meta = attention_metadata(layout, views, self.kernel_decode, self.block_size, self.windows, self.dtype)
+        meta = attention_metadata(layout, views, self.kernel_attention, self.block_size, self.windows, self.dtype)
         if self.model.fused is None or not self.model.fused.accepts(meta, len(sched.chunks)):
             raise RuntimeError("a multi-step step reached a runner that cannot run it as one fused call")
         tokens, logprobs = self.model.fused.greedy_steps(views["input_ids"], views["positions"], meta, views["logit_rows"],

@@ -53,7 +53,7 @@ def cuda_reference(model_dir):
 def test_greedy_matches_transformers_on_cuda(arch, dtype, mode, model_dir, cuda_reference):
     near_tie, logprob_tol = TOLERANCES[dtype]
     llm = LLM(str(model_dir(arch)), device="cuda", dtype=dtype, **MODES[mode])
-    assert llm.llm_engine.device.type == "cuda" and not llm.llm_engine.runner.kernel_decode
+    assert llm.llm_engine.device.type == "cuda" and not llm.llm_engine.runner.kernel_attention
     assert_outputs_match(llm.generate(PROMPTS, GREEDY, use_tqdm=False), cuda_reference(arch, dtype), near_tie, logprob_tol)
     stats = llm.get_stats()
     assert_mode_happened(stats, mode)

@@ -27,12 +27,12 @@ def test_greedy_matches_transformers(arch, mode, model_dir, reference):
     llm = LLM(str(model_dir(arch)), **MODES[mode])
     # Both decode-attention backends face the reference: the C kernel (fp32 on a CPU with a C
     # compiler, the default) and SDPA over gathered blocks (other devices and dtypes, fallback).
-    assert llm.llm_engine.runner.kernel_decode == (mode != "sdpa_decode" and compiler() is not None)
+    assert llm.llm_engine.runner.kernel_attention == (mode != "sdpa_decode" and compiler() is not None)
     # Small all-decode steps of dense models run as one fused C call wherever the C attention
     # kernel does (models/fused_decode.py); the modules (the sdpa_decode mode, MoE models) stay
     # under test as well.
     dense = arch not in MOE_ARCHS
-    assert (llm.llm_engine.runner.model.fused is not None) == (llm.llm_engine.runner.kernel_decode and dense)
+    assert (llm.llm_engine.runner.model.fused is not None) == (llm.llm_engine.runner.kernel_attention and dense)
     runs = 2 if mode == "prefix_caching" else 1  # the second run reuses the first one's blocks
     for _ in range(runs):
         assert_outputs_match(llm.generate(PROMPTS, GREEDY, use_tqdm=False), reference(arch))

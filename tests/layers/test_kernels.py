@@ -40,7 +40,7 @@ def test_without_a_compiler_the_engine_runs_its_pytorch_path(model_dir, monkeypa
         llm = LLM(str(model_dir("llama")))
     assert "no C compiler found" in caplog.text and "install gcc" in caplog.text
     runner = llm.llm_engine.runner
-    assert runner.model.fused is None and not runner.kernel_decode
+    assert runner.model.fused is None and not runner.kernel_attention
     assert llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="could not be built"):
         LLM(str(model_dir("llama")), decode_backend="fused")

@@ -40,7 +40,7 @@ def device_budget(folder, blocks: int) -> int:
 
 
 MODES = {
-    "kernel_decode": {},
+    "kernel_attention": {},
     "sdpa_decode": dict(attention_backend="sdpa"),
     "chunked_prefill_and_prefix_cache": dict(max_num_batched_tokens=64, enable_prefix_caching=True),
     "small_host_pool_recompute": dict(num_kv_blocks=22),

@@ -1,0 +1,179 @@
+/* Prefill attention straight from the paged KV pool, for CPUs.
+ *
+ * A prefill chunk's query rows attend causally to the context before them, whose K/V the step has
+ * just written into the pool. Decode attention (paged_decode.c) dots one query with each K row,
+ * which needs a horizontal sum per score; with many query rows the work is a small matrix product
+ * instead, and is laid out like one: a tile of VW consecutive query rows of one query head is
+ * transposed once (its head_dim x VW floats stay in L1), so that
+ *  - scores: each K row's element is broadcast against a vector of the tile's VW queries — one
+ *    FMA per element per 16 (or 8) scores, no horizontal sums — for 8 positions at a time in
+ *    independent accumulators;
+ *  - softmax: the scores of a position are a vector across the tile's rows, so the causal and
+ *    window masks, the running max, exp and the sum are vector operations across rows;
+ *  - weighted sum: 4 rows x up to 4 vectors of an output head are held in 16 accumulators while
+ *    the V rows stream past (each loaded once for the 4 rows), each row's probabilities
+ *    broadcast; the 1/sum is applied once at the end.
+ * Work items are (row tile, query head), longest contexts first under OpenMP's dynamic schedule,
+ * so a short prompt with few heads still keeps every thread busy (SDPA's CPU kernel splits a
+ * short prompt by head only) and a tile computes scores only up to its last row's position. K/V
+ * rows are found through the block table a block at a time; nothing is gathered or padded.
+ *
+ * q, out: [q_len, Hkv, G, D] rows q_stride / out_stride floats apart, row r at position
+ * ctx_len - q_len + r; caches [num_blocks, block_size, Hkv, D]; D a multiple of 8 (fastest a
+ * multiple of VW); window <= 0: no window.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define PB 8 /* positions per score micro-tile: independent FMA chains */
+#define RB 4 /* query rows per weighted-sum micro-tile */
+#define SB 4 /* output vectors per weighted-sum micro-tile */
+
+typedef struct {
+    const float *k_cache, *v_cache;
+    const int64_t *table;
+    Shape s;
+    int64_t window;
+    float scale;
+} Pool;
+
+/* Row of position t, KV head h. */
+static inline const float *pool_row(const float *cache, const Pool *p, int64_t t, int64_t h) {
+    const int64_t bs = p->s.block_size;
+    return cache + ((p->table[t / bs] * bs + t % bs) * p->s.num_kv_heads + h) * p->s.head_dim;
+}
+
+/* qt[d][j] = q row j's element d, for the tile's n rows (0 for lanes past them). */
+static void transpose_tile(const float *q, int64_t q_stride, int64_t n, int64_t D, float *qt) {
+    memset(qt, 0, sizeof(float) * D * VW);
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t d = 0; d < D; d++) qt[d * VW + j] = q[j * q_stride + d];
+}
+
+/* Lanes of a where mask is set, of b elsewhere (C has no vector ?:). */
+static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* scores[(t - lo) * VW + j] = scale * q_j . k_t for positions [lo, hi), -inf where row j (at
+ * position p0 + j) may not look. */
+static void score(const float *qt, const Pool *p, int64_t h, int64_t p0, int64_t lo, int64_t hi, float *scores) {
+    const int64_t D = p->s.head_dim;
+    const vf hidden = (vf){0} - INFINITY;
+    vi lane;
+    for (int j = 0; j < VW; j++) lane[j] = j;
+    for (int64_t t0 = lo; t0 < hi; t0 += PB) {
+        const int64_t n = hi - t0 < PB ? hi - t0 : PB;
+        const float *k[PB];
+        for (int64_t i = 0; i < PB; i++) k[i] = pool_row(p->k_cache, p, t0 + (i < n ? i : n - 1), h);
+        vf acc[PB] = {0};
+        for (int64_t d = 0; d < D; d++) {
+            const vf qd = loadv(qt + d * VW);
+            for (int i = 0; i < PB; i++) acc[i] += k[i][d] * qd;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const int32_t back = (int32_t)(t0 + i - p0); /* row j sees position t0 + i when j >= back */
+            vi visible = lane >= back;
+            if (p->window > 0) visible &= lane < back + (int32_t)p->window;
+            storev(scores + (t0 + i - lo) * VW, pick(visible, acc[i] * p->scale, hidden));
+        }
+    }
+}
+
+/* scores become exp(score - max) in place, lane by lane; returns 1 / sum per lane. */
+static vf exponentiate(float *scores, int64_t n) {
+    vf max = loadv(scores);
+    for (int64_t t = 1; t < n; t++) {
+        const vf x = loadv(scores + t * VW);
+        max = pick(x > max, x, max);
+    }
+    float top[VW];
+    storev(top, max);
+    vf sum = {0};
+    for (int64_t t = 0; t < n; t++) {
+        float *row = scores + t * VW;
+#pragma omp simd
+        for (int j = 0; j < VW; j++) row[j] = exp_nonpositive(row[j] - top[j]);
+        sum += loadv(row);
+    }
+    return 1.0f / sum;
+}
+
+/* The first `width` floats of p (the rest 0), and their store: a head_dim that is a multiple of
+ * 8 but not of VW ends in half a vector. */
+static inline vf load_part(const float *p, int64_t width) {
+    vf v = {0};
+    memcpy(&v, p, sizeof(float) * width);
+    return v;
+}
+
+static inline void store_part(float *p, vf v, int64_t width) { memcpy(p, &v, sizeof(float) * width); }
+
+/* out rows [j0, j0 + rows) (rows <= RB), floats [f0, f0 + nf) (nf <= SB * VW) of head qh:
+ * inv[j] * sum over t in [lo, hi) of probs[t][j] * v_t. */
+static inline __attribute__((always_inline)) void weigh(const float *probs, vf inv, const Pool *p, int64_t h, int64_t lo, int64_t hi, int64_t j0, int64_t rows,
+                  int64_t f0, int64_t nf, float *out, int64_t out_stride) {
+    const int64_t nv = (nf + VW - 1) / VW, tail = nf - (nv - 1) * VW;
+    vf acc[RB][SB];
+    memset(acc, 0, sizeof acc);
+    for (int64_t t = lo; t < hi; t++) {
+        const float *v = pool_row(p->v_cache, p, t, h) + f0;
+        const float *w = probs + (t - lo) * VW + j0;
+        vf vv[SB];
+        for (int s = 0; s < SB; s++) vv[s] = s < nv - 1 ? loadv(v + s * VW) : s == nv - 1 ? load_part(v + s * VW, tail) : (vf){0};
+        for (int r = 0; r < RB; r++)
+            for (int s = 0; s < SB; s++) acc[r][s] += w[r] * vv[s];
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t s = 0; s < nv; s++)
+            store_part(out + r * out_stride + f0 + s * VW, acc[r][s] * inv[j0 + r], s < nv - 1 ? VW : tail);
+}
+
+/* One work item: the tile of n rows starting at row r0 (position p0), query head qh. */
+static int attend_tile(const float *q, int64_t q_stride, int64_t n, int64_t p0, int64_t qh, const Pool *p, float *out,
+                       int64_t out_stride) {
+    const int64_t D = p->s.head_dim, h = qh / p->s.group, hi = p0 + n;
+    const int64_t lo = p->window > 0 && p0 + 1 > p->window ? p0 + 1 - p->window : 0;
+    float *buffer = aligned_alloc(64, sizeof(float) * ((D + hi - lo) * VW));
+    if (buffer == NULL) return 1;
+    float *qt = buffer;
+    float *scores = buffer + D * VW;
+    transpose_tile(q + qh * D, q_stride, n, D, qt);
+    score(qt, p, h, p0, lo, hi, scores);
+    const vf inv = exponentiate(scores, hi - lo);
+    for (int64_t j0 = 0; j0 < n; j0 += RB) {
+        const int64_t rows = n - j0 < RB ? n - j0 : RB;
+        /* rows past j0 + rows - 1 see no further; a window hides what is before its first row */
+        const int64_t first = p->window > 0 && p0 + j0 + 1 > p->window ? p0 + j0 + 1 - p->window : lo;
+        const float *probs = scores + (first - lo) * VW;
+        float *o = out + j0 * out_stride + qh * D;
+        for (int64_t f0 = 0; f0 < D; f0 += SB * VW) {
+            if (D - f0 >= SB * VW) /* a constant width: the loads and FMAs unroll */
+                weigh(probs, inv, p, h, first, p0 + j0 + rows, j0, rows, f0, SB * VW, o, out_stride);
+            else
+                weigh(probs, inv, p, h, first, p0 + j0 + rows, j0, rows, f0, D - f0, o, out_stride);
+        }
+    }
+    free(buffer);
+    return 0;
+}
+
+int prefill_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                          const int64_t *table, int64_t q_len, int64_t ctx_len, float *out, int64_t out_stride,
+                          int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t window,
+                          float scale, int num_threads) {
+    if (head_dim % 8 != 0) return 2;
+    const Pool p = {k_cache, v_cache, table, {block_size, num_kv_heads, group, head_dim}, window, scale};
+    const int64_t heads = num_kv_heads * group, tiles = (q_len + VW - 1) / VW, items = tiles * heads;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(| : failed)
+    for (int64_t i = 0; i < items; i++) {
+        const int64_t tile = tiles - 1 - i / heads, qh = i % heads; /* longest contexts first */
+        const int64_t r0 = tile * VW, n = q_len - r0 < VW ? q_len - r0 : VW;
+        failed |= attend_tile(q + r0 * q_stride, q_stride, n, ctx_len - q_len + r0, qh, &p, out + r0 * out_stride,
+                              out_stride);
+    }
+    return failed;
+}
