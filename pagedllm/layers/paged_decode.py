@@ -12,9 +12,8 @@ registers, and is called for ~10 µs.
 
 Prefill chunks have their own kernel (csrc/prefill_attention.c, `run_prefill_kernel`): with
 many query rows attention is a small matrix product, so it is laid out as one (a tile of query
-rows transposed, each K element broadcast against it) rather than as a dot product per row; on a
-short prompt with few heads it also keeps every thread busy where SDPA's CPU kernel splits the
-work by head only.
+rows transposed, each K element broadcast against it) rather than as a dot product per row, and
+its work items are (tile of 16 rows, head), so even a short prompt with few heads makes many.
 
 `paged_decode` below is the same computation in PyTorch: the reference both kernels are tested
 against. Without a C compiler, for dtypes other than fp32, or for a head_dim that is not a

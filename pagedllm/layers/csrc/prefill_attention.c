@@ -14,9 +14,9 @@
  *    the V rows stream past (each loaded once for the 4 rows), each row's probabilities
  *    broadcast; the 1/sum is applied once at the end.
  * Work items are (row tile, query head), longest contexts first under OpenMP's dynamic schedule,
- * so a short prompt with few heads still keeps every thread busy (SDPA's CPU kernel splits a
- * short prompt by head only) and a tile computes scores only up to its last row's position. K/V
- * rows are found through the block table a block at a time; nothing is gathered or padded.
+ * so a short prompt with few heads still makes many small items for the threads, and a tile
+ * computes scores only up to its last row's position. K/V rows are found through the block
+ * table; nothing is gathered or padded.
  *
  * q, out: [q_len, Hkv, G, D] rows q_stride / out_stride floats apart, row r at position
  * ctx_len - q_len + r; caches [num_blocks, block_size, Hkv, D]; D a multiple of 8 (fastest a
@@ -58,8 +58,10 @@ static void transpose_tile(const float *q, int64_t q_stride, int64_t n, int64_t 
 static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
 /* scores[(t - lo) * VW + j] = scale * q_j . k_t for positions [lo, hi), -inf where row j (at
- * position p0 + j) may not look. */
-static void score(const float *qt, const Pool *p, int64_t h, int64_t p0, int64_t lo, int64_t hi, float *scores) {
+ * position p0 + j) may not look; lanes past the tile's n rows (q 0) see everything, so that no
+ * lane is all -inf. */
+static void score(const float *qt, int64_t n_rows, const Pool *p, int64_t h, int64_t p0, int64_t lo, int64_t hi,
+                  float *scores) {
     const int64_t D = p->s.head_dim;
     const vf hidden = (vf){0} - INFINITY;
     vi lane;
@@ -77,6 +79,7 @@ static void score(const float *qt, const Pool *p, int64_t h, int64_t p0, int64_t
             const int32_t back = (int32_t)(t0 + i - p0); /* row j sees position t0 + i when j >= back */
             vi visible = lane >= back;
             if (p->window > 0) visible &= lane < back + (int32_t)p->window;
+            visible |= lane >= (int32_t)n_rows;
             storev(scores + (t0 + i - lo) * VW, pick(visible, acc[i] * p->scale, hidden));
         }
     }
@@ -136,12 +139,13 @@ static int attend_tile(const float *q, int64_t q_stride, int64_t n, int64_t p0, 
                        int64_t out_stride) {
     const int64_t D = p->s.head_dim, h = qh / p->s.group, hi = p0 + n;
     const int64_t lo = p->window > 0 && p0 + 1 > p->window ? p0 + 1 - p->window : 0;
-    float *buffer = aligned_alloc(64, sizeof(float) * ((D + hi - lo) * VW));
+    const size_t bytes = sizeof(float) * (size_t)((D + hi - lo) * VW);
+    float *buffer = aligned_alloc(64, (bytes + 63) / 64 * 64); /* a multiple of the alignment */
     if (buffer == NULL) return 1;
     float *qt = buffer;
     float *scores = buffer + D * VW;
     transpose_tile(q + qh * D, q_stride, n, D, qt);
-    score(qt, p, h, p0, lo, hi, scores);
+    score(qt, n, p, h, p0, lo, hi, scores);
     const vf inv = exponentiate(scores, hi - lo);
     for (int64_t j0 = 0; j0 < n; j0 += RB) {
         const int64_t rows = n - j0 < RB ? n - j0 : RB;
