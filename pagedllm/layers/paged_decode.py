@@ -58,9 +58,7 @@ def run_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
     """`paged_decode` through the C kernel, into `out` if given. q and out may have any stride
     between sequences (q is then read where it lies); caches must be contiguous fp32 on the CPU,
     and every context must fit its block table (the block manager guarantees both)."""
-    library = load()
-    if library is None:
-        raise RuntimeError("the paged decode kernel is unavailable (no C compiler, or the build failed)")
+    library = _available(load(), "paged decode")
     q = q if _rows_dense(q) else q.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if not _rows_dense(out) or out.shape != q.shape:
@@ -73,10 +71,7 @@ def run_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
         out.data_ptr(), out.stride(0), batch, tables.shape[1], k_cache.shape[1], num_kv_heads, group, head_dim,
         window, scale, torch.get_num_threads(),
     )
-    if failed == 2:
-        raise ValueError(f"paged decode kernel: head_dim must be a multiple of 8, got {head_dim}")
-    if failed:
-        raise MemoryError("paged decode kernel: out of memory for attention scores")
+    _check(failed, "paged decode", head_dim)
     return out
 
 
@@ -87,9 +82,7 @@ def run_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     positions of a context of ctx_len, whose K/V the pool already holds) into out, through the C
     kernel (csrc/prefill_attention.c): row r is `paged_decode` of a context of
     ctx_len - q_len + r + 1. `library`: another build of the kernels (tests)."""
-    library = library or load()
-    if library is None:
-        raise RuntimeError("the paged attention kernel is unavailable (no C compiler, or the build failed)")
+    library = _available(library or load(), "prefill attention")
     if not (_rows_dense(q) and _rows_dense(out)) or out.shape != q.shape:
         raise ValueError("q and out must have the same shape and dense rows")
     table = block_table.to(torch.int64).contiguous()
@@ -99,11 +92,22 @@ def run_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         out.data_ptr(), out.stride(0), k_cache.shape[1], num_kv_heads, group, head_dim, window, scale,
         torch.get_num_threads(),
     )
-    if failed == 2:
-        raise ValueError(f"paged attention kernel: head_dim must be a multiple of 8, got {head_dim}")
-    if failed:
-        raise MemoryError("paged attention kernel: out of memory for attention scores")
+    _check(failed, "prefill attention", head_dim)
     return out
+
+
+def _available(library: ctypes.CDLL | None, kernel: str) -> ctypes.CDLL:
+    if library is None:
+        raise RuntimeError(f"the {kernel} kernel is unavailable (no C compiler, or the build failed)")
+    return library
+
+
+def _check(failed: int, kernel: str, head_dim: int) -> None:
+    """The kernels' status: 0 done, 2 a head_dim they cannot vectorise, else out of memory."""
+    if failed == 2:
+        raise ValueError(f"{kernel} kernel: head_dim must be a multiple of 8, got {head_dim}")
+    if failed:
+        raise MemoryError(f"{kernel} kernel: out of memory for attention scores")
 
 
 def _rows_dense(x: torch.Tensor) -> bool:

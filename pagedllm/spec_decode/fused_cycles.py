@@ -74,8 +74,8 @@ class FusedCycles:
 
     def run(self, requests: list[CycleRequest], num_cycles: int) -> tuple[list[CycleResult], CycleTimes]:
         """Up to `num_cycles` cycles for every request (fewer once it has its budget). The
-        arguments travel as ctypes arrays: at a few hundred microseconds a cycle, building
-        tensors for them cost a tenth of it."""
+        arguments travel as ctypes arrays: a cycle is short enough that building tensors for
+        them was a visible share of it (docs/engine.md)."""
         S, k = len(requests), self.k
         max_blocks = max(len(r.block_table) for r in requests)
         history_ld = max(len(r.history) for r in requests)

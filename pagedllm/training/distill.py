@@ -6,9 +6,7 @@ target generated (sequence-level knowledge distillation, as in DistillSpec; Medu
 drafts are trained on their target's generations too) teaches it the target's choices, including
 the target's habits that differ from the corpus (its repetitions, its favourite continuations).
 
-For models/pagedllm-py-draft, the same shape and steps trained on such a corpus instead of the
-stdlib itself raised the acceptance of its greedy proposals from 47 % to 58 %, and a corpus three
-times larger trained four times longer to 62 % (docs/engine.md).
+How much this raised models/pagedllm-py-draft's acceptance is measured in docs/engine.md (Speculative decoding).
 
 The prompts are windows of the training split of a corpus (the same per-document split the
 trainer makes, so held-out documents stay held out) at random positions -- any point of a file,
