@@ -70,7 +70,9 @@ def run_pagedllm(folder: Path, workload: Workload, engine_args: dict) -> tuple[f
     """Seconds for the workload; the engine is kept for the decode measurements that follow."""
     from pagedllm import LLM, SamplingParams
 
+    started = time.perf_counter()
     llm = LLM(str(folder), **engine_args)
+    print(f"pagedllm engine ready in {time.perf_counter() - started:.1f} s (weights, KV sizing, CUDA graphs)")
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
     llm.generate(workload.prompts[:4], params[:4], use_tqdm=False)  # warm-up
     torch.cuda.synchronize()
@@ -82,14 +84,15 @@ def run_pagedllm(folder: Path, workload: Workload, engine_args: dict) -> tuple[f
     return elapsed, llm
 
 
-def decode_busy_share(llm, vocab: int, batch: int = BUSY_BATCH, steps: int = BUSY_STEPS) -> tuple[float, float]:
-    """(GPU busy share, wall ms per step) over `steps` steady decode steps of `batch` sequences."""
+def decode_busy_share(llm, vocab: int, batch: int = BUSY_BATCH, steps: int = BUSY_STEPS) -> tuple[float, float, float]:
+    """(GPU busy share, wall ms per step under the profiler, wall ms per step without it) over
+    `steps` steady decode steps of `batch` sequences."""
     from torch.profiler import ProfilerActivity, profile
 
     from pagedllm import SamplingParams
 
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 16, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"busy-{i}", {"prompt_token_ids": [(7 * i + j) % (vocab - 20) + 10 for j in range(128)]}, params)
     while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
@@ -97,6 +100,10 @@ def decode_busy_share(llm, vocab: int, batch: int = BUSY_BATCH, steps: int = BUS
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    plain_ms = (time.perf_counter() - start) / steps * 1e3
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
@@ -114,7 +121,7 @@ def decode_busy_share(llm, vocab: int, batch: int = BUSY_BATCH, steps: int = BUS
             reach = end
     print(f"  {len(intervals) / steps:.0f} kernels per decode step; the most time-consuming:")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
-    return busy_us / 1e6 / wall, wall / steps * 1e3
+    return busy_us / 1e6 / wall, wall / steps * 1e3, plain_ms
 
 
 def single_stream_rate(llm, vocab: int, prompt_len: int = 128, tokens: int = 512) -> float:
@@ -226,8 +233,13 @@ def run(args: argparse.Namespace, config_class: str, shape: dict, workload: Work
         engine_args[key] = _parse_value(value)
     ours, llm = run_pagedllm(folder, workload, engine_args)
     print(f"pagedllm:                 {ours:7.1f} s  {workload.output_tokens / ours:9.1f} output tok/s")
-    share, step_ms = decode_busy_share(llm, vocab)
-    print(f"decode steps of {BUSY_BATCH} sequences: {step_ms:.2f} ms wall each, GPU busy {share:.1%} (torch.profiler)")
+    share, step_ms, plain_ms = decode_busy_share(llm, vocab)
+    print(f"decode steps of {BUSY_BATCH} sequences: {plain_ms:.2f} ms each ({BUSY_BATCH / plain_ms * 1e3:.0f} tok/s); "
+          f"under torch.profiler {step_ms:.2f} ms, GPU busy {share:.1%} of it")
+    runner = llm.llm_engine.runner
+    print(f"attention backend {runner.attention_backend}, CUDA graphs "
+          f"{'off' if runner.graphs is None else f'{len(runner.graphs.graphs)} sizes, {runner.graphs.num_replays} replays'}, "
+          f"{runner.num_blocks} KV blocks")
     rate = single_stream_rate(llm, vocab)
     limit = bandwidth / weight_bytes(llm)
     print(f"single stream: {rate:.1f} tok/s; bandwidth limit {limit:.0f} tok/s ({weight_bytes(llm) / 1e9:.2f} GB of "
