@@ -180,7 +180,7 @@ class ModelRunner:
         lengths = [min(tokens // seqs + (i < tokens % seqs), self.max_model_len) for i in range(seqs)]
         lengths = [n for n in lengths if n > 0]
         widths = [-(-n // self.block_size) for n in lengths]
-        scratch = KVCache(self.model.config, sum(widths), 0, self.block_size, self.dtype, self.device)
+        scratch = self.kv_cache = KVCache(self.model.config, sum(widths), 0, self.block_size, self.dtype, self.device)
         for index, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(*scratch.layer(index))
         self._set_attention_backend()
@@ -202,7 +202,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         reading = MemoryReading(total, free, torch.cuda.memory_reserved(self.device),
                                 torch.cuda.max_memory_allocated(self.device), scratch.k.nbytes + scratch.v.nbytes)
-        del scratch
+        del scratch, self.kv_cache
         for attn in self.model.attention_layers():
             attn.bind_cache(torch.empty(0), torch.empty(0))
         torch.cuda.empty_cache()

@@ -55,7 +55,8 @@ def test_gpu_memory_utilization_is_validated():
 def test_profiling_step_feeds_the_budget(model_dir, monkeypatch):
     runner = ModelRunner(EngineConfig(model=str(model_dir("llama")), max_num_batched_tokens=300, max_num_seqs=7),
                          ModelConfig.from_pretrained(model_dir("llama")), 512)
-    pool = runner.model.attention_layers()[0].k_cache
+    pool, kv_cache = runner.model.attention_layers()[0].k_cache, runner.kv_cache
+    del runner.kv_cache  # as in the runner's __init__: the real pool does not exist yet
     recorded = {"mem_get_info": lambda device=None: (H100.free, H100.total), "memory_reserved": lambda device=None: H100.reserved,
                 "max_memory_allocated": lambda device=None: H100.peak_allocated}
     for name, value in recorded.items():
@@ -70,3 +71,5 @@ def test_profiling_step_feeds_the_budget(model_dir, monkeypatch):
     for attn in runner.model.attention_layers():
         assert attn.k_cache.numel() == 0  # the scratch pool is unbound again
         attn.bind_cache(pool, pool)
+    assert not hasattr(runner, "kv_cache")
+    runner.kv_cache = kv_cache
