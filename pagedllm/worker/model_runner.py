@@ -72,7 +72,7 @@ class ModelRunner:
         for index, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(*(self.offload.buffer(0) if self.offload else self.kv_cache.layer(index)))
         self._set_attention_backend()
-        if self.triton_attention:
+        if self.triton_attention and self.device.type == "cuda":  # (Triton's interpreter would only be slower)
             self.model.use_triton_ops()
         if fused_library is not None and self.kernel_attention:
             self.model.fused = FusedDecoder(self.model, fused_library)
