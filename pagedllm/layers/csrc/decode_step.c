@@ -279,7 +279,9 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     if (D % 8 != 0 || md->num_heads % md->num_kv_heads != 0) return 2;
     Scratch sc;
     sc.qkv_ld = (md->num_heads + 2 * md->num_kv_heads) * D;
-    sc.norm_ld = R * H;
+    /* each thread's copy of a norm: of the step's rows in a layer, of the logit rows at the end
+     * (more than the rows where several samples of one prompt position each take its logits) */
+    sc.norm_ld = (st->num_logits > R ? st->num_logits : R) * H;
     const int64_t floats = R * H + num_threads * sc.norm_ld + R * sc.qkv_ld + R * md->num_heads * D + R * md->intermediate;
     float *scratch = malloc(sizeof(float) * floats);
     const int64_t num_stages = md->num_layers * STAGES_PER_LAYER + 1, max_chunks = MAX_CHUNKS_PER_THREAD * num_threads;
