@@ -167,7 +167,7 @@ def test_a_verification_row_gets_the_bits_of_a_1_row_step(model_dir, monkeypatch
         tables, which = table.repeat(rows, 1).contiguous(), torch.arange(rows, dtype=torch.int64)
         logits = torch.empty(rows, decoder.vocab_size)
         st = StepStruct(rows, ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), lens.data_ptr(), tables.data_ptr(), len(table),
-                        which.data_ptr(), rows, logits.data_ptr())
+                        which.data_ptr(), rows, logits.data_ptr(), logits.numel())
         assert library.decode_step(ctypes.byref(decoder._struct), ctypes.byref(st), 2) == 0
         return logits
 
