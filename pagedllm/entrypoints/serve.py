@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pagedllm.config import EngineConfig, ModelConfig, ModelLoadError
 from pagedllm.entrypoints.engine_args import add_engine_arguments, engine_args
+from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES
 from pagedllm.jobs.settings import default_data_dir
 from pagedllm.paths import DEFAULT_MODEL
 
@@ -40,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                         help="abort a generation not finished this long after it arrived (waiting included) with 504 "
                              "(default: none)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                        help="answer 413 to a request body larger than this, before reading it (default: 4 MiB)")
     parser.add_argument("--data-dir", default=str(default_data_dir()),
                         help="training job store, job logs and default checkpoint folders (default: %(default)s)")
     parser.add_argument("--train-slots", type=int, default=None,
@@ -79,6 +82,7 @@ def build_settings(args: argparse.Namespace):
         protect_metrics=args.protect_metrics,
         max_waiting_requests=args.max_waiting_requests,
         request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
         engine_args=engine,
         data_dir=args.data_dir,
         train_slots=args.train_slots,

@@ -36,6 +36,8 @@ def nested(body: dict, path: str, value) -> dict:
     ("data_config.dataset_path", "/nonexistent/corpus", "data_config.dataset_path"),
     ("data_config.tokenizer_path", "/nonexistent/tokenizer", "data_config.tokenizer_path"),
     ("parallelism_config.expert_parallel_size", 2, "parallelism_config.expert_parallel_size"),
+    ("job_name", "j" * 10_000, "job_name"),  # issue 28: names had no bound
+    ("job_name", "a\nb", "job_name"),
 ])
 def test_invalid_config_is_400_naming_the_field(server, tiny_paths, path, value, param):
     before = len(server.client.get("/v1/training/jobs").json()["data"])

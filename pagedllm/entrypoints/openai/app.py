@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from pagedllm.console.routes import ASSET_PREFIXES, PAGE_PATHS, install_console
 from pagedllm.entrypoints.openai.auth import OPEN_PATHS, APIKeyMiddleware
 from pagedllm.entrypoints.openai.errors import install_error_handlers
+from pagedllm.entrypoints.openai.limits import BodyLimitMiddleware
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.models import ModelRegistry
 from pagedllm.entrypoints.openai.openapi import install_openapi
@@ -67,6 +68,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths,
                            open_prefixes=ASSET_PREFIXES)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)  # outermost: before auth reads anything
     install_openapi(app, protected=bool(settings.api_key), open_paths=open_paths)
     app.include_router(inference_router)
     app.include_router(ops_router)
