@@ -172,14 +172,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(args: list[str], log: Path, timeout: float = 300) -> ServerProcess:
-    """Start `pagedllm serve ARGS` on 127.0.0.1 and a free port; return once /health answers."""
+def launch(args: list[str], log: Path, timeout: float = 300, env: dict[str, str] | None = None) -> ServerProcess:
+    """Start `pagedllm serve ARGS` on 127.0.0.1 and a free port (with `env` added to this
+    process's environment, e.g. kernels.sanitizer_env()); return once /health answers."""
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.serve", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", Path(log))
     deadline = time.monotonic() + timeout
     while True:
