@@ -65,10 +65,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.services = services
     install_error_handlers(app)
     open_paths = (OPEN_PATHS - {"/metrics"} if settings.protect_metrics else OPEN_PATHS) | PAGE_PATHS
+    # The last middleware added runs first: the key is checked from the headers, then the body's size.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths,
                            open_prefixes=ASSET_PREFIXES)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)  # outermost: before auth reads anything
     install_openapi(app, protected=bool(settings.api_key), open_paths=open_paths)
     app.include_router(inference_router)
     app.include_router(ops_router)

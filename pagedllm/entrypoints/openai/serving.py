@@ -37,7 +37,7 @@ from pagedllm.entrypoints.openai.errors import (
     error_body,
     param_from_message,
 )
-from pagedllm.entrypoints.openai.limits import valid_unicode
+from pagedllm.entrypoints.openai.limits import PROBE_MARGIN, probe_prefix, valid_unicode
 from pagedllm.entrypoints.openai.models import ServedModel
 from pagedllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from pagedllm.library_errors import describe
@@ -163,9 +163,21 @@ def check_prompt_chars(served: ServedModel, chars: int, param: str) -> None:
 
 async def encode(served: ServedModel, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
     """`text` as token ids, tokenized on the model's tokenizer thread (never on the event loop),
-    after the length check; a tokenizer's error is a 400 naming `param`."""
+    after the length check, and for a long text after its head showed it may fit (limits.py);
+    a tokenizer's error is a 400 naming `param`."""
     check_prompt_chars(served, len(text), param)
     valid_unicode_or_400(text, param)
+    head = probe_prefix(text, served.max_model_len)
+    if head is not None:
+        counted = len(await _tokenize(served, head, param, add_special_tokens))
+        if counted > served.max_model_len + PROBE_MARGIN:
+            raise BadRequestError(
+                f"{param} is longer than model {served.name!r}'s maximum context of {served.max_model_len} tokens: its "
+                f"first {len(head)} of {len(text)} characters alone are {counted} tokens", param)
+    return await _tokenize(served, text, param, add_special_tokens)
+
+
+async def _tokenize(served: ServedModel, text: str, param: str, add_special_tokens: bool) -> list[int]:
     try:
         return await served.on_tokenizer_thread(served.tokenizer.encode, text, add_special_tokens=add_special_tokens)
     except Exception as exc:

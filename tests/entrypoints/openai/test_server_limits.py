@@ -108,6 +108,19 @@ def test_a_50_mb_prompt_is_refused_within_a_second_while_a_stream_flows(server):
     assert max(gaps, default=0.0) < 1.0, f"the stream stalled {max(gaps):.2f} s"
 
 
+def test_a_long_prompt_under_the_character_limit_is_refused_by_its_head(http):
+    """200,000 characters fit the character limit (2048 tokens x 64 x 2) but not the context: the
+    first ~8,000 characters are tokenized, found over 2,048 tokens, and the rest never is (whole,
+    it took the tokenizer ~1 s)."""
+    prompt = "def f(x): return x  # " * 9000
+    start = time.monotonic()
+    error = assert_error(http.post("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 1}), 400, "prompt")
+    assert "alone are" in error["message"] and time.monotonic() - start < 1.0
+    fits = "#" * 64 * 300  # 19,200 characters, 300 tokens (a 64-character token of this vocabulary): tokenized whole
+    response = http.post("/v1/completions", json={"model": NAME, "prompt": fits, "max_tokens": 1})
+    assert response.status_code == 200, response.text
+
+
 def test_a_chunked_body_over_the_limit_is_413(server):
     def chunks():
         piece = b" " * (1 << 20)
