@@ -142,6 +142,15 @@ def sanitizer_env(cc: str | None = None) -> dict[str, str]:
     }
 
 
+def sanitizer_available() -> bool:
+    """Whether this machine's compiler has the ASan runtime the sanitizer build needs (gcc's)."""
+    try:
+        sanitizer_env()
+    except (RuntimeError, OSError, subprocess.CalledProcessError):
+        return False
+    return True
+
+
 def _load(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     cc = compiler()
     if cc is None:

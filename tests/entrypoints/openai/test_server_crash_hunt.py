@@ -26,8 +26,8 @@ KEY = "sk-crash-hunt"
 MAX_SEQS = 16
 REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "Sanitizer")
 
-pytestmark = pytest.mark.skipif(kernels.compiler() is None or "gcc" not in Path(kernels.compiler() or "").name,
-                                reason="the crash hunt's sanitizer build needs gcc")
+pytestmark = pytest.mark.skipif(not kernels.sanitizer_available(),
+                                reason="the crash hunt's sanitizer build needs gcc with its ASan runtime")
 
 
 @pytest.fixture(scope="module")
