@@ -157,8 +157,8 @@ def check_prompt_chars(served: ServedModel, chars: int, param: str) -> None:
     limit = served.max_prompt_chars
     if chars > limit:
         raise BadRequestError(
-            f"{param} has {chars} characters; model {served.name!r} takes at most {served.max_model_len} tokens, and no text "
-            f"of more than {limit} characters fits them (its longest token has {served.max_token_chars})", param)
+            f"the {param} has {chars} characters, but max_model_len is {served.max_model_len} tokens and no text of more than "
+            f"{limit} characters fits them (model {served.name!r}'s longest token has {served.max_token_chars})", param)
 
 
 async def encode(served: ServedModel, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
@@ -172,8 +172,8 @@ async def encode(served: ServedModel, text: str, param: str, add_special_tokens:
         counted = len(await _tokenize(served, head, param, add_special_tokens))
         if counted > served.max_model_len + PROBE_MARGIN:
             raise BadRequestError(
-                f"{param} is longer than model {served.name!r}'s maximum context of {served.max_model_len} tokens: its "
-                f"first {len(head)} of {len(text)} characters alone are {counted} tokens", param)
+                f"the {param} has more than {served.max_model_len} tokens (its first {len(head)} of {len(text)} characters "
+                f"alone are {counted}), but max_model_len is {served.max_model_len}", param)
     return await _tokenize(served, text, param, add_special_tokens)
 
 
