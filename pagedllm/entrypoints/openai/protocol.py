@@ -2,13 +2,31 @@
 
 Requests forbid unknown fields, as OpenAI does ("unrecognized request argument"): a typo such
 as `max_token` must not be silently ignored. Ranges are checked once, by `SamplingParams`; the
-models here only fix the types and the few bounds the engine cannot know about.
+models here fix the types, the few bounds the engine cannot know about, and how much one request
+may carry (limits.py): list lengths, string sizes, valid Unicode — each a 400 naming the field.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from pagedllm.entrypoints.openai.limits import (
+    MAX_CHOICES,
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_PRIORITY,
+    MAX_PROMPTS,
+    MAX_STOP,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
+    Choice,
+    Grammar,
+    JsonSchema,
+    Name,
+    StopString,
+    Text,
+)
 
 # torch.Generator seeds are 64-bit; larger JSON integers are a client error, not a crash.
 Seed = Field(default=None, ge=-(2**63), le=2**64 - 1)
@@ -35,27 +53,27 @@ def _reject_set(values: dict[str, Any], allowed: dict[str, tuple[Any, ...]]) -> 
 class StructuredOutputs(RequestModel):
     """vLLM's `structured_outputs`: exactly one constraint."""
 
-    json_: Union[str, dict[str, Any], None] = Field(default=None, alias="json")  # `json` would shadow BaseModel.json
-    regex: Optional[str] = None
-    choice: Optional[list[str]] = None
-    grammar: Optional[str] = None
+    json_: Annotated[Union[str, dict[str, Any], None], JsonSchema] = Field(default=None, alias="json")  # `json` would shadow BaseModel.json
+    regex: Optional[Grammar] = None
+    choice: Optional[Annotated[list[Choice], Field(max_length=MAX_CHOICES)]] = None
+    grammar: Optional[Grammar] = None
     json_object: Optional[bool] = None
 
 
 class SamplingFields(RequestModel):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extensions)."""
 
-    model: Optional[str] = Field(default=None, description="served model name; optional when one model is loaded")
+    model: Optional[Name] = Field(default=None, description="served model name; optional when one model is loaded")
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     n: int = 1
-    stop: Union[str, list[str], None] = None
+    stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP)], None] = None
     seed: Optional[int] = Seed
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    user: Optional[Name] = None
     logit_bias: Optional[dict[str, float]] = None
     # vLLM extensions
     top_k: Optional[int] = None
@@ -63,16 +81,16 @@ class SamplingFields(RequestModel):
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: Optional[list[int]] = None
-    priority: int = 0
+    stop_token_ids: Optional[Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputs] = None
     # vLLM's older spellings of the same constraints
-    guided_json: Union[str, dict[str, Any], None] = None
-    guided_regex: Optional[str] = None
-    guided_choice: Optional[list[str]] = None
-    guided_grammar: Optional[str] = None
+    guided_json: Annotated[Union[str, dict[str, Any], None], JsonSchema] = None
+    guided_regex: Optional[Grammar] = None
+    guided_choice: Optional[Annotated[list[Choice], Field(max_length=MAX_CHOICES)]] = None
+    guided_grammar: Optional[Grammar] = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> "SamplingFields":
@@ -83,7 +101,8 @@ class SamplingFields(RequestModel):
 
 
 # ---- completions -------------------------------------------------------------------------------
-PromptInput = Union[str, list[str], list[int], list[list[int]]]
+PromptInput = Union[Text, Annotated[list[Text], Field(max_length=MAX_PROMPTS)], list[int],
+                    Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]]
 
 
 class CompletionRequest(SamplingFields):
@@ -136,26 +155,26 @@ class CompletionResponse(BaseModel):
 # ---- chat --------------------------------------------------------------------------------------
 class TextContentPart(RequestModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class FunctionCallParam(RequestModel):
-    name: str
-    arguments: str  # JSON text, as the API returned it
+    name: Name
+    arguments: Text  # JSON text, as the API returned it
 
 
 class ToolCallParam(RequestModel):
-    id: str
+    id: Name
     type: Literal["function"] = "function"
     function: FunctionCallParam
 
 
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextContentPart], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[ToolCallParam]] = None  # an assistant's earlier calls
-    tool_call_id: Optional[str] = None  # which call a tool message answers
+    content: Union[Text, Annotated[list[TextContentPart], Field(max_length=MAX_CONTENT_PARTS)], None] = None
+    name: Optional[Name] = None
+    tool_calls: Optional[Annotated[list[ToolCallParam], Field(max_length=MAX_TOOLS)]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[Name] = None  # which call a tool message answers
 
     @model_validator(mode="after")
     def _roles(self) -> "ChatMessage":
@@ -175,8 +194,8 @@ class ChatMessage(RequestModel):
 
 class FunctionDefinition(RequestModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
+    description: Optional[Text] = None
+    parameters: Annotated[Optional[dict[str, Any]], JsonSchema] = None
     strict: Optional[bool] = None
 
 
@@ -186,7 +205,7 @@ class ChatTool(RequestModel):
 
 
 class NamedFunction(RequestModel):
-    name: str
+    name: Name
 
 
 class NamedToolChoice(RequestModel):
@@ -195,9 +214,9 @@ class NamedToolChoice(RequestModel):
 
 
 class JsonSchemaFormat(RequestModel):
-    name: str
-    description: Optional[str] = None
-    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    name: Name
+    description: Optional[Text] = None
+    schema_: Annotated[Optional[dict[str, Any]], JsonSchema] = Field(default=None, alias="schema")
     strict: Optional[bool] = None
 
 
@@ -215,13 +234,13 @@ class ResponseFormat(RequestModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: Optional[int] = Field(default=None, ge=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0)
     response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[ChatTool]] = None
+    tools: Optional[Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
@@ -335,8 +354,8 @@ class ModelStatus(BaseModel):
 
 
 class TokenizeRequest(RequestModel):
-    model: Optional[str] = None
-    prompt: str
+    model: Optional[Name] = None
+    prompt: Text
     add_special_tokens: bool = True
 
 
@@ -347,7 +366,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(RequestModel):
-    model: Optional[str] = None
+    model: Optional[Name] = None
     tokens: list[int]
 
 

@@ -37,8 +37,10 @@ from pagedllm.entrypoints.openai.errors import (
     error_body,
     param_from_message,
 )
+from pagedllm.entrypoints.openai.limits import PROBE_MARGIN, probe_prefix, valid_unicode
 from pagedllm.entrypoints.openai.models import ServedModel
 from pagedllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from pagedllm.library_errors import describe
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -147,6 +149,48 @@ def check_context_length(prompt_len: int, max_tokens: int | None, served: Served
             "or the prompt",
             param,
         )
+
+
+def check_prompt_chars(served: ServedModel, chars: int, param: str) -> None:
+    """A text longer than the model's prompt character limit cannot fit its context, whatever it
+    tokenizes to: a 400 before the tokenizer spends time (and memory) on it (limits.py)."""
+    limit = served.max_prompt_chars
+    if chars > limit:
+        raise BadRequestError(
+            f"the {param} has {chars} characters, but max_model_len is {served.max_model_len} tokens and no text of more than "
+            f"{limit} characters fits them (model {served.name!r}'s longest token has {served.max_token_chars})", param)
+
+
+async def encode(served: ServedModel, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """`text` as token ids, tokenized on the model's tokenizer thread (never on the event loop),
+    after the length check, and for a long text after its head showed it may fit (limits.py);
+    a tokenizer's error is a 400 naming `param`."""
+    check_prompt_chars(served, len(text), param)
+    valid_unicode_or_400(text, param)
+    head = probe_prefix(text, served.max_model_len)
+    if head is not None:
+        counted = len(await _tokenize(served, head, param, add_special_tokens))
+        if counted > served.max_model_len + PROBE_MARGIN:
+            raise BadRequestError(
+                f"the {param} has more than {served.max_model_len} tokens (its first {len(head)} of {len(text)} characters "
+                f"alone are {counted}), but max_model_len is {served.max_model_len}", param)
+    return await _tokenize(served, text, param, add_special_tokens)
+
+
+async def _tokenize(served: ServedModel, text: str, param: str, add_special_tokens: bool) -> list[int]:
+    try:
+        return await served.on_tokenizer_thread(served.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    except Exception as exc:
+        raise BadRequestError(f"{param} could not be tokenized: {describe(exc)}", param) from exc
+
+
+def valid_unicode_or_400(text: str, param: str) -> None:
+    """The request models check their strings; text put together from them (a rendered chat
+    template) is checked again, so a tokenizer never meets a lone surrogate."""
+    try:
+        valid_unicode(text)
+    except ValueError as exc:
+        raise BadRequestError(f"{param} {exc}", param) from None
 
 
 _PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams))

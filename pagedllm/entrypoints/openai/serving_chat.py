@@ -34,7 +34,9 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving import (
     EnginePrompt,
     check_context_length,
+    check_prompt_chars,
     clamp,
+    encode,
     final_outputs,
     new_id,
     now,
@@ -53,13 +55,16 @@ from pagedllm.entrypoints.openai.tool_calls import (
     template_tools,
     tool_constraint,
 )
+from pagedllm.library_errors import describe
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import StructuredOutputsParams
 
 MESSAGES = "messages"
 
 
-def render_chat(req: ChatCompletionRequest, served: ServedModel) -> EnginePrompt:
+async def render_chat(req: ChatCompletionRequest, served: ServedModel) -> EnginePrompt:
+    """The messages through the model's chat template, tokenized; both on the model's tokenizer
+    thread, after the messages' length is checked (what the template adds is not counted)."""
     tok = served.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise BadRequestError(
@@ -69,16 +74,19 @@ def render_chat(req: ChatCompletionRequest, served: ServedModel) -> EnginePrompt
         )
     if req.tools and "tools" not in tok.chat_template:
         raise BadRequestError(f"the chat template of model {served.name!r} does not support tools", "tools")
+    check_prompt_chars(served, sum(len(message.text() or "") for message in req.messages), MESSAGES)
     messages = [template_message(message) for message in req.messages]
     try:
-        text = tok.apply_chat_template(messages, tools=template_tools(req), tokenize=False, add_generation_prompt=req.add_generation_prompt)
+        text = await served.on_tokenizer_thread(tok.apply_chat_template, messages, tools=template_tools(req), tokenize=False,
+                                                add_generation_prompt=req.add_generation_prompt)
     except Exception as exc:  # jinja2 errors, e.g. a template that enforces role alternation
-        raise BadRequestError(f"the chat template of model {served.name!r} rejected the messages: {exc}", MESSAGES) from exc
-    return EnginePrompt(text, tok.encode(text, add_special_tokens=False))
+        raise BadRequestError(f"the chat template of model {served.name!r} rejected the messages: {describe(exc)}",
+                              MESSAGES) from exc
+    return EnginePrompt(text, await encode(served, text, MESSAGES, add_special_tokens=False))
 
 
 async def create_chat_completion(req: ChatCompletionRequest, served: ServedModel, raw: Request) -> Response | ChatCompletionResponse:
-    prompt = render_chat(req, served)
+    prompt = await render_chat(req, served)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_context_length(len(prompt.token_ids), max_tokens, served, param)

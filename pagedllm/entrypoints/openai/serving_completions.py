@@ -27,6 +27,7 @@ from pagedllm.entrypoints.openai.serving import (
     EnginePrompt,
     check_context_length,
     clamp,
+    encode,
     final_outputs,
     new_id,
     now,
@@ -42,8 +43,9 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 PROMPT = "prompt"
 
 
-def to_prompts(req: CompletionRequest, served: ServedModel) -> list[EnginePrompt]:
-    """The prompt field's four shapes as token ids, tokenized as the engine would (`encode`)."""
+async def to_prompts(req: CompletionRequest, served: ServedModel) -> list[EnginePrompt]:
+    """The prompt field's four shapes as token ids, tokenized as the engine would (`encode`), on
+    the model's tokenizer thread."""
     raw = req.prompt
     if isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw)):
         raw = [raw]  # type: ignore[list-item]
@@ -55,11 +57,11 @@ def to_prompts(req: CompletionRequest, served: ServedModel) -> list[EnginePrompt
         if isinstance(item, str):
             if tok is None:
                 raise BadRequestError(f"model {served.name!r} has no tokenizer; send the prompt as token ids", PROMPT)
-            prompts.append(EnginePrompt(item, tok.encode(item, add_special_tokens=req.add_special_tokens)))
+            prompts.append(EnginePrompt(item, await encode(served, item, PROMPT, req.add_special_tokens)))
         else:
             ids = list(item)  # type: ignore[arg-type]
-            text = tok.decode(ids) if (tok is not None and req.echo and _in_vocab(ids, served)) else ""
-            prompts.append(EnginePrompt(text, ids))
+            echoed = tok is not None and req.echo and _in_vocab(ids, served)
+            prompts.append(EnginePrompt(await served.on_tokenizer_thread(tok.decode, ids) if echoed else "", ids))
     return prompts
 
 
@@ -68,7 +70,7 @@ def _in_vocab(ids: list[int], served: ServedModel) -> bool:
 
 
 async def create_completion(req: CompletionRequest, served: ServedModel, raw: Request) -> Response | CompletionResponse:
-    prompts = to_prompts(req, served)
+    prompts = await to_prompts(req, served)
     for prompt in prompts:
         check_context_length(len(prompt.token_ids), req.max_tokens, served)
     score_only = req.max_tokens == 0
