@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from pagedllm.entrypoints.openai import compat
 from pagedllm.entrypoints.openai.limits import (
     MAX_CHOICES,
     MAX_CONTENT_PARTS,
@@ -40,6 +41,8 @@ class RequestModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk, not only after the last
+    include_obfuscation: Optional[bool] = None  # OpenAI's; streams here are not obfuscated (compat.py)
 
 
 def _reject_set(values: dict[str, Any], allowed: dict[str, tuple[Any, ...]]) -> None:
@@ -91,13 +94,43 @@ class SamplingFields(RequestModel):
     guided_regex: Optional[Grammar] = None
     guided_choice: Optional[Annotated[list[Choice], Field(max_length=MAX_CHOICES)]] = None
     guided_grammar: Optional[Grammar] = None
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)  # keep the prompt's last k tokens (-1: max_model_len)
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
+    request_id: Optional[Name] = None  # the response's id is built from it
+    # Accepted and ignored (OpenAI's and vLLM's fields that mean nothing here, compat.py) ...
+    store: Optional[bool] = None
+    metadata: Optional[Annotated[dict[Name, Text], Field(max_length=16)]] = None
+    service_tier: Optional[Name] = None
+    prompt_cache_key: Optional[Name] = None
+    safety_identifier: Optional[Name] = None
+    guided_decoding_backend: Optional[Name] = None
+    guided_whitespace_pattern: Optional[Grammar] = None
+    cache_salt: Optional[Name] = None
+    kv_transfer_params: Optional[dict[Name, Any]] = None
+    vllm_xargs: Optional[dict[Name, Any]] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    # ... and refused when set, as ignoring them would give a wrong answer
+    logits_processors: Optional[list[Any]] = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> "SamplingFields":
         _reject_set(self.__dict__, {"logit_bias": ({},)})
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or a positive integer")
+        refused = compat.unsupported(self.__dict__)
+        if refused is not None:
+            raise ValueError(refused)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    @property
+    def final_usage(self) -> bool:
+        return self.stream_options is not None and (self.stream_options.include_usage or self.continuous_usage)
 
 
 # ---- completions -------------------------------------------------------------------------------
@@ -244,6 +277,37 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM: the template leaves the last (assistant) message open
+    add_special_tokens: bool = False  # vLLM: the template places BOS itself
+    chat_template_kwargs: Optional[dict[Name, Any]] = None  # extra variables for the template
+    chat_template: Optional[Grammar] = None  # refused (compat.py): a template is code
+    documents: Optional[Annotated[list[dict[Name, Text]], Field(max_length=MAX_MESSAGES)]] = None  # for RAG templates
+    # OpenAI's deprecated function calling, converted to tools / tool_choice
+    functions: Optional[Annotated[list[FunctionDefinition], Field(max_length=MAX_TOOLS)]] = None
+    function_call: Union[Literal["none", "auto"], NamedFunction, None] = None
+    # accepted and ignored (compat.py) ...
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+    prediction: Optional[dict[Name, Any]] = None
+    # ... and refused when they ask for what this server cannot do
+    modalities: Optional[list[Literal["text", "audio"]]] = None
+    audio: Optional[dict[Name, Any]] = None
+    web_search_options: Optional[dict[Name, Any]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_as_tools(cls, data: Any) -> Any:
+        """OpenAI's deprecated `functions` / `function_call` become `tools` / `tool_choice`."""
+        if not isinstance(data, dict) or (data.get("functions") is None and data.get("function_call") is None):
+            return data
+        if data.get("tools") is not None or data.get("tool_choice") is not None:
+            raise ValueError("give either functions / function_call or tools / tool_choice, not both")
+        data = dict(data)
+        if data.get("functions") is not None:
+            data["tools"] = compat.tools_from_functions(data["functions"])
+        if data.get("function_call") is not None:
+            data["tool_choice"] = compat.tool_choice_from_function_call(data["function_call"])
+        return data
 
     @model_validator(mode="after")
     def _chat_rules(self) -> "ChatCompletionRequest":
@@ -251,6 +315,8 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tool_choice is only allowed when tools are specified")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
 
 

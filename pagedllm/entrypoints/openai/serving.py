@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagedllm.entrypoints.openai import compat
 from pagedllm.entrypoints.openai.async_engine import (
     Disconnected,
     EngineDeadError,
@@ -60,8 +61,23 @@ class EnginePrompt:
         return {"prompt": self.text, "prompt_token_ids": self.token_ids}
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, request_id: str | None = None) -> str:
+    """A response id; built from the client's `request_id` (vLLM's field) when it gave one."""
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
+
+
+def accept(req: SamplingFields) -> None:
+    """The request's accepted-but-ignored fields, named in the log (compat.py)."""
+    compat.note_ignored(req.__dict__)
+
+
+def truncate(token_ids: list[int], req: SamplingFields, served: ServedModel) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: keep the prompt's last k tokens (-1: max_model_len)."""
+    keep = req.truncate_prompt_tokens
+    if keep is None:
+        return token_ids
+    keep = served.max_model_len if keep == -1 else keep
+    return token_ids[-keep:] if keep else []
 
 
 def now() -> int:
@@ -305,9 +321,10 @@ async def stream_response(
 
 
 # ---- outputs → response pieces -----------------------------------------------------------------
-def token_text(served: ServedModel, token_id: int, logprob: Logprob | None = None) -> str:
-    """A token as a string; "token_id:N" (vLLM's convention) when the model has no tokenizer."""
-    if served.tokenizer is None:
+def token_text(served: ServedModel, token_id: int, logprob: Logprob | None = None, as_ids: bool = False) -> str:
+    """A token as a string; "token_id:N" (vLLM's convention) when the model has no tokenizer or
+    the request asked for ids (`return_tokens_as_token_ids`)."""
+    if served.tokenizer is None or as_ids:
         return f"token_id:{token_id}"
     if logprob is not None and logprob.decoded_token is not None:
         return logprob.decoded_token
@@ -316,6 +333,11 @@ def token_text(served: ServedModel, token_id: int, logprob: Logprob | None = Non
 
 def clamp(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
+
+
+def running_usage(prompts: list[EnginePrompt], outputs: dict[str, RequestOutput], generated=lambda c: c.token_ids) -> UsageInfo:
+    """Usage so far: the prompts and every token generated until now (continuous_usage_stats)."""
+    return usage(prompts, sum(len(generated(c)) for o in outputs.values() for c in o.outputs))
 
 
 def usage(prompts: list[EnginePrompt], completion_tokens: int) -> UsageInfo:
