@@ -460,6 +460,28 @@ class ModelHealth(BaseModel):
     reason: Optional[str] = None
 
 
+class LiveRequest(BaseModel):
+    """An engine request's state, timings and counts (the platform's InferenceRequest fields)."""
+
+    id: str  # the response's id, then "-{prompt index}"
+    model: str
+    status: Literal["queued", "prefilling", "decoding", "preempted", "completed", "failed"]
+    priority: int
+    arrival_time: float  # seconds since the epoch, as every time here
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    queue_time_s: float  # arrival to first scheduled (to now, while still queued)
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_samples: int
+    num_preemptions: int
+
+
+class LiveRequestList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[LiveRequest]
+
+
 class HealthResponse(BaseModel):
     status: Literal["healthy", "degraded", "unhealthy"]
     models: dict[str, ModelHealth] = Field(default_factory=dict)
