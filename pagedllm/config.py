@@ -1,7 +1,7 @@
 """Engine and model configuration, built once at the entry point and passed down.
 
 `ModelConfig` is read from a Hugging Face `config.json` (both the transformers ≥ 5 spelling,
-`rope_parameters`, and the older `rope_theta` + `rope_scaling`). `EngineConfig` holds the engine
+`rope_parameters`, and the older `rope_theta` + `rope_scaling`) or a GGUF file's metadata. `EngineConfig` holds the engine
 arguments users pass to `LLM(...)` / `pagedllm serve`, validated here so that a bad value fails
 with the argument's name before anything is allocated.
 """
@@ -120,6 +120,12 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        """From a model folder's config.json, or from a GGUF file's metadata."""
+        from pagedllm.gguf import is_gguf, open_gguf
+        from pagedllm.gguf.config import hf_config
+
+        if is_gguf(path):
+            return cls.from_dict(hf_config(open_gguf(path)), str(path))
         folder = Path(path)
         if not folder.is_dir():
             raise ModelLoadError(f"model folder {str(path)!r} does not exist or is not a directory")

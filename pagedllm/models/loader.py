@@ -1,4 +1,5 @@
-"""Load a Hugging Face model folder's safetensors straight into our modules, by name.
+"""Load a Hugging Face model folder's safetensors, or a GGUF file's tensors, straight into our
+modules, by name.
 
 Single files and sharded checkpoints (model.safetensors.index.json) are both read lazily with
 safetensors' `safe_open`, one tensor at a time, so peak memory is the model plus one tensor.
@@ -10,12 +11,15 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig, ModelLoadError
 from pagedllm.distributed.group import ParallelGroup, shard_of
+from pagedllm.gguf import is_gguf, open_gguf
+from pagedllm.gguf.weights import tensors as gguf_tensors
 from pagedllm.layers.linear import packing_available
 from pagedllm.models.llama import CausalLM
 from pagedllm.models.registry import model_class
@@ -69,18 +73,27 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     return model.eval()
 
 
-def _load_weights(model: CausalLM, folder: Path, group: ParallelGroup | None) -> None:
-    params = dict(model.named_parameters())
-    pending = {name: model.expected_shards(name) for name in params}
-    for file in checkpoint_files(folder):
+def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """(name, tensor, file) for every weight of a model folder or GGUF file, one at a time."""
+    if is_gguf(path):
+        for key, tensor in gguf_tensors(open_gguf(path)):
+            yield key, tensor, path
+        return
+    for file in checkpoint_files(path):
         try:
             with safe_open(str(file), framework="pt") as reader:
                 for key in reader.keys():
-                    if _IGNORED.search(key):
-                        continue
-                    _assign(model, params, pending, key, reader.get_tensor(key), file, group)
+                    if not _IGNORED.search(key):
+                        yield key, reader.get_tensor(key), file
         except SafetensorError as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from exc
+
+
+def _load_weights(model: CausalLM, folder: Path, group: ParallelGroup | None) -> None:
+    params = dict(model.named_parameters())
+    pending = {name: model.expected_shards(name) for name in params}
+    for key, tensor, file in checkpoint_tensors(folder):
+        _assign(model, params, pending, key, tensor, file, group)
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
         raise ModelLoadError(f"{folder} lacks weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")

@@ -17,7 +17,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.training.corpus import iter_documents
 from pagedllm.training.data import is_validation
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "pagedllm-py-tiny"
+TINY_MODEL = Path(__file__).resolve().parents[2] / "models" / "pagedllm-py-tiny"
 VALIDATION_SPLIT = 0.02  # configs/pagedllm-py-tiny.toml
 WINDOW, NUM_WINDOWS = 256, 24
 NUM_PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 16, 24, 32
@@ -28,7 +28,7 @@ def held_out():
     """Token windows and prompts from the held-out files, in a fixed order."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_MODEL))
     windows, prompts = [], []
     for doc in iter_documents("@stdlib", "**/*.py"):
         if not is_validation(doc, VALIDATION_SPLIT):
@@ -55,7 +55,7 @@ def test_int8_perplexity_and_greedy_agreement_with_fp32(held_out, capsys):
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     results = {}
     for name, args in (("fp32", {}), ("int8", {"quantization": "int8"})):
-        llm = LLM(str(DEFAULT_MODEL), **args)
+        llm = LLM(str(TINY_MODEL), **args)
         completions = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
         results[name] = (perplexity(llm, windows), completions)
     (ppl32, greedy32), (ppl8, greedy8) = results["fp32"], results["int8"]
