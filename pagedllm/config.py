@@ -266,7 +266,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | kernel | sdpa: the C attention kernels (decode, prefill) or SDPA
     # auto | fused | torch: small all-decode steps as one C call (models/fused_decode.py) or modules
     decode_backend: str = "auto"
-    quantization: str | None = None  # "int8": weight-only, per-channel scales, quantized at load
+    # Weight-only: "int8" (per-channel scales) or "q4" (Q4_1 blocks of 32) quantized at load; "gguf" keeps
+    # a GGUF file's blocks (the default for GGUF files); "none" dequantizes a GGUF file (layers/quantization.py)
+    quantization: str | None = None
     kv_cache_memory_fraction: float = 0.25
     # Split the model across this many processes on this host (gloo on CPU, NCCL on CUDA).
     tensor_parallel_size: int = 1
@@ -309,6 +311,14 @@ class EngineConfig:
             raise ValueError("decode_backend='fused' attends with the C decode kernel; it cannot run with attention_backend='sdpa'")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {self.quantization!r}")
+        from pagedllm.gguf import is_gguf
+
+        if self.quantization is None and is_gguf(self.model):
+            self.quantization = "gguf"
+        if self.quantization == "gguf" and not is_gguf(self.model):
+            raise ValueError("quantization='gguf' keeps a GGUF file's blocks; the model is not a GGUF file")
+        if self.quantization == "q4" and self.tensor_parallel_size > 1:
+            raise ValueError("quantization='q4' is not supported with tensor_parallel_size > 1")
         if not 0 < self.kv_cache_memory_fraction <= 0.9:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.9]")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.quantization import dequantize_int8, quantize_int8
-from pagedllm.layers.small_matmul import PackedWeight, pack, pack_swiglu
+from pagedllm.layers.quantization import BLOCK, Blocks, dequantize_int8, quantize_blocks, quantize_int8
+from pagedllm.layers.small_matmul import PackedWeight, pack, pack_blocks, pack_swiglu
 
 # Batch size oneDNN optimises the weight layout for. From 16 up, results are batch-invariant
 # and speed is flat across hints; 64 is a typical decode batch.
@@ -52,20 +52,33 @@ class Linear(nn.Linear):
     quantizable = True  # False for weights whose precision decisions hang on (a MoE router)
     small: PackedWeight | None = None  # panels for the small-M kernel (the fused decode step)
     weight_scale: torch.Tensor | None = None  # int8: per-channel scales; the weight holds q * scale
+    # GGUF blocks of 32 (Q4_0/Q4_1/Q8_0): a GGUF file's own (the loader attaches them) or "q4"'s
+    blocks: Blocks | None = None
+    q4_kind = "Q4_1"  # the block type "q4" quantizes to (the LM head keeps 8 bits, as llama.cpp's files do)
 
-    def quantize(self, method: str) -> torch.Tensor:
-        """Weight-only quantization (layers/quantization.py); returns q. The weight is replaced
-        by a new tensor of its dequantized values, which unties a tied LM head from the
-        embedding: the embedding lookup keeps the checkpoint's values, as llama.cpp and vLLM keep
-        embeddings."""
-        if method != "int8":
-            raise ValueError(f"quantization must be 'int8', got {method!r}")
-        q, self.weight_scale = quantize_int8(self.weight)
-        self.weight = nn.Parameter(dequantize_int8(q, self.weight_scale).to(self.weight.dtype), requires_grad=False)
-        return q
+    def quantize(self, method: str) -> torch.Tensor | None:
+        """Weight-only quantization (layers/quantization.py); returns int8's q. The weight is
+        replaced by a new tensor of its dequantized values (so the PyTorch path computes with
+        exactly the weights the C kernel reads), which unties a tied LM head from the embedding:
+        the embedding lookup keeps the checkpoint's values, as llama.cpp and vLLM keep
+        embeddings. "gguf" keeps the blocks the loader attached (none: the weight stays as it is)."""
+        if method == "int8":
+            q, self.weight_scale = quantize_int8(self.weight)
+            self.weight = nn.Parameter(dequantize_int8(q, self.weight_scale).to(self.weight.dtype), requires_grad=False)
+            return q
+        if method == "q4" and self.in_features % BLOCK == 0:
+            self.blocks = quantize_blocks(self.weight, self.q4_kind)
+        elif method not in ("q4", "gguf"):
+            raise ValueError(f"quantization must be 'int8', 'q4' or 'gguf', got {method!r}")
+        if self.blocks is not None:
+            self.weight = nn.Parameter(self.blocks.dequantize().to(self.weight.dtype), requires_grad=False)
+        return None
 
     def pack_small(self, width: int, quantized: torch.Tensor | None = None) -> None:
-        """Pack the weight, or its int8 values `quantized`, into panels `width` channels wide."""
+        """Pack the weight, its int8 values `quantized`, or its blocks, into panels `width` channels wide."""
+        if self.blocks is not None:
+            self.small = pack_blocks(self.blocks, width, self.bias)
+            return
         self.small = pack(quantized if quantized is not None else self.weight, width, self.bias, self.weight_scale)
 
     def pack(self, keep_dense: bool) -> None:
@@ -97,7 +110,8 @@ class GateUpLinear(Linear):
 
     def pack_small(self, width: int, quantized: torch.Tensor | None = None) -> None:
         """Gate and up panels alternate, so the kernel finishes silu(gate) * up per panel pair."""
-        self.small = pack_swiglu(quantized if quantized is not None else self.weight, width, self.bias, self.weight_scale)
+        weight = self.blocks if self.blocks is not None else quantized if quantized is not None else self.weight
+        self.small = pack_swiglu(weight, width, self.bias, self.weight_scale)
 
     def pack(self, keep_dense: bool) -> None:
         gate, up = self.weight.detach().chunk(2)

@@ -19,8 +19,10 @@ from safetensors import SafetensorError, safe_open
 from pagedllm.config import ModelConfig, ModelLoadError
 from pagedllm.distributed.group import ParallelGroup, shard_of
 from pagedllm.gguf import is_gguf, open_gguf
+from pagedllm.gguf.weights import blocks as gguf_blocks
 from pagedllm.gguf.weights import tensors as gguf_tensors
-from pagedllm.layers.linear import packing_available
+from pagedllm.layers.linear import Linear, packing_available
+from pagedllm.layers.quantization import Blocks, concat_rows
 from pagedllm.models.llama import CausalLM
 from pagedllm.models.registry import model_class
 
@@ -50,8 +52,9 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
                quantization: str | None = None, panel_width: int | None = None) -> CausalLM:
     """The whole model, or under tensor parallelism (`group`) this rank's part of it.
     `logit_token_ids`: the LM head scores only these tokens (a draft's reduced vocabulary).
-    `quantization`: "int8" quantizes every projection and the LM head at load
-    (layers/quantization.py). `panel_width`: also pack them for the small-M kernel whose panels
+    `quantization`: "int8" or "q4" quantizes every projection and the LM head at load
+    (layers/quantization.py); "gguf" keeps a GGUF file's blocks (Q4_0/Q4_1/Q8_0, other block
+    types converted; float matrices stay dense). `panel_width`: also pack them for the small-M kernel whose panels
     are that wide (the fused decode step); before oneDNN's packing drops the dense weights."""
     local = cfg.shard(group.size) if group is not None else cfg
     with torch.device("meta"):
@@ -65,6 +68,8 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     _load_weights(model, Path(cfg.path), group)
+    if quantization == "gguf" and group is None:
+        _attach_blocks(model, gguf_blocks(open_gguf(cfg.path)))
     if logit_token_ids is not None:
         model.restrict_vocab(logit_token_ids)
     model.quantize_and_pack(quantization, panel_width)
@@ -101,6 +106,24 @@ def _load_weights(model: CausalLM, folder: Path, group: ParallelGroup | None) ->
         for name, param in params.items():  # a row-parallel bias is added once, by rank 0
             if name.endswith(".bias") and model.tp_dim(name[: -len("bias")] + "weight") == 1:
                 param.data.zero_()
+
+
+def _attach_blocks(model: CausalLM, blocks: Iterator[tuple[str, Blocks]]) -> None:
+    """Give each projection whose every checkpoint part is block-quantized its blocks (the parts
+    of a fused q|k|v or gate|up concatenated by rows). A tied LM head gets the embedding's."""
+    parts: dict[str, dict[int, Blocks]] = {}
+    for key, value in blocks:
+        if key == "model.embed_tokens.weight":
+            if not model.config.tie_word_embeddings:
+                continue
+            key = "lm_head.weight"
+        name, shard, _ = model.checkpoint_target(key)
+        if name.endswith(".weight"):
+            parts.setdefault(name, {})[shard] = value
+    for name, shards in parts.items():
+        module = model.get_submodule(name.removesuffix(".weight"))
+        if isinstance(module, Linear) and set(shards) == model.expected_shards(name):
+            module.blocks = concat_rows([shards[i] for i in sorted(shards)])
 
 
 def _assign(model: CausalLM, params: dict, pending: dict, key: str, tensor: torch.Tensor, file: Path,
