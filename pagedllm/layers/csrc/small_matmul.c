@@ -445,8 +445,14 @@ void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, floa
     }
 }
 
-/* The standalone entry point (tests, and any caller outside the decode step): y = x W^T, or
- * silu(gate) * up when `swiglu`, split by panels over the threads. */
+/* Rows per pass over a thread's panels when m is large (a prefill through block-quantized
+ * weights): the tile's activations stay in the cache while the panels stream past them once per
+ * tile. A row's result does not depend on the tiling. */
+#define ROW_TILE 64
+
+/* The standalone entry point (tests, prefills through block-quantized weights, any caller
+ * outside the decode step): y = x W^T, or silu(gate) * up when `swiglu`, split by panels over
+ * the threads, rows in tiles of ROW_TILE. */
 int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int swiglu, int num_threads) {
     if (w->dtype == WEIGHT_I8 && w->scale == NULL) return 2;
     if ((w->dtype == WEIGHT_Q8_0 || w->dtype == WEIGHT_Q4) && w->k % QBLOCK) return 4;
@@ -455,12 +461,13 @@ int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, float 
     {
         int64_t lo, hi;
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        if (swiglu) {
-            thread_share(w->num_panels / 2, t, nt, &lo, &hi);
-            swiglu_panels(w, x, m, ldx, y, ldy, lo, hi, pair);
-        } else {
-            thread_share(w->num_panels, t, nt, &lo, &hi);
-            matmul_panels(w, x, m, ldx, y, ldy, lo, hi, STORE, pair);
+        thread_share(swiglu ? w->num_panels / 2 : w->num_panels, t, nt, &lo, &hi);
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
+            const int64_t rows = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
+            if (swiglu)
+                swiglu_panels(w, x + r0 * ldx, rows, ldx, y + r0 * ldy, ldy, lo, hi, pair);
+            else
+                matmul_panels(w, x + r0 * ldx, rows, ldx, y + r0 * ldy, ldy, lo, hi, STORE, pair);
         }
     }
     return 0;
