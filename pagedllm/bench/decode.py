@@ -13,6 +13,11 @@ A batch of B rows also does 2 x B x (weights' elements) FLOPs a step, which at b
 2-core CPU takes about as long as reading the weights; so each batch's limit is the lower of
 the bandwidth limit and the fp32 matmul peak (measured in the same run) over that work.
 
+`--model FILE.gguf --against llama.cpp` runs a real GGUF file instead (its blocks kept, as the
+engine serves it by default) against llama.cpp on the same file through llama-cpp-python (an
+optional, bench-only dependency, bench/llama_cpp.py) with the same thread count: single-stream
+decode (first to last token, the engines taking turns) and a 512-token prefill.
+
 The read bandwidth of a shared VM is not a constant: other tenants of the host take a share of
 the memory system that changes from one second to the next (1 GiB reads of the same buffer a few
 seconds apart have given 38 and 77 GB/s). A limit from the best bandwidth seen at any moment of

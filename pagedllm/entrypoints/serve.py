@@ -4,6 +4,7 @@
     pagedllm serve --model path/model.gguf                     # one model, http://127.0.0.1:8000/v1
     pagedllm serve --model models/pagedllm-py-tiny             # a Hugging Face folder
     pagedllm serve --model-dir models                          # none loaded; load by folder name
+    pagedllm serve --no-model                                  # training jobs only
     pagedllm serve --model DIR --api-key KEY --max-num-seqs 64 --num-kv-blocks 4096
 
 Every engine argument (EngineConfig's fields) is a flag; they apply to each model loaded. A bad
@@ -30,6 +31,8 @@ from pagedllm.paths import DEFAULT_MODEL_NAME, TINY_MODEL, DefaultModelMissing, 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model to load at start-up: a Hugging Face folder or a GGUF file (default: "
                                         f"{DEFAULT_MODEL_NAME}, unless --model-dir is given)")
+    parser.add_argument("--no-model", action="store_true",
+                        help="start with no model loaded (training jobs; --model-dir models load on demand)")
     parser.add_argument("--served-model-name", help="the 'model' name clients use (default: the folder's or file's name)")
     parser.add_argument("--model-dir", help="folder whose sub-folders can be loaded on demand: POST /v1/models/<name>/load")
     parser.add_argument("--host", default="127.0.0.1")
@@ -67,7 +70,9 @@ def build_settings(args: argparse.Namespace):
     engine = engine_args(args)
     models = []
     model, name = args.model, args.served_model_name
-    if model is None and args.model_dir is None:
+    if args.no_model and model:
+        raise ValueError("--no-model and --model exclude each other")
+    if model is None and args.model_dir is None and not args.no_model:
         model, name = str(default_model()), name or DEFAULT_MODEL_NAME
     if model:
         ModelConfig.from_pretrained(model)  # a missing or broken model fails here, clearly

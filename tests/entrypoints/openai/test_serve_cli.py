@@ -27,6 +27,7 @@ def test_flags_become_settings(model_dir):
     # no --model: the default model; with --model-dir alone none (load on demand, training)
     assert [m.name for m in build_settings(parse()).models] == [DEFAULT_MODEL_NAME]
     assert build_settings(parse("--model-dir", str(folder.parent))).models == []
+    assert build_settings(parse("--no-model")).models == []
 
 
 @pytest.mark.parametrize(
@@ -34,6 +35,7 @@ def test_flags_become_settings(model_dir):
     [
         (["--model", "/nonexistent/model"], "does not exist"),
         (["--model-dir", "/tmp", "--served-model-name", "x"], "needs --model"),
+        (["--no-model", "--model", "/tmp"], "exclude each other"),
         (["--model-dir", "/nonexistent"], "not a directory"),
         (["--block-size", "0"], "block_size must be a positive integer"),
         (["--dtype", "int3"], "dtype must be one of"),
