@@ -2,6 +2,12 @@
 llama-cpp-python (an optional, bench-only dependency: `pip install llama-cpp-python==0.3.36`,
 which compiles llama.cpp for this CPU) on the same GGUF file, with the engine's thread count.
 
+On a CPU with AMX (Sapphire Rapids) in a VM, the default build (GGML_NATIVE) crashed in its
+first decode (2026-11-26); built without AMX it runs:
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python==0.3.36
+
 Single-stream decode is timed like ours, from the first generated token to the last (greedy,
 the prompt evaluated first), and prefill as the time to evaluate a prompt into an empty cache.
 """
