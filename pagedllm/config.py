@@ -263,7 +263,9 @@ class EngineConfig:
     preemption_policy: str = "fcfs"
     swap_space: int = 1 << 30
     seed: int = 0
-    attention_backend: str = "auto"  # auto | kernel | sdpa: the C attention kernels (decode, prefill) or SDPA
+    # auto | kernel | triton | sdpa: the C attention kernels (CPU), the Triton ones (GPU) or SDPA;
+    # auto takes the C kernels on CPU (fp32) and Triton on CUDA, SDPA where neither can run
+    attention_backend: str = "auto"
     # auto | fused | torch: small all-decode steps as one C call (models/fused_decode.py) or modules
     decode_backend: str = "auto"
     # Weight-only: "int8" (per-channel scales) or "q4" (Q4_1 blocks of 32) quantized at load; "gguf" keeps
@@ -281,6 +283,11 @@ class EngineConfig:
     # Greedy decode steps per engine step when every sequence of a step is a plain greedy decode
     # (multi-step scheduling, engine/multi_step.py); needs the fused decode step, else 1.
     num_scheduler_steps: int = 1
+    # CUDA graphs for decode steps (worker/cuda_graphs.py) unless this is set (vLLM's name)
+    enforce_eager: bool = False
+    # CUDA: the share of the GPU's memory the engine may use; the KV pool gets what the weights
+    # and a profiling forward at the largest batch leave of it (vLLM's name and default)
+    gpu_memory_utilization: float = 0.9
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -303,12 +310,15 @@ class EngineConfig:
                 "preemption_policy must be 'fcfs', 'priority' or 'shortest_remaining', "
                 f"got {self.preemption_policy!r}"
             )
-        if self.attention_backend not in ("auto", "kernel", "sdpa"):
-            raise ValueError(f"attention_backend must be 'auto', 'kernel' or 'sdpa', got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "kernel", "triton", "sdpa"):
+            raise ValueError(f"attention_backend must be 'auto', 'kernel', 'triton' or 'sdpa', got {self.attention_backend!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.decode_backend not in ("auto", "fused", "torch"):
             raise ValueError(f"decode_backend must be 'auto', 'fused' or 'torch', got {self.decode_backend!r}")
-        if self.decode_backend == "fused" and self.attention_backend == "sdpa":
-            raise ValueError("decode_backend='fused' attends with the C decode kernel; it cannot run with attention_backend='sdpa'")
+        if self.decode_backend == "fused" and self.attention_backend in ("sdpa", "triton"):
+            raise ValueError("decode_backend='fused' attends with the C decode kernel; it cannot run with "
+                             f"attention_backend={self.attention_backend!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {self.quantization!r}")
         from pagedllm.gguf import is_gguf

@@ -1,13 +1,19 @@
 """Shared fixtures: tiny model folders per architecture, and a KV-leak check on every test."""
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter (set before any
+# kernel module is imported: @triton.jit reads it when a kernel is defined).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from parity import make_reference  # noqa: E402
 from tiny_models import build_model  # noqa: E402

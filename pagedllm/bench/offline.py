@@ -39,8 +39,15 @@ LLAMA_160M = dict(  # JackFram/llama-160m's shape: heads an even number of ranks
     intermediate_size=3072, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=2048,
     rms_norm_eps=1e-6, rope_theta=10000.0,
 )
+LLAMA_1B = dict(  # Llama-3.2-1B's shape (the GPU benchmark's model)
+    hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+    intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, rope_theta=500000.0,
+)
 SHAPES = {"smollm2-135m": ("LlamaConfig", SMOLLM2_135M), "llama-160m": ("LlamaConfig", LLAMA_160M),
-          "mixtral-small": ("MixtralConfig", MIXTRAL_SMALL)}
+          "mixtral-small": ("MixtralConfig", MIXTRAL_SMALL), "llama-1b": ("LlamaConfig", LLAMA_1B)}
+# Workload defaults per device: (requests, min prompt, max prompt, min output, max output)
+WORKLOADS = {"cpu": (64, 32, 160, 64, 256), "cuda": (256, 64, 512, 64, 512)}
 
 
 @dataclass
@@ -129,11 +136,14 @@ def run_transformers(folder: Path, workload: Workload) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--min-prompt", type=int, default=32)
-    parser.add_argument("--max-prompt", type=int, default=160)
-    parser.add_argument("--min-output", type=int, default=64)
-    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--device", choices=sorted(WORKLOADS), default="cpu",
+                        help="cuda: the GPU benchmark (bench/gpu.py), against transformers' continuous batching")
+    parser.add_argument("--dtype", default="bfloat16", help="the GPU benchmark's dtype (CPU runs use float32)")
+    parser.add_argument("--num-requests", type=int, default=None, help="default 64 on cpu, 256 on cuda")
+    parser.add_argument("--min-prompt", type=int, default=None, help="default 32 on cpu, 64 on cuda")
+    parser.add_argument("--max-prompt", type=int, default=None, help="default 160 on cpu, 512 on cuda")
+    parser.add_argument("--min-output", type=int, default=None, help="default 64 on cpu, 64 on cuda")
+    parser.add_argument("--max-output", type=int, default=None, help="default 256 on cpu, 512 on cuda")
     parser.add_argument("--fixed-output-len", type=int, default=None, help="every request asks for this many tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="the random model's shape")
@@ -145,12 +155,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run pagedllm with layer-wise KV offload and this device KV budget in bytes")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="also run pagedllm split across this many processes (tp=1 runs too, for the ratio)")
+    parser.add_argument("--padded-baseline", action="store_true",
+                        help="cuda: also run transformers' padded generate in batches of 64")
+    parser.add_argument("--engine-arg", action="append", metavar="NAME=VALUE",
+                        help="cuda: an extra engine argument for pagedllm (repeatable)")
+
+
+def _workload_defaults(args: argparse.Namespace) -> None:
+    names = ("num_requests", "min_prompt", "max_prompt", "min_output", "max_output")
+    for name, default in zip(names, WORKLOADS[args.device]):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def run(args: argparse.Namespace) -> int:
-    shape = SHAPES[args.shape][1]
-    folder = build_model(args.model_cache or Path(tempfile.gettempdir()) / f"pagedllm-bench-{args.shape}-random", args.shape)
+    _workload_defaults(args)
+    config_class, shape = SHAPES[args.shape]
+    cache = args.model_cache or Path(tempfile.gettempdir()) / f"pagedllm-bench-{args.shape}-random"
     workload = make_workload(args, shape["vocab_size"])
+    if args.device == "cuda":
+        from pagedllm.bench import gpu
+
+        print(f"{args.shape}, workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
+              f"{workload.output_tokens} output tokens ({min(workload.output_lens)}-{max(workload.output_lens)} per request)")
+        return gpu.run(args, config_class, shape, workload, cache.with_name(cache.name + f"-{args.dtype}"))
+    folder = build_model(cache, args.shape)
     print(f"{args.shape}, workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
           f"{workload.output_tokens} output tokens ({min(workload.output_lens)}-{max(workload.output_lens)} per request), "
           f"{torch.get_num_threads()} threads")

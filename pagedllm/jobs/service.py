@@ -38,6 +38,7 @@ from pagedllm.jobs.submission import build_config, check_checkpoint_dir, check_r
 from pagedllm.training.checkpoint import CheckpointStatus
 from pagedllm.training.config import ConfigError
 from pagedllm.training.control import CHECKPOINT_REQUEST, STOP_REQUEST
+from pagedllm.training.provenance import service_key
 
 log = logging.getLogger("pagedllm.jobs")
 
@@ -79,6 +80,7 @@ class JobService:
         self.active: dict[str, Active] = {}  # job_id -> the job's processes and monitor
         self._task: asyncio.Task | None = None
         self._lock_fd: int | None = None
+        self.key = b""  # the checkpoint key, read once the data dir is ours (open)
 
     @classmethod
     def from_settings(cls, data_dir: str | None, slots: int | None, allowed_paths: list[str] | tuple[str, ...] = ()) -> JobService:
@@ -98,6 +100,7 @@ class JobService:
         if self.config is None or not self._acquire_data_dir():
             return False
         self.store = SQLiteJobStore(self.config.data_dir / "jobs.db")
+        self.key = service_key(self.config.data_dir)  # signs the checkpoints of the jobs it launches
         self.cluster = ClusterMonitor(self.config.slots)
         self.reconcile()
         return True
@@ -160,7 +163,7 @@ class JobService:
                 active.kill_at = time.monotonic() + self.config.cancel_grace_s
 
     def _follow(self, job: JobRecord, run: RunRecord, launcher: ProcessRef, popen: subprocess.Popen | None) -> Active:
-        monitor = JobMonitor(self.require(), job, run, JobPaths.of(self.config.data_dir, job.job_id).events)
+        monitor = JobMonitor(self.require(), job, run, JobPaths.of(self.config.data_dir, job.job_id).events, self.key)
         active = self.active[job.job_id] = Active(job, launcher, monitor, popen)
         return active
 
@@ -206,7 +209,7 @@ class JobService:
 
     def _finalize(self, active: Active) -> None:
         job, store = active.job, self.require()
-        sync_checkpoints(store, job)
+        sync_checkpoints(store, job, self.key)
         abandon_unfinished_saves(store, job)
         state, reason = outcome(job, active.exit_code, last_line(JobPaths.of(self.config.data_dir, job.job_id).log))
         job.exit_code = active.exit_code
@@ -243,7 +246,7 @@ class JobService:
             store.save(job, [change_status(job, JobState.FAILED, job.failure_reason)])
             return
         self._prepare_run(job, paths)
-        spec = LaunchSpec(job.job_id, job.world_size, paths, self.config.data_dir, job.resume_from)
+        spec = LaunchSpec(job.job_id, job.world_size, paths, self.config.data_dir, job.resume_from, self.roots.roots)
         with open(paths.log, "a") as out:
             out.write(f"==== pagedllm job service: run {job.run} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
                       f"{' '.join(train_command(spec))}\n")
@@ -354,7 +357,7 @@ class JobService:
         job, store = self.get(job_id), self.require()
         if job.status not in RESUMABLE:
             raise WrongState(f"job {job_id} is {job.status.value}: only FAILED or CANCELLED jobs can be resumed")
-        sync_checkpoints(store, job)
+        sync_checkpoints(store, job, self.key)
         abandon_unfinished_saves(store, job)
         record = self._resume_point(job, checkpoint_id)
         # A named checkpoint is used or the run fails; otherwise the trainer takes the newest COMPLETE checkpoint
@@ -388,7 +391,7 @@ class JobService:
     def checkpoints(self, job_id: str) -> list[dict]:
         job = self.get(job_id)
         if job.status.active:
-            sync_checkpoints(self.require(), job)
+            sync_checkpoints(self.require(), job, self.key)
         return self.require().checkpoints(job_id)
 
     def log_path(self, job_id: str) -> Path:

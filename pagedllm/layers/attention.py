@@ -1,4 +1,5 @@
-"""Paged attention, arranged to be fast on CPU.
+"""Paged attention: C kernels on CPU, Triton kernels on GPU (layers/triton_attention.py), SDPA
+as the reference everywhere.
 
 The KV pool of a layer is `[num_blocks, block_size, num_kv_heads, head_dim]` (the paged layout).
 A step's batch puts its decode tokens first, then its prefill chunks:
@@ -17,6 +18,10 @@ A step's batch puts its decode tokens first, then its prefill chunks:
   bottom-right causal mask.
 
 GQA is handled by SDPA's `enable_gqa`, so K/V are never repeated per query head.
+
+With the Triton backend (the default on CUDA) none of the above is gathered: one launch writes
+the step's K/V by slot, one attends every decode row and one every prefill chunk, each reading
+the pool through the block tables.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers import triton_attention
 from pagedllm.layers.paged_decode import run_kernel, run_prefill_kernel
 
 
@@ -60,6 +66,7 @@ class AttentionMetadata:
     decodes: list[DecodeBucket]
     prefills: list[PrefillChunk]
     kernel_attention: bool = False  # the C kernels (layers/paged_decode.py) or SDPA
+    triton: triton_attention.TritonAttentionMetadata | None = None  # the GPU kernels: they replace the two lists
 
 
 def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -90,6 +97,8 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] for the batch's new tokens. Returns [T, H, D]."""
+        if meta.triton is not None:
+            return self._triton(q, k, v, meta)
         kv_shape = (-1, self.num_kv_heads, self.head_dim)
         self.k_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, k)
         self.v_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, v)
@@ -106,6 +115,18 @@ class PagedAttention(nn.Module):
                 self._kernel_prefill(q[chunk.q_start : end], chunk, out[chunk.q_start : end])
             else:
                 out[chunk.q_start : end] = self._prefill(q[chunk.q_start : end], k[chunk.q_start : end], v[chunk.q_start : end], chunk)
+        return out
+
+    def _triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Writes the new K/V by slot, then decodes and prefill chunks read the pool: one launch each."""
+        layout, window, scale = meta.triton, self.sliding_window or 0, self.head_dim**-0.5
+        triton_attention.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if layout.num_decodes:
+            rows = slice(0, layout.num_decodes)
+            triton_attention.decode(q[rows], self.k_cache, self.v_cache, layout.decode_tables, layout.decode_ctx_lens,
+                                    window, scale, out[rows])
+        triton_attention.prefill(q, self.k_cache, self.v_cache, layout, window, scale, out)
         return out
 
     def _kernel_decode(self, q: torch.Tensor, bucket: DecodeBucket, out: torch.Tensor) -> None:

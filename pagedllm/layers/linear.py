@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers import kernels, triton_ops
 from pagedllm.layers.quantization import BLOCK, Blocks, dequantize_int8, quantize_blocks, quantize_int8
-from pagedllm.layers import kernels
 from pagedllm.layers.small_matmul import PackedWeight, matmul, pack, pack_blocks, pack_swiglu
 
 # Batch size oneDNN optimises the weight layout for. From 16 up, results are batch-invariant
@@ -118,6 +118,7 @@ class GateUpLinear(Linear):
 
     gate_packed: torch.Tensor | None = None
     up_packed: torch.Tensor | None = None
+    triton = False  # silu(gate) * up as one Triton kernel (layers/triton_ops.py; the GPU path)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
@@ -145,5 +146,7 @@ class GateUpLinear(Linear):
         if self.gate_packed is not None:
             gate = torch.ops.mkldnn._linear_pointwise(x, self.gate_packed, self.gate_bias, "swish", [], "")
             return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up_packed, self.up_bias, "mul")
+        if self.triton:
+            return triton_ops.silu_mul(F.linear(x, self.weight, self.bias))
         gate, up = F.linear(x, self.weight, self.bias).chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.layers import kernels
 from pagedllm.layers.quantization import BLOCK, Blocks
 
 WEIGHT_F32, WEIGHT_I8, WEIGHT_Q8_0, WEIGHT_Q4 = 0, 1, 2, 3
@@ -28,6 +29,7 @@ class MatrixStruct(ctypes.Structure):
         ("panels", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
         ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("num_panels", ctypes.c_int64),
         ("dtype", ctypes.c_int32), ("reserved", ctypes.c_int32),
+        ("panel_capacity", ctypes.c_int64), ("lane_capacity", ctypes.c_int64),
     ]
 
 
@@ -54,9 +56,14 @@ class PackedWeight:
         )
 
     def struct(self) -> MatrixStruct:
+        """The C description, with the capacities the kernels check it against (a weight packed
+        for another panel width is refused, not read past its end; a block-quantized one's
+        panel bytes hold its fp16 scales, so check_matrix measures them by the kind's block size)."""
         kind = self.kind if self.kind is not None else WEIGHT_I8 if self.panels.dtype == torch.int8 else WEIGHT_F32
+        lanes = min((t.numel() for t in (self.scale, self.bias) if t is not None), default=0)
         return MatrixStruct(
             self.panels.data_ptr(), _ptr(self.scale), _ptr(self.bias), self.n, self.k, self.num_panels, kind, 0,
+            self.panels.numel() * self.panels.element_size(), lanes,
         )
 
 
@@ -144,8 +151,7 @@ def matmul(library: ctypes.CDLL, x: torch.Tensor, w: PackedWeight, num_threads: 
     x = x.contiguous()
     out = torch.empty(x.shape[0], w.n // 2 if w.swiglu else w.n, dtype=torch.float32, device=x.device)
     struct = w.struct()
-    failed = library.small_matmul(ctypes.byref(struct), x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), out.shape[1],
-                                  int(w.swiglu), num_threads or torch.get_num_threads())
-    if failed:
-        raise ValueError(f"small_matmul: bad packed weight (status {failed}: int8 without scales, or blocks with k={w.k})")
+    status = library.small_matmul(ctypes.byref(struct), x.data_ptr(), x.shape[0], x.shape[1], x.numel(), out.data_ptr(),
+                                  out.shape[1], out.numel(), int(w.swiglu), num_threads or torch.get_num_threads())
+    kernels.check_status(status, library, "small matmul")
     return out

@@ -16,6 +16,7 @@ from torch import nn
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.group import ParallelGroup
 from pagedllm.layers.embedding import VocabParallelEmbedding
+from pagedllm.layers import triton_ops
 from pagedllm.layers.attention import AttentionMetadata, PagedAttention
 from pagedllm.layers.linear import GateUpLinear, Linear
 from pagedllm.layers.norm import RMSNorm
@@ -29,6 +30,8 @@ ROW_PARALLEL = {"weight": 1}
 
 
 class Attention(nn.Module):
+    triton = False  # rotary as one Triton kernel (layers/triton_ops.py; the GPU path)
+
     def __init__(self, cfg: ModelConfig, sliding_window: int | None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -50,7 +53,7 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
-        qk = apply_rotary(qk, rope)  # q and k rotated in one pass
+        qk = triton_ops.rotary(qk, rope) if self.triton else apply_rotary(qk, rope)  # q and k rotated in one pass
         out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -193,6 +196,12 @@ class CausalLM(nn.Module):
         its dense weight when it is the (tied) embedding table."""
         for module in self.linears():
             module.pack(keep_dense=module.weight is self.model.embed_tokens.weight)
+
+    def use_triton_ops(self) -> None:
+        """RMSNorm, rotary and SiLU-up as single Triton kernels (the GPU path, layers/triton_ops.py)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, GateUpLinear, Attention)):
+                module.triton = True
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

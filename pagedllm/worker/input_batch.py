@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.engine.scheduler_output import ScheduledChunk
 from pagedllm.layers.attention import AttentionMetadata, DecodeBucket, PrefillChunk, additive_mask, allowed_keys
+from pagedllm.layers.triton_attention import TritonAttentionMetadata
 from pagedllm.worker.staging import Staging
 
 # How decodes are cut into SDPA calls: at most 4, a new one where padding would double the KV
@@ -44,11 +45,14 @@ def batch_order(chunks: list[ScheduledChunk]) -> list[int]:
 
 
 def stage_batch(chunks: list[ScheduledChunk], block_size: int, kernel_attention: bool, staging: Staging, prefix: str = "",
-                num_steps: int = 1) -> BatchLayout:
+                num_steps: int = 1, triton: bool = False, pad_rows: int = 0) -> BatchLayout:
     """Lay out the chunks and stage their arrays under `prefix`. A decode that verifies k
     proposals contributes k + 1 decode rows, each attending to the context up to its position.
     For `num_steps` greedy steps (multi-step scheduling) a decode's staged block table also
-    covers the positions of the steps after the first."""
+    covers the positions of the steps after the first. With `triton` (the GPU kernels) all
+    decodes form one bucket and the prefill chunks' tables are staged as one padded array;
+    `pad_rows` padding decode rows (slot -1, empty context) follow the decodes, which is how a
+    CUDA graph's fixed batch is filled (only for steps without prefill chunks)."""
     order = batch_order(chunks)
     ids: list[int] = []
     positions: list[int] = []
@@ -70,14 +74,37 @@ def stage_batch(chunks: list[ScheduledChunk], block_size: int, kernel_attention:
             slots.extend((np.asarray(chunk.block_table)[pos // block_size] * block_size + pos % block_size).tolist())
             layout.prefills.append((layout.first_rows[index], chunk))
         layout.last_rows[index] = len(ids) - 1
+    if pad_rows:
+        assert not layout.prefills, "only an all-decode step is padded"
+        ids.extend([0] * pad_rows)
+        positions.extend([0] * pad_rows)
+        slots.extend([-1] * pad_rows)
+        decodes.extend([(0, [])] * pad_rows)
     staging.add(prefix + "input_ids", ids)
     staging.add(prefix + "positions", positions)
     staging.add(prefix + "slot_mapping", slots)
-    layout.buckets = _stage_decode_buckets(decodes, block_size, kernel_attention, staging, prefix, num_steps - 1)
+    layout.buckets = _stage_decode_buckets(decodes, block_size, kernel_attention or triton, staging, prefix, num_steps - 1)
+    if triton:
+        _stage_triton_prefills(layout, block_size, staging, prefix)
+        return layout
     for number, (_, chunk) in enumerate(layout.prefills):
         if chunk.start > 0 or kernel_attention:  # the C kernel reads even a fresh chunk's K/V from the pool
             staging.add(f"{prefix}prefill{number}.blocks", chunk.block_table[: -(-chunk.end // block_size)])
     return layout
+
+
+def _stage_triton_prefills(layout: BatchLayout, block_size: int, staging: Staging, prefix: str) -> None:
+    """Every prefill chunk's first row, query count, context length and block table (padded to
+    the widest), for one launch of the prefill kernel."""
+    if not layout.prefills:
+        return
+    widths = [-(-chunk.end // block_size) for _, chunk in layout.prefills]
+    width = max(widths)
+    tables = [list(chunk.block_table[:n]) + [0] * (width - n) for (_, chunk), n in zip(layout.prefills, widths)]
+    staging.add(prefix + "prefills.q_starts", [row for row, _ in layout.prefills])
+    staging.add(prefix + "prefills.q_lens", [chunk.num_tokens for _, chunk in layout.prefills])
+    staging.add(prefix + "prefills.ctx_lens", [chunk.end for _, chunk in layout.prefills])
+    staging.add(prefix + "prefills.tables", tables, shape=(len(tables), width))
 
 
 def _stage_decode_buckets(decodes: list[tuple[int, list[int]]], block_size: int, kernel_attention: bool, staging: Staging,
@@ -105,7 +132,9 @@ def _stage_decode_buckets(decodes: list[tuple[int, list[int]]], block_size: int,
 
 
 def attention_metadata(layout: BatchLayout, views: dict[str, torch.Tensor], kernel_attention: bool, block_size: int,
-                       windows: list[int | None], dtype: torch.dtype, prefix: str = "") -> AttentionMetadata:
+                       windows: list[int | None], dtype: torch.dtype, prefix: str = "", triton: bool = False) -> AttentionMetadata:
+    if triton:
+        return AttentionMetadata(views[prefix + "slot_mapping"], [], [], triton=triton_metadata(layout, views, prefix))
     device = views[prefix + "slot_mapping"].device
     decodes = []
     for number, bucket in enumerate(layout.buckets):
@@ -128,3 +157,15 @@ def attention_metadata(layout: BatchLayout, views: dict[str, torch.Tensor], kern
                 prefill.masks[window] = additive_mask(allowed, dtype)
         prefills.append(prefill)
     return AttentionMetadata(views[prefix + "slot_mapping"], decodes, prefills, kernel_attention)
+
+
+def triton_metadata(layout: BatchLayout, views: dict[str, torch.Tensor], prefix: str = "") -> TritonAttentionMetadata:
+    meta = TritonAttentionMetadata(num_decodes=sum(bucket.count for bucket in layout.buckets))
+    if layout.buckets:
+        meta.decode_tables, meta.decode_ctx_lens = views[f"{prefix}decode0.tables"], views[f"{prefix}decode0.ctx_lens"]
+    if layout.prefills:
+        meta.num_prefills = len(layout.prefills)
+        meta.max_prefill_len = max(chunk.num_tokens for _, chunk in layout.prefills)
+        meta.prefill_q_starts, meta.prefill_q_lens, meta.prefill_ctx_lens, meta.prefill_tables = (
+            views[f"{prefix}prefills.{name}"] for name in ("q_starts", "q_lens", "ctx_lens", "tables"))
+    return meta

@@ -17,7 +17,7 @@ import torch
 from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
 from pagedllm.distributed.group import ParallelGroup
 from pagedllm.engine.scheduler_output import SampleRow, ScheduledChunk, SchedulerOutput
-from pagedllm.layers import kernels
+from pagedllm.layers import kernels, triton_attention
 from pagedllm.layers.paged_decode import kernel_supported, load
 from pagedllm.layers.sampler import Sampler
 from pagedllm.layers.small_matmul import MAX_ROWS
@@ -25,7 +25,10 @@ from pagedllm.models.fused_decode import FusedDecoder, unsupported as fused_unsu
 from pagedllm.models.loader import load_model
 from pagedllm.spec_decode.rejection import rejection_sample
 from pagedllm.spec_decode.speculator import Speculator
-from pagedllm.worker.input_batch import attention_metadata, stage_batch
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
+from pagedllm.worker.gpu_memory import MemoryReading, kv_cache_budget
+from pagedllm.worker.input_batch import BatchLayout, attention_metadata, stage_batch
 from pagedllm.worker.kv_cache import KVCache, bytes_per_block, bytes_per_layer_block
 from pagedllm.worker.kv_offload import LayerwiseKVOffload
 from pagedllm.worker.malloc import keep_freed_memory
@@ -56,15 +59,21 @@ class ModelRunner:
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(config.speculative_config, model_config, max_model_len, self.block_size, self.dtype, self.device)
+        self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
+        self.sampler = Sampler(config.seed, self.device, kernels.load() if self.device.type == "cpu" else None)
+        self.target_time_s = 0.0  # in execute() before proposing
+        self.generators: dict[int, torch.Generator] = {}  # seq id -> a seeded sequence's own generator
+        self.graphs: DecodeGraphs | None = None
+        self.offload: LayerwiseKVOffload | None = None
         self.num_blocks, self.num_cpu_blocks = pool_sizes or self._pool_sizes()
         self.kv_cache = KVCache(self.model.config, self.num_blocks, self.num_cpu_blocks, self.block_size, self.dtype,
                                 self.device, host_pool=config.kv_offload)
         self.offload = self._offload() if config.kv_offload else None
         for index, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(*(self.offload.buffer(0) if self.offload else self.kv_cache.layer(index)))
-        self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
-        self.sampler = Sampler(config.seed, self.device, kernels.load() if self.device.type == "cpu" else None)
-        self.kernel_attention = self._choose_attention_backend()
+        self._set_attention_backend()
+        if self.triton_attention and self.device.type == "cuda":  # (Triton's interpreter would only be slower)
+            self.model.use_triton_ops()
         if fused_library is not None and self.kernel_attention:
             self.model.fused = FusedDecoder(self.model, fused_library)
         elif fused_library is not None:  # the attention kernel is off: the fused step cannot run
@@ -75,8 +84,7 @@ class ModelRunner:
                     linear.small = None
         if self.speculator is not None:
             self.speculator.allocate(self.num_blocks, self.num_cpu_blocks, self.kernel_attention, self.model.fused)
-        self.target_time_s = 0.0  # in execute() before proposing
-        self.generators: dict[int, torch.Generator] = {}  # seq id -> a seeded sequence's own generator
+        self.graphs = self._capture_graphs()
 
     def _offload(self) -> LayerwiseKVOffload:
         per_layer_block = bytes_per_layer_block(self.model.config, self.block_size, self.dtype)
@@ -112,26 +120,96 @@ class ModelRunner:
             raise ValueError("decode_backend='fused' cannot be used: " + "; ".join(reasons))
         return library
 
-    def _choose_attention_backend(self) -> bool:
-        """The C attention kernels (decode and prefill) for fp32 on CPU when they build (auto), else SDPA."""
+    def _set_attention_backend(self) -> None:
+        self.attention_backend = self._choose_attention_backend()
+        self.kernel_attention = self.attention_backend == "kernel"
+        self.triton_attention = self.attention_backend == "triton"
+
+    def _choose_attention_backend(self) -> str:
+        """'kernel': the C attention kernels, for fp32 on CPU when they build; 'triton': the Triton
+        kernels, on CUDA; 'sdpa' where neither runs (auto) or when asked for."""
         backend = self.config.attention_backend
+        if backend == "sdpa":
+            return "sdpa"
+        if backend == "triton" or (backend == "auto" and self.device.type == "cuda"):
+            reason = triton_attention.unavailable_reason(self.device)
+            if reason is not None and backend == "triton":
+                raise ValueError(f"attention_backend='triton' cannot be used: {reason}")
+            return "triton" if reason is None else "sdpa"
         k_cache = self.model.attention_layers()[0].k_cache  # the pool, or the offload buffer
-        if backend == "sdpa" or (backend == "auto" and not kernel_supported(k_cache)):
-            return False
+        if backend == "auto" and not kernel_supported(k_cache):
+            return "sdpa"
         if not kernel_supported(k_cache):
             raise ValueError(
                 "attention_backend='kernel' needs float32 KV caches on the CPU and a head_dim that is a multiple "
                 "of 8; use 'sdpa' or 'auto'"
             )
         if load() is not None:
-            return True
+            return "kernel"
         if backend == "kernel":
             raise RuntimeError("attention_backend='kernel' was asked for, but the kernel could not be built (see the log)")
-        return False
+        return "sdpa"
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for all-decode steps of dense models with the Triton kernels, unless
+        enforce_eager (or tensor parallelism / KV offload, whose steps call out of the graph)."""
+        if (self.config.enforce_eager or self.device.type != "cuda" or not self.triton_attention or self.group is not None
+                or self.offload is not None or self.model_config.moe is not None):
+            return None
+        graphs = DecodeGraphs(self.model, capture_sizes(self.config.max_num_seqs), -(-self.max_model_len // self.block_size),
+                              self.device)
+        with torch.inference_mode():
+            graphs.capture()
+        return graphs
+
+    def _graph_size(self, sched: SchedulerOutput) -> int | None:
+        """The captured batch size a step of only decode rows is padded to; None: run eagerly."""
+        if self.graphs is None or not all(chunk.is_decode for chunk in sched.chunks):
+            return None
+        return padded_size(sum(chunk.num_tokens for chunk in sched.chunks), self.graphs.sizes)
 
     def _pool_sizes(self) -> tuple[int, int]:
         extra = self.speculator.bytes_per_block() if self.speculator is not None else 0  # the draft's mirror pool
-        return kv_pool_sizes(self.config, self.model.config, self.max_model_len, extra)
+        budget = None
+        if self.device.type == "cuda" and self.config.num_kv_blocks is None and self.config.kv_cache_memory is None:
+            budget = self._profile_kv_budget()
+        return kv_pool_sizes(self.config, self.model.config, self.max_model_len, extra, memory_budget=budget)
+
+    def _profile_kv_budget(self) -> int:
+        """Runs the largest step the scheduler can form against a scratch pool and sizes the
+        real pool from the memory it left (worker/gpu_memory.py)."""
+        tokens = self.config.resolve_max_num_batched_tokens(self.max_model_len)
+        seqs = max(1, min(self.config.max_num_seqs, tokens))
+        lengths = [min(tokens // seqs + (i < tokens % seqs), self.max_model_len) for i in range(seqs)]
+        lengths = [n for n in lengths if n > 0]
+        widths = [-(-n // self.block_size) for n in lengths]
+        scratch = self.kv_cache = KVCache(self.model.config, sum(widths), 0, self.block_size, self.dtype, self.device)
+        for index, attn in enumerate(self.model.attention_layers()):
+            attn.bind_cache(*scratch.layer(index))
+        self._set_attention_backend()
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=5, max_tokens=1)
+        chunks, samples, first_block = [], [], 0
+        for seq, (n, width) in enumerate(zip(lengths, widths)):
+            ids = [(seq * 31 + i) % self.model_config.vocab_size for i in range(n)]
+            chunks.append(ScheduledChunk(seq, 0, ids, list(range(first_block, first_block + width))))
+            samples.append(SampleRow(seq, seq, params, 0, ids, n, frozenset()))
+            first_block += width
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        speculator, self.speculator = self.speculator, None  # the draft's pools are not allocated yet
+        try:
+            self.execute(SchedulerOutput(chunks=chunks, samples=samples))
+        finally:
+            self.speculator = speculator
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        reading = MemoryReading(total, free, torch.cuda.memory_reserved(self.device),
+                                torch.cuda.max_memory_allocated(self.device), scratch.k.nbytes + scratch.v.nbytes)
+        del scratch, self.kv_cache
+        for attn in self.model.attention_layers():
+            attn.bind_cache(torch.empty(0), torch.empty(0))
+        torch.cuda.empty_cache()
+        return kv_cache_budget(reading, self.config.gpu_memory_utilization)
 
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -152,7 +230,10 @@ class ModelRunner:
             result, target_s = self.speculator.run_fused(sched)
             self.target_time_s += target_s
             return result
-        layout = stage_batch(self._short_chunks_as_rows(sched.chunks), self.block_size, self.kernel_attention, staging)
+        graph_size = self._graph_size(sched)
+        pad_rows = graph_size - sum(chunk.num_tokens for chunk in sched.chunks) if graph_size else 0
+        layout = stage_batch(self._short_chunks_as_rows(sched.chunks), self.block_size, self.kernel_attention, staging,
+                             triton=self.triton_attention, pad_rows=pad_rows)
         plain = [row for row in sched.samples if not row.spec_token_ids]
         spec = [row for row in sched.samples if row.spec_token_ids]
         expanded = Speculator.expand(spec)
@@ -163,8 +244,7 @@ class ModelRunner:
             Speculator.stage_verify(spec, staging)
         views = staging.to(self.device)
         self._apply_block_maps(sched, views)
-        meta = attention_metadata(layout, views, self.kernel_attention, self.block_size, self.windows, self.dtype)
-        logits = self.model.step_logits(views["input_ids"], views["positions"], meta, views["logit_rows"])
+        logits = self._logits(layout, views, graph_size)
         if logits is None:
             return ModelRunnerOutput()  # a tensor-parallel worker: rank 0 samples
         groups = []
@@ -181,6 +261,15 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.propose(sched, result, self.sampler, self._generator)
         return result
+
+    def _logits(self, layout: BatchLayout, views: dict[str, torch.Tensor], graph_size: int | None) -> torch.Tensor | None:
+        """The sampled rows' logits: the forward pass replayed from a CUDA graph, or run eagerly."""
+        if graph_size is not None:
+            hidden = self.graphs.replay(views, graph_size)
+            return self.model.compute_logits(hidden.index_select(0, views["logit_rows"]))
+        meta = attention_metadata(layout, views, self.kernel_attention, self.block_size, self.windows, self.dtype,
+                                  triton=self.triton_attention)
+        return self.model.step_logits(views["input_ids"], views["positions"], meta, views["logit_rows"])
 
     def _short_chunks_as_rows(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """When all of a step's positions fit one fused step, its prompt chunks too are laid out as
@@ -260,9 +349,10 @@ class ModelRunner:
 
 
 def kv_pool_sizes(config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                  extra_bytes_per_block: int = 0, num_ranks: int = 1) -> tuple[int, int]:
+                  extra_bytes_per_block: int = 0, num_ranks: int = 1, memory_budget: int | None = None) -> tuple[int, int]:
     """(device blocks, host swap blocks) for one rank holding `model_config`'s part of each
-    block. The default budget (a share of free memory) is split between the ranks of one host."""
+    block. The default budget (a share of free memory) is split between the ranks of one host;
+    `memory_budget`: bytes measured for the pool (a GPU's, worker/gpu_memory.py)."""
     per_block = bytes_per_block(model_config, config.block_size, config.torch_dtype(model_config)) + extra_bytes_per_block
     most_useful = config.max_num_seqs * -(-max_model_len // config.block_size)  # more could never be used
     if config.num_kv_blocks is not None:
@@ -272,6 +362,11 @@ def kv_pool_sizes(config: EngineConfig, model_config: ModelConfig, max_model_len
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than one KV block "
                              f"({per_block * num_ranks} bytes)")
+    elif memory_budget is not None:
+        if memory_budget < per_block:
+            raise ValueError(f"the GPU memory left for the KV cache ({memory_budget} bytes) is less than one KV block "
+                             f"({per_block} bytes); raise gpu_memory_utilization or pass kv_cache_memory")
+        num_blocks = min(memory_budget // per_block, most_useful)
     else:
         budget = int(available_memory_bytes() * config.kv_cache_memory_fraction) // (per_block * num_ranks)
         num_blocks = max(1, min(budget, most_useful))

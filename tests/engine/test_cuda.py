@@ -54,7 +54,9 @@ def test_greedy_matches_transformers_on_cuda(arch, dtype, mode, model_dir, cuda_
     near_tie, logprob_tol = TOLERANCES[dtype]
     llm = LLM(str(model_dir(arch)), device="cuda", dtype=dtype, **MODES[mode])
     assert llm.llm_engine.device.type == "cuda" and not llm.llm_engine.runner.kernel_attention
-    assert_outputs_match(llm.generate(PROMPTS, GREEDY, use_tqdm=False), cuda_reference(arch, dtype), near_tie, logprob_tol)
+    runs = 2 if mode == "prefix_caching" else 1  # the second run reuses the first one's blocks
+    for _ in range(runs):
+        assert_outputs_match(llm.generate(PROMPTS, GREEDY, use_tqdm=False), cuda_reference(arch, dtype), near_tie, logprob_tol)
     stats = llm.get_stats()
     assert_mode_happened(stats, mode)
 

@@ -147,7 +147,8 @@ BLOCK_SHAPES = [(3, 32), (37, 64), (17, 96), (960, 576), (576, 1536)]
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n, k", BLOCK_SHAPES)
 def test_gguf_blocks_match_the_dequantized_reference(library, kind, n, k):
-    """GGUF blocks kept bit for bit in panels: every batch size (and a prefill-sized one) gives
+    """GGUF blocks kept bit for bit in panels: every batch size (and prefill-sized ones, past a
+    tile of 64 rows) gives
     x @ W^T of the weights gguf dequantizes them to, within fp32 summation error; a row does not
     depend on the rest of the batch."""
     gen = torch.Generator().manual_seed(n + k)
@@ -156,9 +157,9 @@ def test_gguf_blocks_match_the_dequantized_reference(library, kind, n, k):
     packed = pack_blocks(blocks, library.panel_width(), b)
     width = library.panel_width()  # a block's bytes as GGUF's Q8_0 / Q4_1 (Q4_0 gains its min): 34 or 20 per 32 weights
     assert packed.panels.numel() == -(-n // width) * width * (k // 32) * (34 if kind == "Q8_0" else 20)
-    x = torch.randn(40, k, generator=gen)
+    x = torch.randn(130, k, generator=gen)  # 130 rows: a prefill in tiles of 64 (ROW_TILE), 2 left over
     alone = torch.cat([matmul(library, x[i : i + 1], packed) for i in range(x.shape[0])])
-    for m in [*range(1, MAX_ROWS + 1), 40]:
+    for m in [*range(1, MAX_ROWS + 1), 40, 130]:
         ours = matmul(library, x[:m], packed)
         exact = x[:m].double() @ w.double().T + b.double()
         assert ((ours.double() - exact).abs() <= bound(x[:m], w) + 1e-6).all(), f"m={m}"

@@ -97,12 +97,12 @@ async def unload_model(model_id: str, request: Request) -> Response:
 # ---- tokenization --------------------------------------------------------------------------
 @inference_router.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize_route(body: TokenizeRequest, request: Request) -> Response:
-    return json_response(tokenize(body, models(request).get(body.model)))
+    return json_response(await tokenize(body, models(request).get(body.model)))
 
 
 @inference_router.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize_route(body: DetokenizeRequest, request: Request) -> Response:
-    return json_response(detokenize(body, models(request).get(body.model)))
+    return json_response(await detokenize(body, models(request).get(body.model)))
 
 
 @inference_router.get("/tokenizer_info", response_model=TokenizerInfo)
