@@ -1,7 +1,7 @@
 """Engine and model configuration, built once at the entry point and passed down.
 
 `ModelConfig` is read from a Hugging Face `config.json` (both the transformers ≥ 5 spelling,
-`rope_parameters`, and the older `rope_theta` + `rope_scaling`). `EngineConfig` holds the engine
+`rope_parameters`, and the older `rope_theta` + `rope_scaling`) or a GGUF file's metadata. `EngineConfig` holds the engine
 arguments users pass to `LLM(...)` / `pagedllm serve`, validated here so that a bad value fails
 with the argument's name before anything is allocated.
 """
@@ -120,6 +120,12 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        """From a model folder's config.json, or from a GGUF file's metadata."""
+        from pagedllm.gguf import is_gguf, open_gguf
+        from pagedllm.gguf.config import hf_config
+
+        if is_gguf(path):
+            return cls.from_dict(hf_config(open_gguf(path)), str(path))
         folder = Path(path)
         if not folder.is_dir():
             raise ModelLoadError(f"model folder {str(path)!r} does not exist or is not a directory")
@@ -262,7 +268,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # auto | fused | torch: small all-decode steps as one C call (models/fused_decode.py) or modules
     decode_backend: str = "auto"
-    quantization: str | None = None  # "int8": weight-only, per-channel scales, quantized at load
+    # Weight-only: "int8" (per-channel scales) or "q4" (Q4_1 blocks of 32) quantized at load; "gguf" keeps
+    # a GGUF file's blocks (the default for GGUF files); "none" dequantizes a GGUF file (layers/quantization.py)
+    quantization: str | None = None
     kv_cache_memory_fraction: float = 0.25
     # Split the model across this many processes on this host (gloo on CPU, NCCL on CUDA).
     tensor_parallel_size: int = 1
@@ -313,6 +321,14 @@ class EngineConfig:
                              f"attention_backend={self.attention_backend!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {self.quantization!r}")
+        from pagedllm.gguf import is_gguf
+
+        if self.quantization is None and is_gguf(self.model):
+            self.quantization = "gguf"
+        if self.quantization == "gguf" and not is_gguf(self.model):
+            raise ValueError("quantization='gguf' keeps a GGUF file's blocks; the model is not a GGUF file")
+        if self.quantization == "q4" and self.tensor_parallel_size > 1:
+            raise ValueError("quantization='q4' is not supported with tensor_parallel_size > 1")
         if not 0 < self.kv_cache_memory_fraction <= 0.9:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.9]")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

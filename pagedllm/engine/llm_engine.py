@@ -21,6 +21,8 @@ from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
+from pagedllm.gguf import is_gguf, open_gguf
+from pagedllm.gguf.tokenizer import gguf_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -32,8 +34,10 @@ MAX_LOGPROBS = 20
 
 
 def load_tokenizer(path: str):
-    """transformers' fast tokenizer (tokenizer.json + tokenizer_config.json), or None when the
-    folder ships none: token-id prompts still work then."""
+    """transformers' fast tokenizer (tokenizer.json + tokenizer_config.json, or a GGUF file's
+    metadata), or None when the folder ships none: token-id prompts still work then."""
+    if is_gguf(path):
+        return gguf_tokenizer(open_gguf(path))
     folder = Path(path)
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None

@@ -11,13 +11,15 @@ from pagedllm.engine.beam_search import beam_score
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.entrypoints.chat_template import render_chat
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from pagedllm.paths import DEFAULT_MODEL
+from pagedllm.paths import default_model
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any):
-        self.llm_engine = LLMEngine.from_engine_args(str(model or DEFAULT_MODEL), **engine_args)
+        """`model`: a Hugging Face model folder or a GGUF file; the default model
+        (SmolLM2-135M-Instruct, paths.py) when None."""
+        self.llm_engine = LLMEngine.from_engine_args(str(model or default_model()), **engine_args)
         self._counter = itertools.count()
 
     def get_tokenizer(self):

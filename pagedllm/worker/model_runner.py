@@ -80,7 +80,8 @@ class ModelRunner:
             if config.decode_backend == "fused":
                 raise RuntimeError("decode_backend='fused' needs the C decode attention kernel, which is not in use")
             for linear in self.model.linears():
-                linear.small = None
+                if linear.library is None:  # kept blocks are the weight itself
+                    linear.small = None
         if self.speculator is not None:
             self.speculator.allocate(self.num_blocks, self.num_cpu_blocks, self.kernel_attention, self.model.fused)
         self.graphs = self._capture_graphs()

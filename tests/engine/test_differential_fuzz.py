@@ -8,7 +8,8 @@ path's bookkeeping is thin — n and best_of up to 16 (more logit rows than rows
 crash), beam search up to 10 beams (the widest the engine takes), prompts ending just before, at and after block boundaries
 (forks copy-on-write a partly filled block, or share only full ones), prompts sharing prefixes
 (prefix-cache hits), and engines that preempt by recompute and by swap, chunk prefills, speculate
-with n-grams or run multi-step bursts.
+with n-grams, run multi-step bursts or keep 4-bit weight blocks ("q4": the C path computes from the
+blocks alone, the reference from their dequantized values).
 
 Also run under AddressSanitizer + UBSan by tests/layers/test_sanitizers.py, where an
 out-of-bounds access anywhere in the kernels ends the run with a report. Examples:
@@ -42,6 +43,9 @@ ENGINES = {
     "preempt_swap": dict(block_size=4, num_kv_blocks=96, preemption_mode="swap", swap_space=4 << 20),
     "ngram": dict(block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}),
     "multi_step": dict(block_size=4, num_scheduler_steps=4),
+    # kept 4-bit blocks (Q4_1 projections, a Q8_0 LM head): the C path reads only the blocks (the
+    # fused step, and prefills through small_matmul's tiles), the reference their dequantized values
+    "q4": dict(block_size=4, quantization="q4"),
 }
 # Prompt lengths around the boundaries of 1-, 4- and 16-token blocks; every prompt is a prefix
 # of one of two base sequences (prefix hits), one of them periodic (n-gram proposals).
@@ -61,11 +65,11 @@ def sampling(draw) -> SamplingParams:
 
 
 @st.composite
-def batches(draw) -> dict:
+def batches(draw, engines: tuple[str, ...] = tuple(sorted(ENGINES))) -> dict:
     prompts = draw(st.lists(st.tuples(st.sampled_from(BASES), st.sampled_from(LENGTHS)), min_size=1, max_size=4))
     beam = draw(st.one_of(st.none(), st.tuples(st.integers(1, MAX_BEAMS), st.integers(1, 5))))
     return {
-        "engine": draw(st.sampled_from(sorted(ENGINES))),
+        "engine": draw(st.sampled_from(engines)),
         "prompts": [base[:length] for base, length in prompts],
         "params": [draw(sampling()) for _ in prompts],
         "beam": beam,
@@ -89,10 +93,24 @@ def folder(model_dir) -> str:
     return str(model_dir("llama"))
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = dict(deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@settings(max_examples=EXAMPLES, **SETTINGS)
 @given(batch=batches())
 def test_the_c_path_and_the_torch_path_give_the_same_tokens(folder, monkeypatch, batch):
+    compare(folder, monkeypatch, batch)
+
+
+@settings(max_examples=max(2, EXAMPLES // 6), **SETTINGS)
+@given(batch=batches(engines=("q4",)))
+def test_kept_4_bit_blocks_give_the_tokens_of_their_dequantized_weights(folder, monkeypatch, batch):
+    """Always a few batches on the q4 engine (the shared draw reaches it only now and then)."""
+    compare(folder, monkeypatch, batch)
+
+
+def compare(folder: str, monkeypatch, batch: dict) -> None:
     c_path = run(folder, batch)
     with monkeypatch.context() as patch:  # the engine as it runs without a compiler: no kernel at all
         patch.setattr(kernels, "compiler", lambda: None)

@@ -54,7 +54,7 @@ class JobServer:
     def start(self) -> JobServer:
         os.environ.pop("PAGEDLLM_API_KEY", None)
         self.starts += 1
-        args = ["--log-level", "warning", "--api-key", API_KEY, "--data-dir", str(self.data_dir),
+        args = ["--log-level", "warning", "--no-model", "--api-key", API_KEY, "--data-dir", str(self.data_dir),
                 "--train-slots", str(self.slots), *(arg for root in self.allowed for arg in ("--allowed-path", str(root)))]
         self.process = launch(args, self.logs / f"server-{self.starts}.log", timeout=120)
         self.client = httpx.Client(base_url=self.process.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)

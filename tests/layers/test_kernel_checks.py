@@ -1,7 +1,8 @@
 """Every C kernel checks the sizes and indices it is given against the capacities its caller
 passed, and refuses (KernelRefused, the reason named) before it reads or writes anything:
 block ids past the pool, contexts past a block table, slots, positions, tokens and logit rows
-past their tables, outputs too small, weights packed for another panel width."""
+past their tables, outputs too small, weights packed for another panel width, block-quantized
+(Q8_0/Q4) panels measured by their blocks' real bytes."""
 from __future__ import annotations
 
 import ctypes
@@ -13,7 +14,8 @@ from pagedllm import LLM
 from pagedllm.layers import kernels
 from pagedllm.layers.kernels import KernelRefused
 from pagedllm.layers.paged_decode import run_kernel, run_prefill_kernel
-from pagedllm.layers.small_matmul import matmul, pack
+from pagedllm.layers.quantization import quantize_blocks
+from pagedllm.layers.small_matmul import WEIGHT_Q4, WEIGHT_Q8_0, matmul, pack, pack_blocks, pack_swiglu
 from pagedllm.models.fused_decode import FusedDecoder, StepStruct
 from pagedllm.spec_decode.fused_cycles import SpeculationStruct
 
@@ -60,6 +62,76 @@ def test_small_matmul_refuses_a_weight_packed_for_another_width():
     narrow = pack(torch.randn(24, 32), library.panel_width() // 2)
     with pytest.raises(KernelRefused, match="were allocated"):
         matmul(library, torch.randn(2, 32), narrow)
+
+
+# GGUF's bytes per block of 32 as the panels keep them: Q8_0 d (fp16) + 32 int8; Q4 (Q4_1, and Q4_0
+# with its minimum) d and m (fp16) + 16 bytes of nibbles.
+BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20, "Q4_0": 20}
+
+
+def small_matmul_status(library, struct, x: torch.Tensor, y: torch.Tensor, swiglu: bool = False) -> int:
+    return library.small_matmul(ctypes.byref(struct), x.data_ptr(), x.shape[0], x.shape[1], x.numel(), y.data_ptr(),
+                                y.shape[1], y.numel(), int(swiglu), 1)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q4_0"])
+def test_small_matmul_measures_block_panels_by_their_real_bytes(kind):
+    """A block-quantized weight's panels are num_panels x k/32 blocks of 34 (Q8_0) or 20 (Q4)
+    bytes a lane, scales inside: exactly that many pass, one byte fewer is refused by name."""
+    library = kernels.load()
+    width, k = library.panel_width(), 96
+    packed = pack_blocks(quantize_blocks(torch.randn(2 * width + 3, k), kind), width)
+    struct = packed.struct()
+    assert struct.dtype == (WEIGHT_Q8_0 if kind == "Q8_0" else WEIGHT_Q4) and struct.scale is None
+    need = packed.num_panels * (k // 32) * BLOCK_BYTES[kind] * width
+    assert struct.panel_capacity == need
+    x, y = torch.randn(3, k), torch.full((3, packed.n), 7.0)
+    assert small_matmul_status(library, struct, x, y) == kernels.KERNEL_OK
+    struct.panel_capacity = need - 1
+    y.fill_(7.0)
+    assert small_matmul_status(library, struct, x, y) == kernels.KERNEL_REFUSED
+    assert f"need {need} bytes, {need - 1} were allocated".encode() in library.kernel_last_error()
+    assert torch.all(y == 7.0)  # nothing written
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_small_matmul_refuses_block_panels_described_wrongly(kind):
+    """Block panels read as another panel width, with k not a whole number of blocks, with more
+    inputs than were packed, or a bias shorter than the lanes: refused with the reason."""
+    library = kernels.load()
+    width = library.panel_width()
+    blocks = quantize_blocks(torch.randn(24, 64), kind)
+    narrow = pack_blocks(blocks, width // 2)  # half-width panels: the kernel would read twice their bytes
+    with pytest.raises(KernelRefused, match="were allocated"):
+        matmul(library, torch.randn(2, 64), narrow)
+    packed = pack_blocks(blocks, width, torch.randn(24))
+    x, y = torch.randn(2, 64), torch.empty(2, 24)
+    struct = packed.struct()
+    struct.k = 48
+    assert small_matmul_status(library, struct, x, y) == kernels.KERNEL_REFUSED
+    assert b"48 inputs, not a multiple of 32" in library.kernel_last_error()
+    struct = packed.struct()
+    struct.k = 128  # twice the blocks that were packed
+    assert small_matmul_status(library, struct, torch.randn(2, 128), y) == kernels.KERNEL_REFUSED
+    assert b"were allocated" in library.kernel_last_error()
+    struct = packed.struct()
+    struct.lane_capacity -= 1
+    assert small_matmul_status(library, struct, x, y) == kernels.KERNEL_REFUSED
+    assert b"scales/biases" in library.kernel_last_error()
+    struct = packed.struct()
+    assert small_matmul_status(library, struct, x, torch.empty(1, 24)) == kernels.KERNEL_REFUSED  # 2 rows into 1
+    swiglu = pack_swiglu(quantize_blocks(torch.randn(2 * width, 64), kind), width)
+    struct = swiglu.struct()
+    struct.num_panels -= 1  # an odd count of gate/up panels
+    assert small_matmul_status(library, struct, x, torch.empty(2, width), swiglu=True) == kernels.KERNEL_REFUSED
+
+
+def test_small_matmul_refuses_an_unknown_weight_kind():
+    library = kernels.load()
+    struct = pack(torch.randn(8, 32), library.panel_width()).struct()
+    struct.dtype = 4
+    assert small_matmul_status(library, struct, torch.randn(1, 32), torch.empty(1, 8)) == kernels.KERNEL_REFUSED
+    assert b"unknown weight dtype 4" in library.kernel_last_error()
 
 
 def test_greedy_rows_refuses_more_rows_than_its_buffers():
@@ -166,3 +238,36 @@ def test_speculation_refuses_a_budget_past_its_output_rows(decoder):
     assert speculate(budget=4, capacity=16) == kernels.KERNEL_OK  # the budget, not the capacity, bounds its reach
     assert speculate(budget=4, capacity=16, newest=10) == kernels.KERNEL_REFUSED  # 10 + 4 positions need a 4th block
     assert b"14 positions need 4 blocks" in fused.library.kernel_last_error()
+
+
+@pytest.fixture(scope="module")
+def q4_decoder(model_dir):
+    """The fused step over kept blocks: Q4_1 projections, a Q8_0 LM head (qwen2: biases too)."""
+    llm = LLM(str(model_dir("qwen2")), decode_backend="fused", num_kv_blocks=8, block_size=4, quantization="q4")
+    model = llm.llm_engine.runner.model
+    return FusedDecoder(model, kernels.load()), model
+
+
+def test_the_fused_step_checks_block_quantized_matrices_by_their_bytes(q4_decoder):
+    fused, model = q4_decoder
+    layer = fused._layers[0]
+    assert layer.qkv.dtype == WEIGHT_Q4 and fused._lm_head.dtype == WEIGHT_Q8_0
+    assert run_step(q4_decoder, step_arrays()) == kernels.KERNEL_OK
+    for name in ("qkv", "o", "gate_up", "down"):
+        matrix = getattr(fused._layers[1], name)
+        caches = [a.k_cache.clone() for a in model.attention_layers()]
+        matrix.panel_capacity -= 1
+        try:
+            assert run_step(q4_decoder, step_arrays()) == kernels.KERNEL_REFUSED
+        finally:
+            matrix.panel_capacity += 1
+        message = fused.library.kernel_last_error().decode()
+        assert "decode step: layer 1" in message and "were allocated" in message, message
+        assert all(torch.equal(c, a.k_cache) for c, a in zip(caches, model.attention_layers()))  # nothing written
+    fused._lm_head.k -= 16  # not a whole number of blocks
+    try:
+        assert run_step(q4_decoder, step_arrays()) == kernels.KERNEL_REFUSED
+    finally:
+        fused._lm_head.k += 16
+    assert b"LM head: a block-quantized matrix" in fused.library.kernel_last_error()
+    assert run_step(q4_decoder, step_arrays()) == kernels.KERNEL_OK

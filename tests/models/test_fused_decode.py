@@ -74,6 +74,17 @@ def test_int8_fused_step_matches_the_int8_modules(model_dir, run):
     assert_same(fused, reference)
 
 
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_q4_fused_step_matches_the_q4_modules(arch, model_dir, run):
+    """Kept blocks (Q4_1 projections, a Q8_0 LM head; qwen2's biases) in the fused step against
+    the modules computing with their dequantized values: the fused step's block kernels and its
+    checks of block-quantized matrices, every batch size from 16 rows down."""
+    fused, calls = run(model_dir(arch), decode_backend="fused", quantization="q4")
+    reference, _ = run(model_dir(arch), decode_backend="torch", quantization="q4")
+    assert set(calls) == set(range(1, MAX_ROWS + 1))
+    assert_same(fused, reference)
+
+
 def test_speculative_verification_rows_go_through_the_fused_step(model_dir):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]] * 2

@@ -2,7 +2,7 @@
 
 Each loaded model has its own `LLMEngine` (so its own KV budget, from the shared engine args)
 on its own engine thread. Models named at start-up are loaded before the server accepts
-connections; sub-folders of `--model-dir` are loaded on demand, by folder name. Loading runs on
+connections; sub-folders and .gguf files of `--model-dir` are loaded on demand, by name. Loading runs on
 a worker thread, so the models already loaded keep serving meanwhile.
 """
 from __future__ import annotations
@@ -80,6 +80,13 @@ class CatalogEntry:
     error: str | None = None
 
 
+def _loadable_name(path: Path) -> str | None:
+    """The name a --model-dir entry loads by: a model folder's name, a GGUF file's name without .gguf."""
+    if (path / "config.json").is_file():
+        return path.name
+    return path.stem if path.suffix == ".gguf" and path.is_file() else None
+
+
 class ModelRegistry:
     def __init__(self, settings: ServerSettings, metrics: ServerMetrics):
         self.settings = settings
@@ -140,7 +147,7 @@ class ModelRegistry:
         by name; what the web console lists with load/unload buttons."""
         names = set(self._startup_paths) | set(self._ready) | set(self._loading) | set(self._failed)
         if self.settings.model_dir and Path(self.settings.model_dir).is_dir():
-            names |= {d.name for d in Path(self.settings.model_dir).iterdir() if (d / "config.json").is_file()}
+            names |= {_loadable_name(p) for p in Path(self.settings.model_dir).iterdir() if _loadable_name(p)}
         return [self._entry(name) for name in sorted(names)]
 
     def _entry(self, name: str) -> CatalogEntry:
@@ -153,13 +160,16 @@ class ModelRegistry:
         return CatalogEntry(name, "available")
 
     def path_for(self, name: str) -> str | None:
-        """Where `name` loads from: a start-up model, or a model folder directly in model_dir."""
+        """Where `name` loads from: a start-up model, or a model folder or NAME.gguf file directly in model_dir."""
         if name in self._startup_paths:
             return self._startup_paths[name]
         if not self.settings.model_dir or name in ("", ".", "..") or "/" in name or "\\" in name:
             return None
         folder = Path(self.settings.model_dir) / name
-        return str(folder) if (folder / "config.json").is_file() else None
+        if (folder / "config.json").is_file():
+            return str(folder)
+        file = Path(self.settings.model_dir) / f"{name}.gguf"
+        return str(file) if file.is_file() else None
 
     # ---- load / unload -----------------------------------------------------------------------
     async def load(self, name: str, wait: bool = False) -> str:

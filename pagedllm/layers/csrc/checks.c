@@ -10,6 +10,7 @@
  * (layers/kernels.py `check_status`). The checks cost a pass over a step's few integers.
  */
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "kernels.h"
@@ -28,12 +29,22 @@ const char *kernel_last_error(void) { return last_error; }
 
 int check_matrix(const Matrix *w, const char *name) {
     REQUIRE(w->panels != NULL && w->n > 0 && w->k > 0 && w->num_panels > 0, "%s: an empty or missing matrix", name);
-    REQUIRE(w->dtype == WEIGHT_F32 || w->dtype == WEIGHT_I8, "%s: unknown weight dtype %d", name, w->dtype);
-    REQUIRE(w->n <= w->num_panels * VW, "%s: %lld channels do not fit %lld panels of %d", name, (long long)w->n,
-            (long long)w->num_panels, VW);
-    REQUIRE(matrix_bytes(w) <= w->panel_capacity, "%s: %lld panels of %d lanes need %lld bytes, %lld were allocated", name,
-            (long long)w->num_panels, VW, (long long)matrix_bytes(w), (long long)w->panel_capacity);
-    REQUIRE(w->dtype == WEIGHT_F32 || w->scale != NULL, "%s: an int8 matrix without scales", name);
+    REQUIRE(w->dtype == WEIGHT_F32 || w->dtype == WEIGHT_I8 || w->dtype == WEIGHT_Q8_0 || w->dtype == WEIGHT_Q4,
+            "%s: unknown weight dtype %d", name, w->dtype);
+    /* a block-quantized panel holds k / 32 whole blocks (their fp16 scales, and Q4's minimums,
+     * inside the panel's bytes): a k that is not a multiple would leave inputs out */
+    REQUIRE(!(w->dtype == WEIGHT_Q8_0 || w->dtype == WEIGHT_Q4) || w->k % QBLOCK == 0,
+            "%s: a block-quantized matrix of %lld inputs, not a multiple of %d", name, (long long)w->k, QBLOCK);
+    REQUIRE(w->num_panels <= INT64_MAX / VW && w->n <= w->num_panels * VW, "%s: %lld channels do not fit %lld panels of %d",
+            name, (long long)w->n, (long long)w->num_panels, VW);
+    /* panel_bytes per kind: k * VW * 4 (fp32), k * VW (int8), k / 32 blocks of 34 VW (Q8_0: fp16
+     * scales, int8 values) or 20 VW (Q4: fp16 scales and minimums, nibbles) bytes */
+    REQUIRE(w->k <= INT64_MAX / (VW * (int64_t)sizeof(float)) && w->num_panels <= INT64_MAX / panel_bytes(w),
+            "%s: %lld panels of %lld inputs overflow a byte count", name, (long long)w->num_panels, (long long)w->k);
+    REQUIRE(matrix_bytes(w) <= w->panel_capacity, "%s: %lld panels of %d lanes (dtype %d) need %lld bytes, %lld were allocated",
+            name, (long long)w->num_panels, VW, w->dtype, (long long)matrix_bytes(w), (long long)w->panel_capacity);
+    REQUIRE(w->dtype != WEIGHT_I8 || w->scale != NULL, "%s: an int8 matrix without scales", name);
+    /* block-quantized panels carry their scales inside (no scale array is read for them) */
     REQUIRE((w->scale == NULL && w->bias == NULL) || w->num_panels * VW <= w->lane_capacity,
             "%s: scales/biases of %lld lanes, %lld needed", name, (long long)w->lane_capacity, (long long)(w->num_panels * VW));
     return KERNEL_OK;

@@ -50,12 +50,69 @@ static inline vf loadv_i8(const int8_t *p) {
 #endif
 }
 
+/* VW fp16 values widened to floats (F16C's vcvtph2ps). */
+static inline vf loadv_f16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) {
+        const uint32_t h = p[i], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+        union { uint32_t bits; float value; } out;
+        if (exp == 0) {
+            out.value = (float)man * 0x1p-24f;
+            out.bits |= sign;
+        } else {
+            out.bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+        }
+        v[i] = out.value;
+    }
+    return v;
+#endif
+}
+
+/* VW unsigned bytes widened to 32-bit integers (vpmovzxbd). */
+static inline vi loadv_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vi v;
+    for (int i = 0; i < VW; i++) v[i] = p[i];
+    return v;
+#endif
+}
+
+static inline vf int_to_float(vi v) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps((__m512i)v);
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps((__m256i)v);
+#else
+    vf f;
+    for (int i = 0; i < VW; i++) f[i] = (float)v[i];
+    return f;
+#endif
+}
+
 /* A weight matrix [n, k] (y = x W^T) packed for small-M matmuls: panels of VW output channels,
  * each stored k-major ([k][VW]) so that one panel is one sequential stream and every load is a
  * full vector of VW channels for one input. Channels past n are zero. int8 panels hold the
  * symmetric per-channel quantization q = round(w / scale). scale and bias are stored per panel
- * lane ([num_panels * VW]); for a fused gate/up matrix the panels alternate gate, up. */
-enum { WEIGHT_F32 = 0, WEIGHT_I8 = 1 };
+ * lane ([num_panels * VW]); for a fused gate/up matrix the panels alternate gate, up.
+ *
+ * Block-quantized panels keep llama.cpp's blocks of 32 inputs (GGUF Q8_0, Q4_1, and Q4_0 as Q4_1
+ * with min -8d, which dequantizes to the same values), their bits unchanged, laid out per panel
+ * block by block, each block k-major over the panel's VW channels:
+ *   Q8_0: d[VW] (fp16), q[32][VW] (int8)                     w = d q
+ *   Q4:   d[VW] (fp16), m[VW] (fp16), q[16][VW] (two nibbles) w = d q + m
+ * A Q4 byte holds inputs j (low nibble) and j + 16 (high nibble) of its block, as in GGUF's Q4_1.
+ * k is a multiple of 32. */
+enum { WEIGHT_F32 = 0, WEIGHT_I8 = 1, WEIGHT_Q8_0 = 2, WEIGHT_Q4 = 3 };
+#define QBLOCK 32
 
 typedef struct {
     const void *panels;
@@ -85,7 +142,8 @@ const char *kernel_last_error(void);
     } while (0)
 
 /* The checks the kernels share: a packed matrix's panels, scales and biases lie within what was
- * allocated for them (`name` for the message); the first ceil(len / block_size) entries of a
+ * allocated for them, its panels measured by its kind's bytes (panel_bytes: a block-quantized
+ * matrix's blocks with their fp16 scales, its k a whole number of blocks) (`name` for the message); the first ceil(len / block_size) entries of a
  * block table (of max_blocks entries) name blocks of a pool of num_blocks. KERNEL_OK or
  * KERNEL_REFUSED. */
 int check_matrix(const Matrix *w, const char *name);
@@ -111,8 +169,14 @@ void matmul_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, floa
 /* act[m][c] = silu(gate) * up for the channels of gate/up panel pairs [j0, j1). */
 void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact, int64_t j0, int64_t j1,
                    int pair);
+/* Bytes of one block of 32 inputs of a block-quantized panel. */
+static inline int64_t qblock_bytes(int32_t dtype) { return dtype == WEIGHT_Q8_0 ? 34 * VW : 20 * VW; }
+
 /* Bytes of one panel of a packed matrix. */
-static inline int64_t panel_bytes(const Matrix *w) { return w->k * VW * (w->dtype == WEIGHT_I8 ? 1 : (int64_t)sizeof(float)); }
+static inline int64_t panel_bytes(const Matrix *w) {
+    if (w->dtype == WEIGHT_Q8_0 || w->dtype == WEIGHT_Q4) return w->k / QBLOCK * qblock_bytes(w->dtype);
+    return w->k * VW * (w->dtype == WEIGHT_I8 ? 1 : (int64_t)sizeof(float));
+}
 
 /* Bytes of a packed matrix's panels, and whether that many bytes of weights stay in the
  * last-level cache between passes. */

@@ -1,5 +1,5 @@
 """No request can take the server down or hold it (issue 28), on a real `pagedllm serve` of the
-default model: many samples of a one-token prompt are answered (the fused C step once wrote past
+repository's tiny model (issue 28's default model; the default is now SmolLM2's GGUF): many samples of a one-token prompt are answered (the fused C step once wrote past
 its buffers there); a 50 MB body is a 413 and an over-long prompt a 400 within a second, untokenized,
 while another client's stream keeps flowing and /health answers; hostile sizes and values are 400s
 naming the field; text that is not valid Unicode, and grammars a library cannot compile, are 400s
