@@ -357,6 +357,14 @@ class EngineConfig:
         extra = {k: v for k, v in kwargs.items() if k not in known}
         return cls(model=model, extra=extra, **{k: v for k, v in kwargs.items() if k in known})
 
+    def check_model(self, model_config: ModelConfig) -> None:
+        """What can be told about these arguments and this model before anything is loaded (the
+        server checks it before binding its port): the context length, the step budget, and that
+        tensor parallelism divides the model; a ValueError naming the argument otherwise."""
+        max_model_len = self.resolve_max_model_len(model_config)
+        self.resolve_max_num_batched_tokens(max_model_len)
+        model_config.shard(self.tensor_parallel_size)
+
     def torch_device(self, rank: int = 0) -> torch.device:
         """The device of tensor-parallel rank `rank`: on CUDA, GPU `rank` (of an unindexed device)."""
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device)

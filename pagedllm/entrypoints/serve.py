@@ -78,8 +78,8 @@ def build_settings(args: argparse.Namespace):
     if model is None and args.model_dir is None and not args.no_model:
         model, name = str(default_model()), name or DEFAULT_MODEL_NAME
     if model:
-        ModelConfig.from_pretrained(model)  # a missing or broken model fails here, clearly
-        EngineConfig.from_kwargs(model, **engine)  # and so does a bad engine argument
+        model_config = ModelConfig.from_pretrained(model)  # a missing or broken model fails here, clearly
+        EngineConfig.from_kwargs(model, **engine).check_model(model_config)  # and so does a bad engine argument
         models.append(ModelSpec(name or model_name(model), model))
     elif args.served_model_name:
         raise ValueError("--served-model-name needs --model")

@@ -6,7 +6,8 @@ under one of the allowed roots — the server's data dir, plus the folders the o
 `pagedllm serve --allowed-path DIR`. Otherwise a caller could write checkpoints into system folders,
 or train on (and read back through the model) files nobody meant to share. Relative paths are taken
 under the data dir: the server's working directory means nothing to a remote caller. `@stdlib` (the
-interpreter's own standard library, a public corpus) stays allowed.
+interpreter's own standard library, a public corpus) stays allowed as a dataset, and
+`@pagedllm-py-tiny` (the repository's own model's tokenizer, only read) as a tokenizer.
 
 Paths are stored resolved, so a symlink changed after submission cannot redirect the job; and they
 are checked again before each launch, against the roots of the server that launches it. A dataset
@@ -24,6 +25,7 @@ from pathlib import Path, PurePosixPath
 from pagedllm.training.config import ConfigError
 from pagedllm.training.corpus import STDLIB_ALIAS, folder_files, within
 from pagedllm.training.provenance import SERVICE_KEY_FILE
+from pagedllm.training.tokenizer import BUNDLED_TOKENIZER_ALIAS
 
 CHECKPOINT_DIR = "checkpoint_config.checkpoint_dir"
 DATASET_PATH = "data_config.dataset_path"
@@ -96,7 +98,9 @@ def check_file_glob(pattern: str) -> None:
 def confine_data(data: dict, roots: AllowedRoots) -> dict:
     """The data_config section with its paths resolved under the allowed roots."""
     check_file_glob(data.get("file_glob", "**/*"))
-    updates = {"tokenizer_path": str(_data_path(roots, TOKENIZER_PATH, data["tokenizer_path"]))}
+    updates = {}
+    if data["tokenizer_path"] != BUNDLED_TOKENIZER_ALIAS:
+        updates["tokenizer_path"] = str(_data_path(roots, TOKENIZER_PATH, data["tokenizer_path"]))
     if data["dataset_path"] != STDLIB_ALIAS:
         updates["dataset_path"] = str(_data_path(roots, DATASET_PATH, data["dataset_path"]))
         check_dataset_files(updates["dataset_path"], data.get("file_glob", "**/*"), roots)
@@ -139,7 +143,9 @@ def check_confined(config: dict, roots: AllowedRoots) -> None:
     """Before a launch: every stored path of the job still lies, unchanged, under this server's roots."""
     data = config["data_config"]
     check_file_glob(data.get("file_glob", "**/*"))
-    fields = [(CHECKPOINT_DIR, config["checkpoint_config"]["checkpoint_dir"]), (TOKENIZER_PATH, data["tokenizer_path"])]
+    fields = [(CHECKPOINT_DIR, config["checkpoint_config"]["checkpoint_dir"])]
+    if data["tokenizer_path"] != BUNDLED_TOKENIZER_ALIAS:
+        fields.append((TOKENIZER_PATH, data["tokenizer_path"]))
     if data["dataset_path"] != STDLIB_ALIAS:
         fields.append((DATASET_PATH, data["dataset_path"]))
     if data.get("cache_dir"):
