@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ def connect(address: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # Ray's note on a future default of CUDA_VISIBLE_DEVICES
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
-    if handler is not None:
+    if handler is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, handler)
 
 
