@@ -69,7 +69,8 @@ class Rank:
     host: str
     pid: int | None = None
     exit_code: int | None = None
-    lost: str | None = None  # why Ray lost the actor (its node died), if it did
+    lost: str | None = None  # why Ray lost the actor, if it did
+    node_dead: bool = False  # Ray has marked the rank's node dead
     pending: Any = None  # the outstanding drain() call
 
     @property
@@ -113,7 +114,9 @@ class RayRun:
         try:
             out = ray.get(ref)
         except RayActorError as exc:
-            rank.lost = lost_reason(rank, exc)
+            text = str(exc).strip().splitlines()
+            rank.lost = f"its actor died: {text[0] if text else type(exc).__name__}"
+            self.check_nodes()
             self._failed()
             return
         if out["log"]:
@@ -151,16 +154,27 @@ class RayRun:
     def lost(self) -> list[Rank]:
         return [r for r in self.ranks if r.lost is not None]
 
+    def check_nodes(self) -> bool:
+        """Ask Ray whether the nodes of lost ranks are dead now; True when every one of them is."""
+        import ray
+
+        dead = {n["NodeID"]: n.get("DeathReasonMessage") or "no reason given" for n in ray.nodes() if not n["Alive"]}
+        for rank in self.lost:
+            if rank.node_id in dead and not rank.node_dead:
+                rank.node_dead, rank.lost = True, f"Ray marked the node dead ({dead[rank.node_id]})"
+        return all(r.node_dead for r in self.lost)
+
     def describe_end(self) -> str:
         """How the run ended, node by node: the dead nodes first (what the job's failure names)."""
         parts = []
         by_node: dict[str, list[Rank]] = {}
-        for rank in self.lost:
+        for rank in sorted(self.lost, key=lambda r: not r.node_dead):
             by_node.setdefault(rank.node_id, []).append(rank)
         for node_id, ranks in by_node.items():
-            r0 = ranks[0]
-            parts.append(f"node {node_id[:12]} ({r0.address}, {r0.host}) died with rank{'s' if len(ranks) > 1 else ''} "
-                         f"{', '.join(str(r.rank) for r in ranks)} on it: {r0.lost}")
+            r0, names = ranks[0], f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r.rank) for r in ranks)}"
+            where = f"node {node_id[:12]} ({r0.address}, {r0.host})"
+            parts.append(f"{where} died with {names} on it: {r0.lost}" if r0.node_dead
+                         else f"{names} on {where} lost: {r0.lost}")
         failed = [r for r in self.ranks if r.exit_code not in (None, 0)]
         for rank in failed:
             how = f"signal {-rank.exit_code}" if rank.exit_code < 0 else f"code {rank.exit_code}"
@@ -180,17 +194,6 @@ class RayRun:
         for rank in self.ranks:
             ray.kill(rank.actor)
         remove_placement_group(self.group)
-
-
-def lost_reason(rank: Rank, exc: Exception) -> str:
-    """Ray's own words for why an actor died, shortened to the cause (e.g. its node's missed heartbeats)."""
-    import ray
-
-    node = next((n for n in ray.nodes() if n["NodeID"] == rank.node_id), None)
-    if node is not None and not node["Alive"]:
-        return f"Ray marked the node dead ({node.get('DeathReasonMessage') or 'no reason given'})"
-    text = str(exc).strip().splitlines()
-    return f"its actor died: {text[0] if text else type(exc).__name__}"
 
 
 @dataclass

@@ -216,7 +216,7 @@ class JobService:
             if killed:
                 log.info("job %s: grace period over, SIGKILL to %s", active.job.job_id, killed)
         if active.ray_run is not None:
-            if active.ray_run.ended:
+            if active.ray_run.ended and self._node_deaths_settled(active):
                 active.exit_code, active.launcher_ended = active.ray_run.exit_code, True
         elif not active.launcher_ended:
             if active.popen is not None:
@@ -354,6 +354,14 @@ class JobService:
             rank = where.get(process.get("rank"))
             if rank is not None and "node_id" not in process:
                 process.update(node_id=rank.node_id, address=rank.address)
+
+    def _node_deaths_settled(self, active: Active) -> bool:
+        """A rank's actor may die before Ray has decided that its node did: wait for that decision up to
+        the failure grace period, so the failure names the node's death when it was one."""
+        run = active.ray_run
+        if not run.lost or run.check_nodes():
+            return True
+        return time.monotonic() >= run.first_failure_at + self.config.rank_failure_grace_s
 
     def _prepare_run(self, job: JobRecord, paths: JobPaths) -> None:
         """Fresh per-run fields, the config file, no stale control requests, metrics cut at the resume step."""
