@@ -308,13 +308,20 @@ class JobService:
             job.failure_reason = f"could not start pagedllm train: {exc}"
             store.save(job, [change_status(job, JobState.FAILED, job.failure_reason)])
             return
-        job.pid, job.pid_create_time, job.started_at = launcher.pid, launcher.create_time, time.time()
+        job.pid, job.pid_create_time = launcher.pid, launcher.create_time
+        run = self._record_start(job, f"pid {launcher.pid}, {job.world_size} processes")
+        self._follow(job, run, launcher, popen)
+
+    def _record_start(self, job: JobRecord, where: str) -> RunRecord:
+        """The new run's record, and RUNNING with what started where."""
+        store = self.require()
+        job.started_at = time.time()
         run = RunRecord(run=job.run, started_at=job.started_at, resumed_from=job.resume_from)
         store.save_run(job.job_id, run)
         what = (f"resumed from checkpoint {job.resume_from}" if job.resume_from
                 else "resuming from the newest intact checkpoint" if job.run > 1 else "started")
-        store.save(job, [change_status(job, JobState.RUNNING, f"run {job.run} {what} (pid {launcher.pid}, {job.world_size} processes)")])
-        self._follow(job, run, launcher, popen)
+        store.save(job, [change_status(job, JobState.RUNNING, f"run {job.run} {what} ({where})")])
+        return run
 
     def _launch_on_ray(self, job: JobRecord, paths: JobPaths, group) -> None:
         """The ranks as actors in the job's placement group (the same worker arguments as torchrun's)."""
@@ -330,16 +337,11 @@ class JobService:
             job.failure_reason = f"could not start the ranks on the Ray cluster: {exc}"
             store.save(job, [change_status(job, JobState.FAILED, job.failure_reason)])
             return
-        job.pid, job.pid_create_time, job.started_at = None, None, time.time()
+        job.pid, job.pid_create_time = None, None
         job.processes = [{"rank": r.rank, "pid": r.pid, "host": r.host, "node_id": r.node_id, "address": r.address}
                          for r in run.ranks]
-        record = RunRecord(run=job.run, started_at=job.started_at, resumed_from=job.resume_from)
-        store.save_run(job.job_id, record)
         nodes = sorted({r.node_id[:12] for r in run.ranks})
-        what = (f"resumed from checkpoint {job.resume_from}" if job.resume_from
-                else "resuming from the newest intact checkpoint" if job.run > 1 else "started")
-        store.save(job, [change_status(job, JobState.RUNNING, f"run {job.run} {what} ({job.world_size} ranks on "
-                                                              f"Ray node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)})")])
+        record = self._record_start(job, f"{job.world_size} ranks on Ray node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}")
         active = self._follow(job, record, ProcessRef(0, 0.0), None)
         active.ray_run = run
 

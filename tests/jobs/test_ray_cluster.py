@@ -65,6 +65,26 @@ def test_two_rank_zero3_job_one_rank_per_node(ray_server, ray_cluster, tiny_path
     assert not job_processes(job_id), done
 
 
+def test_checkpoint_request_and_cancel(ray_server, tiny_paths):
+    job_id = ray_server.submit(job_body(tiny_paths, ranks=2, steps=100000))
+    ray_server.wait_step(job_id, 2, timeout=120)
+    response = ray_server.client.post(f"/v1/training/jobs/{job_id}/checkpoint")
+    assert response.status_code == 200, response.text
+    checkpoint_id = response.json()["checkpoint_id"]
+    ray_server.wait(job_id, lambda v: (v["metrics"]["last_checkpoint"] or {}).get("checkpoint_id") == checkpoint_id,
+                    timeout=60, what="the requested checkpoint")
+    response = ray_server.client.delete(f"/v1/training/jobs/{job_id}", params={"grace_seconds": 30})
+    assert response.status_code == 200 and response.json()["status"] == "CANCELLED", response.text
+    view = ray_server.job(job_id)
+    assert "cancelled by request at step" in view["history"][-1]["reason"], view["history"]
+    assert not job_processes(job_id)
+    checkpoints = ray_server.client.get(f"/v1/training/jobs/{job_id}/checkpoints").json()
+    assert len([c for c in checkpoints if c["status"] == "COMPLETE"]) == 2, checkpoints  # requested, and on stop
+    status = ray_server.wait(job_id, lambda _: ray_server.client.get("/v1/cluster/status").json()["available_gpus"] == 2,
+                             timeout=30, what="both slots free")
+    assert status["status"] == "CANCELLED"
+
+
 def test_node_lost_mid_job_fails_naming_it_then_resumes_on_the_rest(ray_server, ray_cluster, tiny_paths, tmp_path):
     steps = 16
     body = job_body(tiny_paths, ranks=2, steps=steps, memory_config={"zero_stage": 3},
