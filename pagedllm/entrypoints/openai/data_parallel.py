@@ -102,7 +102,6 @@ class DataParallelEngine:
         self.replicas: list[Replica] = [self._replica(i, ray, ray_gpu) for i in range(size)]
         self.info: EngineInfo | None = None
         self.router: PrefixRouter | None = None
-        self.error: BaseException | None = None
         self.routed = [{"prefix": 0, "load": 0} for _ in range(size)]  # requests groups per replica and reason
         self._closing = False
         self._restarts: set[asyncio.Task] = set()
@@ -128,6 +127,13 @@ class DataParallelEngine:
     @property
     def alive(self) -> bool:
         return any(r.alive for r in self.replicas)
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why nothing serves, while every replica is down (each is being restarted)."""
+        if self.alive or self._closing:
+            return None
+        return self.replicas[0].death_error()
 
     @property
     def stats(self) -> dict[str, Any]:
