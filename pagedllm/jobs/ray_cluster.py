@@ -78,13 +78,60 @@ class Rank:
         return self.exit_code is not None or self.lost is not None
 
 
+@dataclass
+class Starting:
+    """A run whose ranks are not all started yet: the actors' answers it waits for, without blocking."""
+
+    config: dict
+    args: list[str]
+    tags: dict[str, str]
+    where: list[Any]  # describe() of each actor
+    port: Any  # free_port() of rank 0's actor
+    started: list[Any] | None = None  # start() of each actor, once the rendezvous is known
+
+
 class RayRun:
-    """The ranks of one run of a job, as the service's tick sees them."""
+    """The ranks of one run of a job, as the service's tick sees them. Starting takes three ticks or more
+    (actors placed and described, a port free at rank 0's node, the ranks started): nothing waits."""
 
     def __init__(self, job_id: str, group: Any, ranks: list[Rank], log_path: Path, events_path: Path) -> None:
         self.job_id, self.group, self.ranks = job_id, group, ranks
         self.log_path, self.events_path = log_path, events_path
         self.first_failure_at: float | None = None  # monotonic: a rank failed or was lost; the rest follow soon
+        self.starting: Starting | None = None
+
+    def begin(self, config: dict, args: list[str], tags: dict[str, str]) -> None:
+        self.starting = Starting(config, args, tags, [r.actor.describe.remote() for r in self.ranks],
+                                 self.ranks[0].actor.free_port.remote())
+
+    def _advance_start(self) -> None:
+        """Describe -> rendezvous -> start, one stage per tick once the stage's answers are all in."""
+        import ray
+
+        s = self.starting
+        refs = s.started if s.started is not None else [*s.where, s.port]
+        if len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+            return
+        try:
+            values = ray.get(refs)
+        except Exception as exc:  # an actor that could not be placed or started
+            self._start_failed(exc)
+            return
+        if s.started is None:
+            envs = rank_environments(values[:-1], values[-1], s.tags)
+            s.started = [r.actor.start.remote(s.config, s.args, env) for r, env in zip(self.ranks, envs)]
+            return
+        for rank, pid in zip(self.ranks, values):
+            rank.pid = pid
+        self.starting = None
+
+    def _start_failed(self, exc: Exception) -> None:
+        text = str(exc).strip().splitlines()
+        for rank in self.ranks:
+            if not rank.ended:
+                rank.lost = f"not started: {text[0] if text else type(exc).__name__}"
+        self.starting = None
+        self._failed()
 
     @property
     def ended(self) -> bool:
@@ -94,6 +141,8 @@ class RayRun:
         """Take in what the ranks wrote and how they ended; never blocks."""
         import ray
 
+        if self.starting is not None:
+            return self._advance_start()
         for rank in self.ranks:
             if rank.pending is None and not rank.ended:
                 rank.pending = rank.actor.drain.remote()
@@ -135,6 +184,14 @@ class RayRun:
             self.first_failure_at = time.monotonic()
 
     def signal(self, sig: int) -> None:
+        if self.starting is not None:  # not all started: none is left to run (as if signalled at once)
+            import ray
+
+            for rank in self.ranks:
+                ray.kill(rank.actor)
+                rank.exit_code = -int(sig)
+            self.starting = None
+            return
         for rank in self.ranks:
             if not rank.ended:
                 rank.actor.signal.remote(int(sig))
@@ -181,16 +238,16 @@ class RayRun:
             parts.append(f"rank {rank.rank} on node {rank.node_id[:12]} ({rank.address}) exited with {how}")
         return "; ".join(parts) or "every rank exited with code 0"
 
-    def close(self) -> None:
-        """Kill what is left, remove the ranks' files on their nodes, give the bundles back."""
+    def close(self) -> list[Any]:
+        """Ask the live ranks' actors to kill what is left and remove their files; the calls to wait for
+        before the actors and the bundles go (RayCluster.retire)."""
+        return [r.actor.close.remote() for r in self.ranks if r.lost is None]
+
+    def release(self) -> None:
+        """The actors and the bundles go back to Ray."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        live = [r for r in self.ranks if r.lost is None]
-        try:
-            ray.wait([r.actor.close.remote() for r in live], num_returns=len(live), timeout=CLOSE_TIMEOUT_S)
-        except Exception:  # an actor lost meanwhile: its node takes its files with it
-            log.exception("job %s: closing its ranks failed", self.job_id)
         for rank in self.ranks:
             ray.kill(rank.actor)
         remove_placement_group(self.group)
@@ -215,6 +272,7 @@ class RayCluster:
         self.probe_refs: dict[str, Any] = {}  # node_id -> its outstanding sample()
         self.samples: dict[str, dict] = {}  # node_id -> its latest sample
         self._probed = 0.0
+        self.retiring: list[tuple[RayRun, list[Any], float]] = []  # (run, its close() calls, deadline)
 
     def open(self) -> None:
         import ray
@@ -284,26 +342,40 @@ class RayCluster:
 
         bundles = placement_group_table(group)["bundles_to_node_id"]
         order = sorted(bundles, key=lambda b: (list(dict.fromkeys(bundles.values())).index(bundles[b]), b))
+        nodes = {n["NodeID"]: n for n in ray.nodes()}
         resources = {"num_gpus": 1, "num_cpus": 0} if self.unit == "GPU" else {"num_cpus": 1}
         remote = ray.remote(RankProcess)
-        actors = [remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=b),
-                                 name=f"pagedllm-{job_id}-rank{rank}", max_concurrency=1, **resources).remote(job_id, rank)
-                  for rank, b in enumerate(order)]
-        where = ray.get([a.describe.remote() for a in actors])
-        ranks = [Rank(rank, actor, w["node_id"], w["address"], w["host"]) for rank, (actor, w) in enumerate(zip(actors, where))]
-        port = ray.get(actors[0].free_port.remote())
-        envs = rank_environments(where, port, {JOB_ID_ENV: job_id, DATA_DIR_ENV: str(data_dir)})
-        pids = ray.get([a.start.remote(config, args, env) for a, env in zip(actors, envs)])
-        for rank, pid in zip(ranks, pids):
-            rank.pid = pid
-        return RayRun(job_id, group, ranks, log_path, events_path)
+        ranks = []
+        for rank, b in enumerate(order):
+            actor = remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=b),
+                                   name=f"pagedllm-{job_id}-rank{rank}", max_concurrency=1, **resources).remote(job_id, rank)
+            node = nodes.get(bundles[b], {})
+            ranks.append(Rank(rank, actor, bundles[b], node.get("NodeManagerAddress", "?"), node.get("NodeManagerHostname", "?")))
+        run = RayRun(job_id, group, ranks, log_path, events_path)
+        run.begin(config, args, {JOB_ID_ENV: job_id, DATA_DIR_ENV: str(data_dir)})
+        return run
+
+    def retire(self, run: RayRun) -> None:
+        """An ended run: its actors clean up on their nodes, then they and its bundles go (in `sample`)."""
+        self.retiring.append((run, run.close(), time.monotonic() + CLOSE_TIMEOUT_S))
+
+    def _reap(self) -> None:
+        import ray
+
+        for item in list(self.retiring):
+            run, refs, deadline = item
+            if not refs or len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs) or time.monotonic() > deadline:
+                self.retiring.remove(item)
+                run.release()
 
     # ---- nodes ----
 
     def sample(self) -> None:
-        """Keep one probe per live node and one sample in flight per probe; never blocks."""
+        """Keep one probe per live node and one sample in flight per probe (and finish retiring runs);
+        never blocks."""
         import ray
 
+        self._reap()
         if time.monotonic() - self._probed < PROBE_EVERY_S:
             return
         self._probed = time.monotonic()
@@ -348,6 +420,9 @@ class RayCluster:
         return out
 
     def close(self) -> None:
+        for run, _, _ in self.retiring:
+            run.release()
+        self.retiring.clear()
         for job_id in list(self.reservations):
             self.release(job_id)
         self.probes.clear()

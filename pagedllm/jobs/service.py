@@ -238,7 +238,7 @@ class JobService:
         ended = None
         if active.ray_run is not None:
             ended = active.ray_run.describe_end()
-            active.ray_run.close()
+            self.ray.retire(active.ray_run)
         state, reason = outcome(job, active.exit_code, last_line(JobPaths.of(self.config.data_dir, job.job_id).log), ended)
         job.exit_code = active.exit_code
         job.requested_checkpoint_id = None
@@ -354,8 +354,11 @@ class JobService:
         where = {r.rank: r for r in run.ranks}
         for process in active.job.processes:  # the trainer's "started" event knows pids, Ray knows the nodes
             rank = where.get(process.get("rank"))
-            if rank is not None and "node_id" not in process:
-                process.update(node_id=rank.node_id, address=rank.address)
+            if rank is not None:
+                process.setdefault("node_id", rank.node_id)
+                process.setdefault("address", rank.address)
+                if process.get("pid") is None:
+                    process["pid"] = rank.pid
 
     def _node_deaths_settled(self, active: Active) -> bool:
         """A rank's actor may die before Ray has decided that its node did: wait for that decision up to
