@@ -302,7 +302,7 @@ class RayCluster:
 
         return int(ray.available_resources().get(self.unit, 0))
 
-    def reserve(self, job_id: str, world_size: int) -> Any | None:
+    def reserve(self, job_id: str, world_size: int, run: int) -> Any | None:
         """The job's placement group once Ray has reserved every bundle (None until then); the first call
         asks for it. Strict FIFO is the caller's: it asks only for the head of the queue."""
         from ray.util import placement_group_table
@@ -310,7 +310,7 @@ class RayCluster:
 
         placement = self.reservations.get(job_id)
         if placement is None:
-            group = placement_group([{self.unit: 1}] * world_size, strategy="PACK", name=f"pagedllm-job-{job_id}")
+            group = placement_group([{self.unit: 1}] * world_size, strategy="PACK", name=f"pagedllm-{job_id}-run{run}")
             placement = self.reservations[job_id] = Placement(group)
             log.info("job %s: placement group of %d %s bundles requested", job_id, world_size, self.unit)
         if placement_group_table(placement.group).get("state") != "CREATED":

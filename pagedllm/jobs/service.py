@@ -264,7 +264,7 @@ class JobService:
         """Strict FIFO over placement groups: the head of the queue asks Ray for its bundles, and nothing
         behind it starts before Ray has reserved all of them."""
         for job in sorted(pending, key=lambda j: j.queue_seq):
-            group = self.ray.reserve(job.job_id, job.world_size)
+            group = self.ray.reserve(job.job_id, job.world_size, job.run + 1)
             if group is None:
                 return
             self._launch(job, group)
