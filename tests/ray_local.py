@@ -14,6 +14,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 OBJECT_STORE = 80 * 1024 ** 2
+SECOND_ADDRESS = "127.0.0.2"  # loopback too
 # node death is noticed within ~5 s (Ray's default: ~30 s): 1 s health checks, 5 misses (3 misses of
 # 0.5 s marked a live node dead while other test runs loaded this machine)
 SYSTEM_CONFIG = {"health_check_period_ms": 1000, "health_check_failure_threshold": 5, "health_check_initial_delay_ms": 0}
@@ -28,10 +29,10 @@ def cluster_environment() -> dict[str, str]:
 
 class LocalRayCluster:
     def __init__(self) -> None:
+        self._saved = {k: os.environ.get(k) for k in (*cluster_environment(), "RAY_ADDRESS")}
+        os.environ.update(cluster_environment())  # before Ray is imported: it reads them once
         from ray.cluster_utils import Cluster
 
-        self._saved = {k: os.environ.get(k) for k in (*cluster_environment(), "RAY_ADDRESS")}
-        os.environ.update(cluster_environment())
         self.cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args={
             "num_cpus": 1, "object_store_memory": OBJECT_STORE, "node_ip_address": "127.0.0.1",
             "include_dashboard": False, "_system_config": SYSTEM_CONFIG})
@@ -49,7 +50,15 @@ class LocalRayCluster:
         return self.cluster.head_node.node_id
 
     def add_node(self):
-        return self.cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE, node_ip_address="127.0.0.1")
+        """The second node, at 127.0.0.2. A driver started on this machine (a server under test) attaches to
+        the raylet at the address a node last wrote into the session folder the nodes share here; written
+        back to the head's, it attaches to the head and outlives the second node (on real machines each
+        node has its own folder)."""
+        from ray._private.services import write_node_ip_address
+
+        node = self.cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE, node_ip_address=SECOND_ADDRESS)
+        write_node_ip_address(self.cluster.head_node.get_session_dir_path(), "127.0.0.1")
+        return node
 
     def kill_second_node(self) -> str:
         """SIGKILL the second node's raylet (its workers and what they started die with it); its node id."""

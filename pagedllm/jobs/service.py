@@ -209,6 +209,8 @@ class JobService:
         if active.ray_run is not None:
             self._watch_ranks(active)
         active.monitor.poll()
+        if active.ray_run is not None:
+            self._annotate_ranks(active)
         if active.kill_at is not None and time.monotonic() >= active.kill_at:
             if active.ray_run is not None:
                 active.ray_run.kill()
@@ -351,8 +353,12 @@ class JobService:
         run.poll()
         if run.first_failure_at is not None and not run.ended and active.kill_at is None:
             active.kill_at = run.first_failure_at + self.config.rank_failure_grace_s
-        where = {r.rank: r for r in run.ranks}
-        for process in active.job.processes:  # the trainer's "started" event knows pids, Ray knows the nodes
+
+    @staticmethod
+    def _annotate_ranks(active: Active) -> None:
+        """The trainer's "started" event knows the ranks' pids, Ray knows their nodes: the job shows both."""
+        where = {r.rank: r for r in active.ray_run.ranks}
+        for process in active.job.processes:
             rank = where.get(process.get("rank"))
             if rank is not None:
                 process.setdefault("node_id", rank.node_id)
