@@ -208,6 +208,33 @@ class LLMEngine:
         if shutdown is not None:
             shutdown()
 
+    def fail_unfinished(self, error: str) -> list[RequestOutput]:
+        """After the engine itself failed (an exception out of `step`): every unfinished request
+        is marked failed, its KV blocks freed, and its final output finishes with reason "error".
+        Nothing else of the engine is trusted afterwards; whoever owns it shuts it down."""
+        outputs = []
+        for request in list(self.requests.values()):
+            self.abort_request(request.request_id)
+            request.error = error
+            outputs.append(self.output_processor.failed_output(request))
+        self._aborted = []
+        return outputs
+
+    def request_states(self) -> list[dict[str, Any]]:
+        """Every live request's state, timings (time.time()) and counts: what the platform's
+        data model keeps per InferenceRequest."""
+        rows = []
+        for request in self.requests.values():
+            m = request.metrics
+            rows.append({
+                "id": request.request_id, "status": request.state.value, "priority": request.priority,
+                "arrival_time": m.arrival_time, "first_scheduled_time": m.first_scheduled_time,
+                "first_token_time": m.first_token_time, "num_prompt_tokens": len(request.prompt_token_ids),
+                "num_generated_tokens": sum(seq.num_output_tokens for seq in request.seqs),
+                "num_samples": len(request.seqs), "num_preemptions": request.num_preemptions,
+            })
+        return rows
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pagedllm.config import EngineConfig, ModelConfig, ModelLoadError
 from pagedllm.entrypoints.engine_args import add_engine_arguments, engine_args
+from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES
 from pagedllm.jobs.settings import default_data_dir
 from pagedllm.paths import DEFAULT_MODEL
 
@@ -40,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                         help="abort a generation not finished this long after it arrived (waiting included) with 504 "
                              "(default: none)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                        help="answer 413 to a request body larger than this, before reading it (default: 4 MiB)")
     parser.add_argument("--data-dir", default=str(default_data_dir()),
                         help="training job store, job logs and default checkpoint folders (default: %(default)s)")
     parser.add_argument("--train-slots", type=int, default=None,
@@ -91,6 +94,7 @@ def build_settings(args: argparse.Namespace):
         protect_metrics=args.protect_metrics,
         max_waiting_requests=args.max_waiting_requests,
         request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
         engine_args=engine,
         data_dir=args.data_dir,
         train_slots=args.train_slots,
@@ -182,14 +186,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(args: list[str], log: Path, timeout: float = 300) -> ServerProcess:
-    """Start `pagedllm serve ARGS` on 127.0.0.1 and a free port; return once /health answers."""
+def launch(args: list[str], log: Path, timeout: float = 300, env: dict[str, str] | None = None) -> ServerProcess:
+    """Start `pagedllm serve ARGS` on 127.0.0.1 and a free port (with `env` added to this
+    process's environment, e.g. kernels.sanitizer_env()); return once /health answers."""
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.serve", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", Path(log))
     deadline = time.monotonic() + timeout
     while True:

@@ -44,6 +44,7 @@ from pagedllm.jobs.submission import build_config, check_checkpoint_dir, check_r
 from pagedllm.training.checkpoint import CheckpointStatus
 from pagedllm.training.config import ConfigError, parse_job
 from pagedllm.training.control import CHECKPOINT_REQUEST, STOP_REQUEST
+from pagedllm.training.provenance import service_key
 
 log = logging.getLogger("pagedllm.jobs")
 
@@ -87,6 +88,7 @@ class JobService:
         self.active: dict[str, Active] = {}  # job_id -> the job's processes and monitor
         self._task: asyncio.Task | None = None
         self._lock_fd: int | None = None
+        self.key = b""  # the checkpoint key, read once the data dir is ours (open)
 
     @classmethod
     def from_settings(cls, data_dir: str | None, slots: int | None, allowed_paths: list[str] | tuple[str, ...] = (),
@@ -107,6 +109,7 @@ class JobService:
         if self.config is None or not self._acquire_data_dir():
             return False
         self.store = SQLiteJobStore(self.config.data_dir / "jobs.db")
+        self.key = service_key(self.config.data_dir)  # signs the checkpoints of the jobs it launches
         self.cluster = ClusterMonitor(self.config.slots)
         if self.config.cluster is not None:
             self.ray = RayCluster(ray_address(self.config.cluster))
@@ -177,7 +180,7 @@ class JobService:
                 active.kill_at = time.monotonic() + self.config.cancel_grace_s
 
     def _follow(self, job: JobRecord, run: RunRecord, launcher: ProcessRef, popen: subprocess.Popen | None) -> Active:
-        monitor = JobMonitor(self.require(), job, run, JobPaths.of(self.config.data_dir, job.job_id).events)
+        monitor = JobMonitor(self.require(), job, run, JobPaths.of(self.config.data_dir, job.job_id).events, self.key)
         active = self.active[job.job_id] = Active(job, launcher, monitor, popen)
         return active
 
@@ -235,7 +238,7 @@ class JobService:
 
     def _finalize(self, active: Active) -> None:
         job, store = active.job, self.require()
-        sync_checkpoints(store, job)
+        sync_checkpoints(store, job, self.key)
         abandon_unfinished_saves(store, job)
         ended = None
         if active.ray_run is not None:
@@ -300,7 +303,7 @@ class JobService:
         self._prepare_run(job, paths)
         if group is not None:
             return self._launch_on_ray(job, paths, group)
-        spec = LaunchSpec(job.job_id, job.world_size, paths, self.config.data_dir, job.resume_from)
+        spec = LaunchSpec(job.job_id, job.world_size, paths, self.config.data_dir, job.resume_from, self.roots.roots)
         with open(paths.log, "a") as out:
             out.write(f"==== pagedllm job service: run {job.run} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
                       f"{' '.join(train_command(spec))}\n")
@@ -474,7 +477,7 @@ class JobService:
         job, store = self.get(job_id), self.require()
         if job.status not in RESUMABLE:
             raise WrongState(f"job {job_id} is {job.status.value}: only FAILED or CANCELLED jobs can be resumed")
-        sync_checkpoints(store, job)
+        sync_checkpoints(store, job, self.key)
         abandon_unfinished_saves(store, job)
         record = self._resume_point(job, checkpoint_id)
         resized = self._resized(job, data_parallel_size) if data_parallel_size is not None else None
@@ -525,7 +528,7 @@ class JobService:
     def checkpoints(self, job_id: str) -> list[dict]:
         job = self.get(job_id)
         if job.status.active:
-            sync_checkpoints(self.require(), job)
+            sync_checkpoints(self.require(), job, self.key)
         return self.require().checkpoints(job_id)
 
     # ---- the cluster ----

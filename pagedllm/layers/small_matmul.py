@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.layers import kernels
+
 WEIGHT_F32, WEIGHT_I8 = 0, 1
 MAX_ROWS = 16  # the decode sizes these kernels are for; larger batches go to oneDNN
 
@@ -24,6 +26,7 @@ class MatrixStruct(ctypes.Structure):
         ("panels", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
         ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("num_panels", ctypes.c_int64),
         ("dtype", ctypes.c_int32), ("reserved", ctypes.c_int32),
+        ("panel_capacity", ctypes.c_int64), ("lane_capacity", ctypes.c_int64),
     ]
 
 
@@ -49,9 +52,13 @@ class PackedWeight:
         )
 
     def struct(self) -> MatrixStruct:
+        """The C description, with the capacities the kernels check it against (a weight packed
+        for another panel width is refused, not read past its end)."""
+        lanes = min((t.numel() for t in (self.scale, self.bias) if t is not None), default=0)
         return MatrixStruct(
             self.panels.data_ptr(), _ptr(self.scale), _ptr(self.bias), self.n, self.k, self.num_panels,
             WEIGHT_I8 if self.panels.dtype == torch.int8 else WEIGHT_F32, 0,
+            self.panels.numel() * self.panels.element_size(), lanes,
         )
 
 
@@ -107,6 +114,7 @@ def matmul(library: ctypes.CDLL, x: torch.Tensor, w: PackedWeight, num_threads: 
     x = x.contiguous()
     out = torch.empty(x.shape[0], w.n // 2 if w.swiglu else w.n, dtype=torch.float32, device=x.device)
     struct = w.struct()
-    library.small_matmul(ctypes.byref(struct), x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), out.shape[1],
-                         int(w.swiglu), num_threads or torch.get_num_threads())
+    status = library.small_matmul(ctypes.byref(struct), x.data_ptr(), x.shape[0], x.shape[1], x.numel(), out.data_ptr(),
+                                  out.shape[1], out.numel(), int(w.swiglu), num_threads or torch.get_num_threads())
+    kernels.check_status(status, library, "small matmul")
     return out

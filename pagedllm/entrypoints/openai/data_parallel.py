@@ -199,6 +199,11 @@ class DataParallelEngine:
             except Exception:  # metrics must never take serving down
                 logger.exception("step observer failed")
 
+    async def request_states(self) -> list[dict[str, Any]]:
+        """Every replica's live requests (GET /v1/requests), in one list."""
+        parts = await asyncio.gather(*(r.request_states() for r in self.replicas), return_exceptions=True)
+        return [row for part in parts if isinstance(part, list) for row in part]
+
     def abort(self, request_ids: list[str]) -> None:
         """Unused by the handlers (leaving submit aborts); kept for AsyncEngine's surface."""
 

@@ -127,6 +127,9 @@ class ServerMetrics:
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between a request's consecutive engine steps that produced tokens.", [LABEL], registry=r, buckets=_ITL_BUCKETS)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish.", [LABEL], registry=r, buckets=_E2E_BUCKETS)
         self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.", [LABEL], registry=r, buckets=_LATENCY_BUCKETS)
+        self.prefill = Histogram(PREFIX + "request_prefill_time_seconds", "First scheduled to first token.", [LABEL], registry=r, buckets=_LATENCY_BUCKETS)
+        self.decode = Histogram(PREFIX + "request_decode_time_seconds", "First token to finish.", [LABEL], registry=r, buckets=_E2E_BUCKETS)
+        self.preemptions = Counter(PREFIX + "request_preemptions", "Preemptions of finished requests' samples.", [LABEL], registry=r)
         self.success = Counter(PREFIX + "request_success", "Finished completions (one per returned choice) by finish reason.", [LABEL, "finished_reason"], registry=r)
 
     def collect_engine_stats(self, snapshots: Callable[[], Iterable[tuple[str, dict]]]) -> None:
@@ -190,5 +193,11 @@ class RequestObserver:
                 self.m.e2e.labels(self.model).observe(metrics.finished_time - metrics.arrival_time)
             if metrics.first_scheduled_time is not None:
                 self.m.queue.labels(self.model).observe(metrics.first_scheduled_time - metrics.arrival_time)
+                if metrics.first_token_time is not None:
+                    self.m.prefill.labels(self.model).observe(metrics.first_token_time - metrics.first_scheduled_time)
+            if metrics.first_token_time is not None and metrics.finished_time is not None:
+                self.m.decode.labels(self.model).observe(metrics.finished_time - metrics.first_token_time)
+        if output.num_preemptions:
+            self.m.preemptions.labels(self.model).inc(output.num_preemptions)
         for completion in output.outputs:
             self.m.success.labels(self.model, completion.finish_reason or "abort").inc()

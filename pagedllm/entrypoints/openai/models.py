@@ -11,9 +11,11 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from pagedllm.engine.llm_engine import LLMEngine, load_tokenizer
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
@@ -25,11 +27,13 @@ from pagedllm.entrypoints.openai.errors import (
     ModelNotFoundError,
     ServiceUnavailableError,
 )
+from pagedllm.entrypoints.openai.limits import max_token_chars, prompt_char_limit
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import ModelCard
 from pagedllm.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger("pagedllm.server")
+T = TypeVar("T")
 
 
 @dataclass
@@ -42,6 +46,19 @@ class ServedModel:
     tokenizer: Any | None
     created: int
     info: EngineInfo  # the engine's limits, read once at load (the engine may live in another process)
+    # Where prompts are rendered and tokenized: one thread per model, so the tokenizer is used by
+    # one thread at a time and a long prompt never holds the event loop (limits.py).
+    tokenizer_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "pagedllm-tokenizer"))
+    max_token_chars: int = 1  # the longest vocabulary entry (limits.prompt_char_limit)
+
+    async def on_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on this model's tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, partial(fn, *args, **kwargs))
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A prompt with more characters cannot fit max_model_len tokens: refused untokenized."""
+        return prompt_char_limit(self.max_model_len, self.max_token_chars)
 
     @property
     def max_model_len(self) -> int:
@@ -92,6 +109,8 @@ class ModelRegistry:
         for task in list(self._loading.values()):
             task.cancel()
         await asyncio.gather(*(m.engine.shutdown() for m in self._ready.values()), return_exceptions=True)
+        for served in self._ready.values():
+            served.tokenizer_thread.shutdown(wait=False)
         self._ready.clear()
 
     # ---- lookup ------------------------------------------------------------------------------
@@ -197,6 +216,7 @@ class ModelRegistry:
                                            request_timeout_s=self.settings.request_timeout_s)
                 info, tokenizer_path = EngineInfo.of(engine), engine.config.tokenizer or path
             tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
+            token_chars = await asyncio.to_thread(max_token_chars, tokenizer) if tokenizer is not None else 1
         except Exception as exc:
             logger.error("model %r failed to load from %s: %s", name, path, exc)
             self._failed[name] = str(exc)
@@ -205,7 +225,8 @@ class ModelRegistry:
             self._loading.pop(name, None)
         if isinstance(async_engine, AsyncEngine):
             async_engine.start()
-        served = ServedModel(name, path, async_engine, tokenizer, int(time.time()), info)
+        served = ServedModel(name, path, async_engine, tokenizer, int(time.time()), info,
+                             ThreadPoolExecutor(1, f"pagedllm-tokenizer-{name}"), token_chars)
         self._ready[name] = served
         logger.info("model %r ready (%s, max_model_len=%d)", name, path, served.max_model_len)
         return served
@@ -242,4 +263,5 @@ class ModelRegistry:
             self.get(name)  # raises the precise 404
             raise ModelNotFoundError(f"model {name!r} is not loaded")
         await served.engine.shutdown()
+        served.tokenizer_thread.shutdown(wait=False)
         logger.info("model %r unloaded", name)

@@ -81,6 +81,9 @@ class ReplicaCore:
         except Exception as exc:  # rejected, or the engine died: the server fails the group with it
             yield ("error", exc)
 
+    async def request_states(self) -> list[dict]:
+        return await self.engine.request_states()
+
     def stats(self) -> dict:
         return dict(self.engine.stats, alive=self.engine.alive, error=repr(self.engine.error) if self.engine.error else None)
 
@@ -129,6 +132,8 @@ async def _serve(conn, core: ReplicaCore) -> None:
             task = tasks.get(message[1])
             if task is not None:
                 task.cancel()
+        elif message[0] == "states":
+            asyncio.create_task(_answer_states(conn, core, message[1]))
         elif message[0] == "stop":
             break
     reporter.cancel()
@@ -148,6 +153,13 @@ async def _pump(conn, core: ReplicaCore, key: int, args: tuple, tasks: dict) -> 
         pass  # the server is gone
     finally:
         tasks.pop(key, None)
+
+
+async def _answer_states(conn, core: ReplicaCore, key: int) -> None:
+    try:
+        conn.send(("states", key, await core.request_states()))
+    except (OSError, EOFError):
+        pass
 
 
 async def _report_stats(conn, core: ReplicaCore) -> None:
@@ -181,3 +193,6 @@ class RayReplica:
 
     async def stats(self) -> dict:
         return self.core.stats()
+
+    async def request_states(self) -> list[dict]:
+        return await self.core.request_states()

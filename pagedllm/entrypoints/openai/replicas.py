@@ -64,6 +64,7 @@ class ProcessReplica(Replica):
         self.process = None
         self.conn = None
         self.streams: dict[int, asyncio.Queue] = {}
+        self.queries: dict[int, asyncio.Future] = {}  # request_states() calls awaiting their answer
         self.keys = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -115,6 +116,10 @@ class ProcessReplica(Replica):
         kind = message[0]
         if kind == "stats":
             self.stats = message[1]
+        elif kind == "states":
+            answer = self.queries.pop(message[1], None)
+            if answer is not None and not answer.done():
+                answer.set_result(message[2])
         elif kind in ("event", "done"):
             queue = self.streams.get(message[1])
             if queue is not None:
@@ -122,6 +127,10 @@ class ProcessReplica(Replica):
 
     def _ended(self, why: str) -> None:
         self.why = why
+        for answer in self.queries.values():
+            if not answer.done():
+                answer.set_result([])
+        self.queries.clear()
         for queue in self.streams.values():
             queue.put_nowait(("error", self.death_error()))
         self.died(why)
@@ -150,6 +159,15 @@ class ProcessReplica(Replica):
                     self.conn.send(("abort", key))
                 except OSError:
                     pass
+
+    async def request_states(self) -> list[dict]:
+        """The replica's live requests (AsyncEngine.request_states, over the pipe); none if it is down."""
+        if not self.alive:
+            return []
+        key = next(self.keys)
+        answer = self.queries[key] = asyncio.get_running_loop().create_future()
+        self.conn.send(("states", key))
+        return await answer
 
     async def stop(self) -> None:
         self.alive = False
@@ -227,6 +245,16 @@ class RayActorReplica(Replica):
         finally:
             if not finished:
                 ray.cancel(stream)
+
+    async def request_states(self) -> list[dict]:
+        from ray.exceptions import RayActorError
+
+        if not self.alive:
+            return []
+        try:
+            return await self.actor.request_states.remote()
+        except RayActorError:
+            return []
 
     async def stop(self) -> None:
         import ray

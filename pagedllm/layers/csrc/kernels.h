@@ -64,9 +64,44 @@ typedef struct {
     int64_t n, k, num_panels;
     int32_t dtype;
     int32_t reserved;
+    int64_t panel_capacity; /* bytes the caller allocated at panels */
+    int64_t lane_capacity;  /* floats the caller allocated at scale and at bias (where given) */
 } Matrix;
 
 enum { STORE = 0, ACCUMULATE = 1 };
+
+/* What every exported kernel returns. A kernel checks each size and index it is given against
+ * the capacity its caller passed before it touches memory, and refuses with KERNEL_REFUSED (the
+ * reason in kernel_last_error()) rather than read or write past a buffer: a wrong step
+ * description from the engine becomes a Python exception, not a corrupted heap (checks.c). */
+enum { KERNEL_OK = 0, KERNEL_NO_MEMORY = 1, KERNEL_BAD_SHAPE = 2, KERNEL_REFUSED = 4 };
+
+/* Records why a call was refused (printf-style) for kernel_last_error(); returns KERNEL_REFUSED. */
+int refuse(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+const char *kernel_last_error(void);
+#define REQUIRE(cond, ...)                                                                                                   \
+    do {                                                                                                                   \
+        if (!(cond)) return refuse(__VA_ARGS__);                                                                           \
+    } while (0)
+
+/* The checks the kernels share: a packed matrix's panels, scales and biases lie within what was
+ * allocated for them (`name` for the message); the first ceil(len / block_size) entries of a
+ * block table (of max_blocks entries) name blocks of a pool of num_blocks. KERNEL_OK or
+ * KERNEL_REFUSED. */
+int check_matrix(const Matrix *w, const char *name);
+int check_table(const int64_t *table, int64_t max_blocks, int64_t len, int64_t block_size, int64_t num_blocks,
+                const char *what, int64_t which);
+/* Whether rows of `width` floats, `stride` apart, fit `capacity` floats (rows > 0). */
+static inline int rows_fit(int64_t rows, int64_t stride, int64_t width, int64_t capacity) {
+    return rows <= 0 || (stride >= 0 && width >= 0 && (rows - 1) * stride + width <= capacity);
+}
+
+/* Tests only (tests/layers/test_sanitizers.py builds with -DPAGEDLLM_TEST_OFF_BY_ONE=1):
+ * attention's score buffer is allocated one float short, an injected off-by-one that shows the
+ * sanitizer build catches one. Never defined in a build the engine loads. */
+#ifndef PAGEDLLM_TEST_OFF_BY_ONE
+#define PAGEDLLM_TEST_OFF_BY_ONE 0
+#endif
 
 /* y[m][c] (=|+=) x[m] . W[c] (+ bias[c]) for the channels of panels [p0, p1), all m rows.
  * `pair`: the weights are cache-resident (fits_in_cache), so two panels may be computed in one
@@ -105,8 +140,9 @@ int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *l
                 const int64_t *table, int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out,
                 int64_t out_stride);
 
-/* Each row's argmax (torch.argmax's tie and NaN rule) and its log-probability (greedy.c). */
-void greedy_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens, float *logprobs);
+/* Each row's argmax (torch.argmax's tie and NaN rule) and its log-probability (greedy.c); the
+ * unchecked loop the fused calls use on their own buffers (greedy_rows is the exported one). */
+void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens, float *logprobs);
 
 /* exp(x) for x <= 0, within 2 ulp of expf (Cephes' expf: 2^n times a degree-6 polynomial on
  * [-ln2/2, ln2/2]), written so that the compiler vectorises it — libm's expf is a scalar call.

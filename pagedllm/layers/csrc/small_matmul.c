@@ -352,8 +352,19 @@ void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, floa
 
 /* The standalone entry point (tests, and any caller outside the decode step): y = x W^T, or
  * silu(gate) * up when `swiglu`, split by panels over the threads. */
-int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int swiglu, int num_threads) {
-    if (w->dtype == WEIGHT_I8 && w->scale == NULL) return 2;
+int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, int64_t x_capacity, float *y, int64_t ldy,
+                 int64_t y_capacity, int swiglu, int num_threads) {
+    const int status = check_matrix(w, "small matmul: the weight");
+    if (status) return status;
+    const int64_t width = swiglu ? w->n / 2 : w->n;
+    REQUIRE(m >= 0 && num_threads >= 1 && (!swiglu || w->num_panels % 2 == 0), "small matmul: %lld rows, %d threads",
+            (long long)m, num_threads);
+    REQUIRE(rows_fit(m, ldx, w->k, x_capacity) && (m <= 1 || ldx >= w->k),
+            "small matmul: %lld rows of %lld inputs do not fit x (stride %lld, %lld floats)", (long long)m, (long long)w->k,
+            (long long)ldx, (long long)x_capacity);
+    REQUIRE(rows_fit(m, ldy, width, y_capacity) && (m <= 1 || ldy >= width),
+            "small matmul: %lld rows of %lld outputs do not fit y (stride %lld, %lld floats)", (long long)m, (long long)width,
+            (long long)ldy, (long long)y_capacity);
     const int pair = fits_in_cache(matrix_bytes(w));
 #pragma omp parallel num_threads(num_threads)
     {
@@ -367,7 +378,7 @@ int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, float 
             matmul_panels(w, x, m, ldx, y, ldy, lo, hi, STORE, pair);
         }
     }
-    return 0;
+    return KERNEL_OK;
 }
 
 /* A STREAM-like read of n floats by num_threads threads (each its contiguous share, 4 vector

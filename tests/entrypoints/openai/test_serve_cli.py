@@ -49,9 +49,10 @@ def test_bad_arguments_exit_2_with_the_reason(model_dir, capsys, argv, message):
 def test_reliability_flags_become_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDLLM_API_KEY", "from-env")
     args = parse("--allowed-path", str(tmp_path / "a"), "--allowed-path", str(tmp_path / "b"), "--request-timeout", "30",
-                 "--protect-metrics")
+                 "--protect-metrics", "--max-body-bytes", "1000")
     settings = build_settings(args)
-    assert settings.allowed_paths == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert settings.allowed_paths == [str(tmp_path / "a"), str(tmp_path / "b")] and settings.max_body_bytes == 1000
+    assert build_settings(parse()).max_body_bytes == 4 << 20
     assert (settings.request_timeout_s, settings.protect_metrics, settings.api_key) == (30.0, True, "from-env")
 
 

@@ -112,6 +112,8 @@ def check_a_dead_replica_is_restarted(server, expected: dict[str, str]) -> None:
         while server.metric("pagedllm_replica_num_requests_running", model_name="dp", replica="0") == 0:
             assert time.monotonic() < deadline, "the long request did not run on replica 0"
             time.sleep(0.05)
+        live = client.get("/v1/requests").json()["data"]  # the replicas' live requests, gathered
+        assert [r["model"] for r in live] == ["dp"], live
         victim = replicas(client)[0]["pid"]
         os.kill(victim, signal.SIGKILL)
         thread.join(60)
