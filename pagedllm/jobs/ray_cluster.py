@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedllm.jobs.launcher import DATA_DIR_ENV, JOB_ID_ENV
 
 log = logging.getLogger("pagedllm.jobs")
 
@@ -331,7 +330,7 @@ class RayCluster:
 
     # ---- launching ----
 
-    def launch(self, job_id: str, group: Any, config: dict, args: list[str], data_dir: Path,
+    def launch(self, job_id: str, group: Any, config: dict, args: list[str], environment: dict[str, str],
                log_path: Path, events_path: Path) -> RayRun:
         """One actor per bundle, ranks numbered node by node, rank 0's node and port as the rendezvous."""
         import ray
@@ -352,7 +351,7 @@ class RayCluster:
             node = nodes.get(bundles[b], {})
             ranks.append(Rank(rank, actor, bundles[b], node.get("NodeManagerAddress", "?"), node.get("NodeManagerHostname", "?")))
         run = RayRun(job_id, group, ranks, log_path, events_path)
-        run.begin(config, args, {JOB_ID_ENV: job_id, DATA_DIR_ENV: str(data_dir)})
+        run.begin(config, args, environment)
         return run
 
     def retire(self, run: RayRun) -> None:
@@ -440,7 +439,7 @@ def rank_environments(where: list[dict], port: int, tags: dict[str, str]) -> lis
         local = by_node[w["node_id"]]
         env = {"MASTER_ADDR": where[0]["address"], "MASTER_PORT": str(port), "RANK": str(rank),
                "WORLD_SIZE": str(len(where)), "LOCAL_RANK": str(local.index(rank)), "LOCAL_WORLD_SIZE": str(len(local)),
-               "GROUP_RANK": str(list(by_node).index(w["node_id"])), "PYTHONUNBUFFERED": "1", **tags}
+               "GROUP_RANK": str(list(by_node).index(w["node_id"])), **tags}
         gpus = [g for r in local for g in where[r]["gpu_ids"]]
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)

@@ -32,7 +32,16 @@ from typing import Any
 
 from pagedllm.jobs.cluster import ClusterMonitor, default_slots
 from pagedllm.jobs.confinement import AllowedRoots, check_confined
-from pagedllm.jobs.launcher import JobPaths, LaunchSpec, ProcessRef, kill_all, signal_launcher, spawn, train_command
+from pagedllm.jobs.launcher import (
+    JobPaths,
+    LaunchSpec,
+    ProcessRef,
+    job_environment,
+    kill_all,
+    signal_launcher,
+    spawn,
+    train_command,
+)
 from pagedllm.jobs.monitor import JobMonitor, abandon_unfinished_saves, change_status, outcome, sync_checkpoints
 from pagedllm.jobs.ray_cluster import RayCluster, RayRun, ray_address
 from pagedllm.jobs.records import RESUMABLE, JobRecord, JobState, RunRecord, Transition
@@ -336,7 +345,8 @@ class JobService:
             out.write(f"==== pagedllm job service: run {job.run} at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
                       f"{job.world_size} ranks on the Ray cluster, pagedllm.training.worker {' '.join(args)}\n")
         try:
-            run = self.ray.launch(job.job_id, group, job.config, args, self.config.data_dir, paths.log, paths.events)
+            environment = job_environment(job.job_id, self.config.data_dir, self.roots.roots)
+            run = self.ray.launch(job.job_id, group, job.config, args, environment, paths.log, paths.events)
         except Exception as exc:  # an actor that could not start: nothing of the job runs
             self.ray.release_group(group)
             job.failure_reason = f"could not start the ranks on the Ray cluster: {exc}"
