@@ -42,7 +42,7 @@ from pagedllm.jobs.launcher import (
     spawn,
     train_command,
 )
-from pagedllm.jobs.monitor import JobMonitor, abandon_unfinished_saves, change_status, outcome, sync_checkpoints
+from pagedllm.jobs.monitor import METRIC_KEYS, JobMonitor, abandon_unfinished_saves, change_status, outcome, sync_checkpoints
 from pagedllm.jobs.ray_cluster import RayCluster, RayRun, ray_address
 from pagedllm.jobs.records import RESUMABLE, JobRecord, JobState, RunRecord, Transition
 from pagedllm.jobs.scheduler import startable, used_slots
@@ -53,6 +53,7 @@ from pagedllm.jobs.submission import build_config, check_checkpoint_dir, check_r
 from pagedllm.training.checkpoint import CheckpointStatus
 from pagedllm.training.config import ConfigError, parse_job
 from pagedllm.training.control import CHECKPOINT_REQUEST, STOP_REQUEST
+from pagedllm.training.progress import read_metrics
 from pagedllm.training.provenance import service_key
 
 log = logging.getLogger("pagedllm.jobs")
@@ -253,6 +254,7 @@ class JobService:
         if active.ray_run is not None:
             ended = active.ray_run.describe_end()
             self.ray.retire(active.ray_run)
+            backfill_metrics(store, job)
         state, reason = outcome(job, active.exit_code, last_line(JobPaths.of(self.config.data_dir, job.job_id).log), ended)
         job.exit_code = active.exit_code
         job.requested_checkpoint_id = None
@@ -589,6 +591,17 @@ class JobService:
     def log_path(self, job_id: str) -> Path:
         self.get(job_id)
         return JobPaths.of(self.config.data_dir, job_id).log
+
+
+def backfill_metrics(store: JobStore, job: JobRecord) -> None:
+    """Step records the events never brought (a Ray run whose rank 0 died with its node before its last
+    lines were drained), from rank 0's metrics.jsonl in the shared checkpoint_dir: a resume may start
+    after steps the store would otherwise lack."""
+    latest = (store.latest_metrics(job.job_id) or {}).get("step") or 0
+    missing = [{k: r[k] for k in METRIC_KEYS if k in r} for r in read_metrics(job.checkpoint_dir / "metrics.jsonl")
+               if r.get("step", 0) > latest]
+    if missing:
+        store.add_metrics(job.job_id, job.run, missing)
 
 
 def last_line(path: Path, window: int = 8192) -> str | None:
