@@ -56,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-path", action="append", default=[], metavar="DIR",
                         help="a folder training jobs may read and write besides the data dir (repeatable; "
                              "every path a job names must resolve under one of them)")
+    parser.add_argument("--cluster", metavar="ray[://HOST:PORT]",
+                        help="run training jobs (and --data-parallel-size replicas) on a Ray cluster: 'ray' joins the "
+                             "cluster of this machine ($RAY_ADDRESS, else the one `ray start` left here), "
+                             "'ray://HOST:PORT' a Ray Client address (default: this machine alone, no Ray)")
+    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                        help="engine replicas per model behind this server: processes, or Ray actors with --cluster; "
+                             "each request goes to the one with the fewest outstanding tokens, preferring the one "
+                             "whose prefix cache holds the prompt's first blocks (default: 1, the engine in-process)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(parser)
 
@@ -85,6 +93,10 @@ def build_settings(args: argparse.Namespace):
         raise ValueError("--served-model-name needs --model")
     if args.model_dir and not Path(args.model_dir).is_dir():
         raise ValueError(f"--model-dir {args.model_dir!r} is not a directory")
+    if args.cluster is not None:
+        from pagedllm.jobs.ray_cluster import ray_address
+
+        ray_address(args.cluster)  # a malformed --cluster fails here, before the port is bound
     return ServerSettings(
         models=models,
         model_dir=args.model_dir,
@@ -97,6 +109,8 @@ def build_settings(args: argparse.Namespace):
         data_dir=args.data_dir,
         train_slots=args.train_slots,
         allowed_paths=args.allowed_path,
+        cluster=args.cluster,
+        data_parallel_size=args.data_parallel_size,
     )
 
 

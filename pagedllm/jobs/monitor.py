@@ -149,12 +149,14 @@ def abandon_unfinished_saves(store: JobStore, job: JobRecord) -> None:
             store.put_checkpoint(job.job_id, record)
 
 
-def outcome(job: JobRecord, exit_code: int | None, last_log_line: str | None) -> tuple[JobState, str | None]:
-    """The state a run ended in, from its events, the launcher's exit code and whether it was cancelled."""
+def outcome(job: JobRecord, exit_code: int | None, last_log_line: str | None,
+            ended: str | None = None) -> tuple[JobState, str | None]:
+    """The state a run ended in, from its events, the launcher's exit code and whether it was cancelled.
+    `ended` says how the run ended where there is no launcher (a Ray run: its nodes and ranks)."""
     finish = job.finish or {}
     if finish.get("reason") == "completed":  # written after the final checkpoint and the last barrier
         if exit_code:
-            return JobState.COMPLETED, (f"completed at step {finish.get('step')}, then the launcher exited with code "
+            return JobState.COMPLETED, (f"completed at step {finish.get('step')}, then {'a rank' if ended else 'the launcher'} exited with code "
                                         f"{exit_code}: a rank failed while shutting down, after the final checkpoint")
         return JobState.COMPLETED, None
     if job.cancel_requested:
@@ -164,11 +166,13 @@ def outcome(job: JobRecord, exit_code: int | None, last_log_line: str | None) ->
         signal = (finish.get("exit_code") or 128) - 128
         by = f"signal {signal}" if signal > 0 else "a stop request"
         return JobState.CANCELLED, f"stopped from outside the job service ({by}) at step {finish.get('step')}"
-    return JobState.FAILED, failure_reason(job, exit_code, last_log_line)
+    return JobState.FAILED, failure_reason(job, exit_code, last_log_line, ended)
 
 
-def failure_reason(job: JobRecord, exit_code: int | None, last_log_line: str | None) -> str:
-    if exit_code is None:
+def failure_reason(job: JobRecord, exit_code: int | None, last_log_line: str | None, ended: str | None = None) -> str:
+    if ended is not None:
+        parts = [ended]
+    elif exit_code is None:
         parts = ["the job's processes ended while the server was not watching them (exit code unknown)"]
     elif exit_code < 0:
         parts = [f"the launcher was killed by signal {-exit_code}"]

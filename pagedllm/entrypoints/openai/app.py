@@ -41,7 +41,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics()
     registry = ModelRegistry(settings, metrics)
     metrics.collect_engine_stats(registry.snapshots)
-    jobs = JobService.from_settings(settings.data_dir, settings.train_slots, settings.allowed_paths)
+    metrics.collect_replica_stats(registry.replica_snapshots)
+    jobs = JobService.from_settings(settings.data_dir, settings.train_slots, settings.allowed_paths, settings.cluster)
     services: list[Service] = [registry, jobs]
 
     @asynccontextmanager

@@ -452,12 +452,21 @@ class TokenizerInfo(BaseModel):
     vocab_size: int  # the tokenizer's, special tokens included
 
 
+class ReplicaHealth(BaseModel):
+    replica: int
+    alive: bool
+    pid: Optional[int] = None
+    node_id: Optional[str] = None  # the Ray node (--cluster ray)
+    restarts: int = 0
+
+
 class ModelHealth(BaseModel):
     status: Literal["healthy", "degraded", "unhealthy"]
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     reason: Optional[str] = None
+    replicas: Optional[list[ReplicaHealth]] = None  # --data-parallel-size > 1
 
 
 class LiveRequest(BaseModel):

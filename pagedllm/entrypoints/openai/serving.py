@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.errors import (
 )
 from pagedllm.entrypoints.openai.limits import PROBE_MARGIN, probe_prefix, valid_unicode
 from pagedllm.entrypoints.openai.models import ServedModel
+from pagedllm.entrypoints.openai.replicas import ReplicaDiedError
 from pagedllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from pagedllm.library_errors import describe
 from pagedllm.outputs import Logprob, RequestOutput
@@ -137,7 +138,7 @@ def sampling_params(req: SamplingFields, served: ServedModel, **fields: Any) -> 
         params = SamplingParams(**kwargs)
     except ValueError as exc:
         raise BadRequestError(str(exc), param_from_message(str(exc), list(kwargs))) from exc
-    limit = served.engine.engine.config.max_num_seqs
+    limit = served.max_num_seqs
     if params.best_of > limit:
         param = "best_of" if params.best_of != params.n else "n"
         raise BadRequestError(f"{param}={params.best_of} exceeds max_num_seqs={limit} of model {served.name!r}", param)
@@ -222,6 +223,8 @@ def api_error(exc: Exception, prompt_param: str, constraint_param: str | None = 
         return RequestTimeoutError(str(exc))
     if isinstance(exc, EngineStoppedError):
         return ModelNotFoundError(str(exc))
+    if isinstance(exc, ReplicaDiedError):
+        return ServiceUnavailableError(str(exc), code="replica_died", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailableError(str(exc), code="engine_dead")
     if isinstance(exc, ValueError):

@@ -71,7 +71,7 @@ async def to_prompts(req: CompletionRequest, served: ServedModel) -> list[Engine
 
 
 def _in_vocab(ids: list[int], served: ServedModel) -> bool:
-    return all(0 <= t < served.engine.engine.model_config.vocab_size for t in ids)
+    return all(0 <= t < served.vocab_size for t in ids)
 
 
 async def create_completion(req: CompletionRequest, served: ServedModel, raw: Request) -> Response | CompletionResponse:

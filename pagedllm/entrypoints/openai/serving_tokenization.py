@@ -29,7 +29,7 @@ async def tokenize(req: TokenizeRequest, served: ServedModel) -> TokenizeRespons
 
 async def detokenize(req: DetokenizeRequest, served: ServedModel) -> DetokenizeResponse:
     tok = _tokenizer(served)
-    vocab = served.engine.engine.model_config.vocab_size
+    vocab = served.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise BadRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")

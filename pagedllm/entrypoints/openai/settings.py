@@ -32,6 +32,8 @@ class ServerSettings:
     data_dir: str | None = None  # job store, job logs and default checkpoint folders
     train_slots: int | None = None  # processes training jobs may use at once (None: GPUs, else CPU cores)
     allowed_paths: list[str] = field(default_factory=list)  # besides data_dir: folders training jobs may use
+    cluster: str | None = None  # "ray" / "ray://HOST:PORT": jobs (and serving replicas) on a Ray cluster
+    data_parallel_size: int = 1  # engine replicas per model behind this server (processes, or Ray actors)
 
     def __post_init__(self) -> None:
         names = [spec.name for spec in self.models]
@@ -43,6 +45,8 @@ class ServerSettings:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.protect_metrics and not self.api_key:
             raise ValueError("protect_metrics needs an api_key (--protect-metrics needs --api-key)")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.train_slots is not None and self.train_slots < 1:
