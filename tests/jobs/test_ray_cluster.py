@@ -87,13 +87,13 @@ def test_checkpoint_request_and_cancel(ray_server, tiny_paths):
 
 
 def test_node_lost_mid_job_fails_naming_it_then_resumes_on_the_rest(ray_server, ray_cluster, tiny_paths, tmp_path):
-    steps = 16
+    steps = 150  # long enough that the node dies mid-run: ~0.1 s a step, the kill comes after step 5
     body = job_body(tiny_paths, ranks=2, steps=steps, memory_config={"zero_stage": 3},
-                    checkpoint_config={"checkpoint_interval_steps": 3})
+                    checkpoint_config={"checkpoint_interval_steps": 5})
     job_id = ray_server.submit(body)
     try:
-        view = ray_server.wait(job_id, lambda v: (v["metrics"]["last_checkpoint"] or {}).get("step", 0) >= 6,
-                               timeout=180, what="the checkpoint of step 6")
+        view = ray_server.wait(job_id, lambda v: (v["metrics"]["last_checkpoint"] or {}).get("step", 0) >= 5,
+                               timeout=180, what="the checkpoint of step 5")
         second = ray_cluster.second.node_id
         assert second in {p["node_id"] for p in view["processes"]}, view["processes"]
         dead = ray_cluster.kill_second_node()
