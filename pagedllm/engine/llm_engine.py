@@ -278,7 +278,7 @@ class LLMEngine:
 def _make_runner(config: EngineConfig, model_config: ModelConfig, max_model_len: int):
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, model_config, max_model_len)
-    from pagedllm.distributed.executor import TensorParallelRunner
+    from pagedllm.worker.tensor_parallel import TensorParallelRunner
 
     return TensorParallelRunner(config, model_config, max_model_len)
 

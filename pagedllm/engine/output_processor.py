@@ -12,7 +12,7 @@ import time
 from pagedllm.engine.detokenizer import Detokenizer, find_stop, held_back
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.worker.runner_output import SampledToken
+from pagedllm.step.runner_output import SampledToken
 
 
 class OutputProcessor:

@@ -31,10 +31,10 @@ from typing import Callable
 from pagedllm.engine import multi_step
 from pagedllm.engine.beam_search import Continuation
 from pagedllm.engine.block_manager import BlockManager
-from pagedllm.engine.scheduler_output import PromptLogprobsRequest, SampleRow, ScheduledChunk, SchedulerOutput
+from pagedllm.step.scheduler_output import PromptLogprobsRequest, SampleRow, ScheduledChunk, SchedulerOutput
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.structured_output.manager import StructuredOutputManager
-from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
+from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
 
 logger = logging.getLogger("pagedllm.scheduler")
 

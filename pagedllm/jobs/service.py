@@ -31,7 +31,7 @@ from pagedllm.jobs.confinement import AllowedRoots, check_confined
 from pagedllm.jobs.launcher import JobPaths, LaunchSpec, ProcessRef, kill_all, signal_launcher, spawn, train_command
 from pagedllm.jobs.monitor import JobMonitor, abandon_unfinished_saves, change_status, outcome, sync_checkpoints
 from pagedllm.jobs.records import RESUMABLE, JobRecord, JobState, RunRecord, Transition
-from pagedllm.jobs.scheduler import startable, used_slots
+from pagedllm.jobs.slots import startable, used_slots
 from pagedllm.jobs.settings import JobServiceConfig
 from pagedllm.jobs.store import JobStore, SQLiteJobStore
 from pagedllm.jobs.submission import build_config, check_checkpoint_dir, check_runnable
@@ -237,7 +237,7 @@ class JobService:
         paths = JobPaths.of(self.config.data_dir, job.job_id)
         try:
             check_confined(job.config, self.roots)  # a symlink changed, or this server allows fewer folders
-            check_runnable(job.config, job.world_size, paths.root)
+            check_runnable(job.config, job.world_size)
         except ConfigError as exc:  # e.g. the dataset went away while the job waited
             job.failure_reason = f"invalid config at launch: {exc}"
             store.save(job, [change_status(job, JobState.FAILED, job.failure_reason)])

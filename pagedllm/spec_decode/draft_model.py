@@ -22,7 +22,7 @@ import torch
 
 from pagedllm.config import ModelConfig, ModelLoadError
 from pagedllm.spec_decode import draft_vocab
-from pagedllm.engine.scheduler_output import SampleRow, ScheduledChunk
+from pagedllm.step.scheduler_output import SampleRow, ScheduledChunk
 from pagedllm.layers import kernels
 from pagedllm.layers.paged_decode import kernel_supported
 from pagedllm.models.fused_decode import FusedDecoder, unsupported as fused_unsupported

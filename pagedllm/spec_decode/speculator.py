@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 
 from pagedllm.config import ModelConfig
-from pagedllm.engine.scheduler_output import SampleRow, SchedulerOutput
-from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.step.scheduler_output import SampleRow, SchedulerOutput
+from pagedllm.config import SpeculativeConfig
 from pagedllm.spec_decode.draft_model import DraftModel, DraftRequest, proposal_row
 from pagedllm.spec_decode.fused_cycles import CycleRequest, FusedCycles
 from pagedllm.spec_decode.ngram import propose_ngram
@@ -25,7 +25,7 @@ from pagedllm.layers.sampler import Sampler
 from pagedllm.layers.small_matmul import MAX_ROWS
 from pagedllm.models.fused_decode import FusedDecoder
 from pagedllm.worker.kv_cache import KVCache
-from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
+from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
 from pagedllm.worker.staging import Staging
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.engine.scheduler_output import ScheduledChunk
+from pagedllm.step.scheduler_output import ScheduledChunk
 from pagedllm.layers.attention import AttentionMetadata, DecodeBucket, PrefillChunk, additive_mask, allowed_keys
 from pagedllm.layers.triton_attention import TritonAttentionMetadata
 from pagedllm.worker.staging import Staging

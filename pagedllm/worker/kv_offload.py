@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.step.scheduler_output import SchedulerOutput
 from pagedllm.layers.attention import PagedAttention
 from pagedllm.worker.kv_cache import KVCache
 

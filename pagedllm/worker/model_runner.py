@@ -16,7 +16,7 @@ import torch
 
 from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
 from pagedllm.distributed.group import ParallelGroup
-from pagedllm.engine.scheduler_output import SampleRow, ScheduledChunk, SchedulerOutput
+from pagedllm.step.scheduler_output import SampleRow, ScheduledChunk, SchedulerOutput
 from pagedllm.layers import kernels, triton_attention
 from pagedllm.layers.paged_decode import kernel_supported, load
 from pagedllm.layers.sampler import Sampler
@@ -32,7 +32,7 @@ from pagedllm.worker.input_batch import BatchLayout, attention_metadata, stage_b
 from pagedllm.worker.kv_cache import KVCache, bytes_per_block, bytes_per_layer_block
 from pagedllm.worker.kv_offload import LayerwiseKVOffload
 from pagedllm.worker.malloc import keep_freed_memory
-from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
+from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
 from pagedllm.worker.sampling_inputs import sampling_metadata, stage_sampling
 from pagedllm.worker.staging import Staging
 from pagedllm.worker.step_results import fetch_results, score_prompt_tokens, stage_logit_rows

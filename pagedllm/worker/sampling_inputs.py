@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pagedllm.engine.scheduler_output import SampleRow
+from pagedllm.step.scheduler_output import SampleRow
 from pagedllm.layers.sampler import Penalties, SamplingMetadata
 from pagedllm.worker.staging import Staging
 

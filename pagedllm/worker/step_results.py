@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.engine.scheduler_output import SampleRow, SchedulerOutput
+from pagedllm.step.scheduler_output import SampleRow, SchedulerOutput
 from pagedllm.layers.sampler import SamplerOutput
 from pagedllm.worker.input_batch import BatchLayout
-from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
+from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
 from pagedllm.worker.staging import Staging
 
 

@@ -7,7 +7,7 @@ from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
+from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=64, chunked=True, mode="recompute", policy="fcfs", cpu_blocks=64, max_num_seqs=16):

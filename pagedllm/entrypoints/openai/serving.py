@@ -28,17 +28,17 @@ from pagedllm.entrypoints.openai.async_engine import (
     RequestGroup,
     RequestTimeout,
 )
-from pagedllm.entrypoints.openai.errors import (
+from pagedllm.entrypoints.openai.errors import param_from_message
+from pagedllm.entrypoints.openai.models import ServedModel
+from pagedllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from pagedllm.http_errors import (
     APIError,
     BadRequestError,
     ModelNotFoundError,
     RequestTimeoutError,
     ServiceUnavailableError,
     error_body,
-    param_from_message,
 )
-from pagedllm.entrypoints.openai.models import ServedModel
-from pagedllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.distributed.group import ParallelGroup
-from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.step.scheduler_output import SchedulerOutput
 from pagedllm.worker.model_runner import ModelRunner, kv_pool_sizes
-from pagedllm.worker.runner_output import ModelRunnerOutput
+from pagedllm.step.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger("pagedllm.tensor_parallel")
 

@@ -97,7 +97,3 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.chunks or self.blocks_to_swap_out or self.blocks_to_swap_in)
