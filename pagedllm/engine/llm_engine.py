@@ -16,13 +16,12 @@ from typing import Any, Union
 import torch
 
 from pagedllm.config import EngineConfig, ModelConfig
-from pagedllm.engine.beam_search import BeamSearch, BeamState
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -99,27 +98,19 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        sampling_params: SamplingParams | BeamSearchParams | None = None,
+        sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request. With `BeamSearchParams` it is a beam search, whose only output is
-        its `beam_width` best hypotheses when it finishes."""
+        """Queue a request. (A beam search is a layer over the engine: engine/beam_search.py.)"""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
-        beam = params if isinstance(params, BeamSearchParams) else None
-        if beam is not None:
-            # Each beam decodes greedily and reports its row's top-K continuations.
-            params = SamplingParams(temperature=0, max_tokens=beam.max_tokens, ignore_eos=True)
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
-        text, token_ids = self._tokenize(prompt)
-        search = None
-        if beam is not None:
-            search = BeamSearch(beam, self.eos_token_ids, min(beam.max_tokens, self.max_model_len - len(token_ids)))
-            params.logprobs = search.num_candidates
-        self._validate(token_ids, params, beam)
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__} "
+                             "(beam search: LLM.beam_search, or engine/beam_search.py's BeamSearcher)")
+        text, token_ids = self.tokenize(prompt)
+        self._validate(token_ids, params)
         request = Request(
             request_id=request_id,
             prompt=text,
@@ -130,8 +121,6 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
         seq = Sequence(request, 0, list(token_ids))
-        if search is not None:
-            request.beam_search, seq.beam = search, BeamState()
         if params.structured_outputs is not None:
             seq.grammar = self._matcher(params)
         request.seqs.append(seq)
@@ -143,7 +132,8 @@ class LLMEngine:
             raise ValueError(f"model {self.config.model!r} has no tokenizer; structured_outputs need one")
         return self.structured.matcher(params.structured_outputs)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: text, token ids, or a dict with either."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _token_list(prompt["prompt_token_ids"])
@@ -157,7 +147,7 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, _token_list(prompt)
 
-    def _validate(self, token_ids: list[int], params: SamplingParams, beam: BeamSearchParams | None = None) -> None:
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -176,13 +166,6 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, more than the whole KV cache holds "
                 f"({pool_tokens} tokens in {capacity} blocks)"
             )
-        if beam is not None:
-            if params.logprobs > min(MAX_LOGPROBS, vocab):
-                raise ValueError(
-                    f"beam_width={beam.beam_width} is too wide: each step ranks {params.logprobs} continuations "
-                    f"per beam, and at most {min(MAX_LOGPROBS, vocab)} are available"
-                )
-            return
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:

@@ -35,7 +35,6 @@ def is_plain_greedy_decode(seq: Sequence) -> bool:
         and not params.frequency_penalty
         and seq.num_output_tokens >= params.min_tokens
         and seq.grammar is None
-        and seq.beam is None
     )
 
 

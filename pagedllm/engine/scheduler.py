@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pagedllm.engine import multi_step
-from pagedllm.engine.beam_search import Continuation
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.step.scheduler_output import PromptLogprobsRequest, SampleRow, ScheduledChunk, SchedulerOutput
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
@@ -149,18 +148,10 @@ class Scheduler:
         step = _Step(fusing=self._fuse_speculation())
         budget = self._schedule_running(step, self.config.max_num_batched_tokens)
         if not step.preempted:
-            budget = self._schedule_queued(step, budget)
-            if not step.scheduled and self._blocked_by_idle_beams():
-                self._preempt_idle_beams(step)
-                self._schedule_queued(step, budget)
+            budget = self._schedule_swapped(step, budget)
+            if not self.swapped:  # swapped-out sequences come back before waiting ones are admitted
+                self._schedule_waiting(step, budget)
         return self._finalize(step)
-
-    def _schedule_queued(self, step: _Step, budget: int) -> int:
-        """Swapped-out sequences come back before waiting ones are admitted."""
-        budget = self._schedule_swapped(step, budget)
-        if all(_awaits_siblings(seq) for seq in self.swapped):
-            self._schedule_waiting(step, budget)
-        return budget
 
     def _finalize(self, step: _Step) -> SchedulerOutput:
         """Turn the scheduled sequences into the runner's plain metadata, forking extra samples."""
@@ -280,7 +271,6 @@ class Scheduler:
         per token it was given back but the last."""
         changed = {seq.seq_id: seq for seq in self._ended}
         self._ended = []
-        beam_requests: dict[str, Request] = {}
         for item in self._scheduled:
             seq = item.seq
             changed[seq.seq_id] = seq
@@ -296,16 +286,9 @@ class Scheduler:
             seq.num_draft_computed = output.draft_computed.get(seq.seq_id, seq.num_draft_computed)
             computed_ids = seq.token_ids + [t.token_id for t in tokens[:extra]]
             self.block_manager.cache_full_blocks(seq.seq_id, computed_ids, self._num_publishable(seq))
-            if seq.beam is not None:
-                if tokens:  # the beam's next-token distribution: its continuations this round
-                    seq.beam.candidates = tokens[0].top
-                    beam_requests[seq.request.request_id] = seq.request
-                continue
             self._append(seq, tokens, on_token)
             seq.spec_token_ids = output.spec_token_ids.get(seq.seq_id, []) if not seq.finished else []
         self._scheduled = []
-        for request in beam_requests.values():
-            self._advance_beams(request)
         for seq_id, tokens in output.sampled.items():
             seq = self.live.get(seq_id)
             if seq is not None and seq_id not in changed:  # a sample forked this step
@@ -384,7 +367,7 @@ class Scheduler:
 
     def _schedule_swapped(self, step: _Step, budget: int) -> int:
         self.swapped.sort(key=self._keep_key)
-        for seq in [s for s in self.swapped if not _awaits_siblings(s)]:
+        for seq in list(self.swapped):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if self._exceeds_pool(seq):
@@ -410,7 +393,7 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step, budget: int) -> None:
         bm = self.block_manager
-        for seq in [s for s in self.waiting if not _awaits_siblings(s)]:
+        for seq in list(self.waiting):
             if budget <= 0:
                 break
             if self._exceeds_pool(seq):
@@ -438,66 +421,6 @@ class Scheduler:
             step.scheduled.append(ScheduledSequence(seq, num_new))
             step.num_blocks += len(bm.block_table(seq.seq_id))
             budget -= num_new
-
-    # ---- beam search -------------------------------------------------------------------------
-    def _advance_beams(self, request: Request) -> None:
-        """Once every live beam has its continuations, take the search's step: beams chosen
-        several times are forked (sharing blocks, copy-on-write), unchosen ones are dropped, and
-        each survivor appends its token. When the search is over every beam ends."""
-        beams = [seq for seq in request.seqs if not seq.finished]
-        if any(seq.beam.candidates is None for seq in beams):
-            return  # a beam is still to be computed (preempted, or not scheduled yet)
-        search = request.beam_search
-        going_on = search.step(beams)
-        request.forked = True  # the beams now come and go as forks, admitted one by one
-        by_parent: dict[int, list[Continuation]] = {}
-        for cont in going_on:
-            by_parent.setdefault(cont.parent.seq_id, []).append(cont)
-        survivors: list[tuple[Sequence, Continuation]] = []
-        for seq in beams:
-            conts = by_parent.get(seq.seq_id, [])
-            survivors += zip([seq] + [self._fork_beam(seq) for _ in conts[1:]], conts)
-            if not conts:
-                self.finish(seq, SequenceStatus.FINISHED_ABORTED)  # pruned: the search has no use for it
-        for seq, cont in survivors:
-            seq.token_ids.append(cont.token_id)
-            seq.cumulative_logprob = cont.score
-            seq.beam.token_logprobs.append((cont.logprob, cont.rank))
-            seq.beam.candidates = None
-        request.seqs = [seq for seq in request.seqs if not seq.finished]
-        now = time.time()
-        request.metrics.first_token_time = request.metrics.first_token_time or now
-        request.metrics.last_token_time = now
-
-    def _fork_beam(self, parent: Sequence) -> Sequence:
-        """A second continuation of `parent`: shares its blocks when it has them on the device,
-        otherwise (preempted) waits to be recomputed from its tokens."""
-        child = Sequence(parent.request, parent.index, list(parent.token_ids))
-        child.cumulative_logprob = parent.cumulative_logprob
-        child.beam = parent.beam.fork()
-        self.live[child.seq_id] = child
-        parent.request.seqs.append(child)
-        if parent.status is SequenceStatus.RUNNING:
-            self.block_manager.fork(parent.seq_id, child.seq_id)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_draft_computed = min(parent.num_computed_tokens, parent.num_draft_computed)  # it may lag
-            child.set_status(SequenceStatus.RUNNING)
-            self.running.append(child)
-        else:
-            bisect.insort(self.waiting, child, key=self._arrival_key)
-        return child
-
-    def _blocked_by_idle_beams(self) -> bool:
-        """Nothing could run, and beams holding blocks while they wait for the rest of their
-        round may be what keeps the others (perhaps that rest) from getting blocks."""
-        queued = any(not _awaits_siblings(seq) for seq in self.waiting + self.swapped)
-        return queued and any(_awaits_siblings(seq) for seq in self.running)
-
-    def _preempt_idle_beams(self, step: _Step) -> None:
-        """Idle beams give up their KV (by the preemption mode) and keep their continuations."""
-        for seq in [seq for seq in self.running if _awaits_siblings(seq)]:
-            self.running.remove(seq)
-            self._preempt(seq, step)
 
     # ---- preemption --------------------------------------------------------------------------
     def _fits_step(self, step: _Step, num_tokens: int) -> bool:
@@ -535,12 +458,6 @@ class Scheduler:
         seq.spec_token_ids = []
         seq.set_status(SequenceStatus.WAITING)
         bisect.insort(self.waiting, seq, key=self._arrival_key)
-
-
-def _awaits_siblings(seq: Sequence) -> bool:
-    """A beam whose continuations are known, waiting for the rest of its round: it has nothing to
-    compute until the search's next step."""
-    return seq.beam is not None and seq.beam.candidates is not None
 
 
 def _advance_grammar(seq: Sequence, token: int) -> SequenceStatus | None:
