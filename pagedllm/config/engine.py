@@ -70,7 +70,7 @@ class EngineConfig:
     # {"model": DIR, "num_speculative_tokens": k} or {"method": "ngram", ...}; JSON text from the CLI
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # Greedy decode steps per engine step when every sequence of a step is a plain greedy decode
-    # (multi-step scheduling, engine/multi_step.py); needs the fused decode step, else 1.
+    # (multi-step scheduling, step/planner.py); needs the fused decode step, else 1.
     num_scheduler_steps: int = 1
     # CUDA graphs for decode steps (worker/cuda_graphs.py) unless this is set (vLLM's name)
     enforce_eager: bool = False

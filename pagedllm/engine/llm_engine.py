@@ -3,7 +3,8 @@ model runner and the output processor.
 
 One `step()` = `scheduler.schedule()` → `runner.execute()` (one forward pass, sampling) →
 `scheduler.update_from_output()` (progress, tokens, stop rules, freeing) → `RequestOutput`s.
-The engine itself changes no request or KV state. Bad input is rejected in `add_request` with a
+The engine itself changes no request or KV state; it builds the pieces, with the planner that
+decides how steps run (step/planner.py) shared by the scheduler and the runner. Bad input is rejected in `add_request` with a
 ValueError before anything is queued, so one bad request never disturbs the others.
 """
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.speculator import Speculator
+from pagedllm.step.planner import StepPlanner
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -48,7 +51,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         max_batched = config.resolve_max_num_batched_tokens(self.max_model_len)
-        self.runner = _make_runner(config, self.model_config, self.max_model_len)
+        self.planner = StepPlanner.decide(config, self.model_config, self.max_model_len)
+        self.runner = _make_runner(config, self.model_config, self.max_model_len, self.planner)
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size) if self.tokenizer else None
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks, config.enable_prefix_caching
@@ -61,19 +65,12 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
                 preemption_policy=config.preemption_policy,
-                num_lookahead_slots=self.runner.speculator.num_lookahead_slots if self.runner.speculator else 0,
-                spec_disable_by_batch_size=config.speculative_config.disable_by_batch_size if config.speculative_config else None,
                 max_step_blocks=self.runner.max_step_blocks,
-                num_scheduler_steps=config.num_scheduler_steps,
-                max_multi_step_rows=self.runner.max_multi_step_rows,
-                max_fused_spec_seqs=self.runner.max_fused_spec_seqs,
             ),
             self.block_manager,
             self.structured,
+            self.planner,
         )
-        if config.num_scheduler_steps > 1 and not self.runner.max_multi_step_rows:
-            logger.warning("num_scheduler_steps=%d needs the fused decode step (CPU, float32), which is not in use: "
-                           "every engine step runs one step", config.num_scheduler_steps)
         self.eos_token_ids = self._eos_token_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -241,29 +238,24 @@ class LLMEngine:
 
     def _spec_decode_stats(self) -> dict[str, Any]:
         """vLLM's spec_decode counters, plus the derived rates and where the time went."""
-        if self.runner.speculator is None:
+        speculator = self.runner.speculator
+        if speculator is None:
             return {}
-        spec = self.scheduler.spec_stats
-        draft_s, target_s = self.runner.speculator.draft_time_s, self.runner.target_time_s
-        return {
-            "spec_decode_num_drafts": spec.num_drafts,
-            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
-            "spec_decode_num_accepted_tokens_per_pos": list(spec.accepted_per_position),
-            "spec_decode_acceptance_rate": spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0,
-            "spec_decode_mean_accepted_length": 1 + spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 0.0,
-            "spec_decode_draft_time_s": draft_s,
-            "spec_decode_target_time_s": target_s,
-            "spec_decode_draft_time_share": draft_s / (draft_s + target_s) if draft_s + target_s else 0.0,
-        }
+        return self.scheduler.spec_stats.report(speculator.draft_time_s, speculator.target_time_s)
 
 
-def _make_runner(config: EngineConfig, model_config: ModelConfig, max_model_len: int):
-    if config.tensor_parallel_size == 1:
-        return ModelRunner(config, model_config, max_model_len)
-    from pagedllm.worker.tensor_parallel import TensorParallelRunner
+def _make_runner(config: EngineConfig, model_config: ModelConfig, max_model_len: int, planner: StepPlanner):
+    """One runner, with the speculator when the engine speculates; or rank 0's runner and the
+    tensor-parallel workers (which do not speculate)."""
+    if config.tensor_parallel_size > 1:
+        from pagedllm.worker.tensor_parallel import TensorParallelRunner
 
-    return TensorParallelRunner(config, model_config, max_model_len)
+        return TensorParallelRunner(config, model_config, max_model_len, planner)
+    speculator = None
+    if planner.speculation is not None:
+        speculator = Speculator(planner, model_config, max_model_len, config.block_size, config.torch_dtype(model_config),
+                                config.torch_device())
+    return ModelRunner(config, model_config, max_model_len, planner=planner, speculator=speculator)
 
 
 def _token_list(values: Any) -> list[int]:

@@ -61,6 +61,10 @@ class Sequence:
     num_draft_computed: int = 0  # positions whose draft-model KV is valid (speculative decoding)
 
     @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_token_ids)
 

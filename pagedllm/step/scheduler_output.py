@@ -1,8 +1,17 @@
-"""What one scheduler step hands the model runner: plain data, no `Sequence` objects.
+"""What one scheduler step hands the model runner: only what changed since the last step.
 
-The runner needs, per sequence, only the tokens to compute, where they sit (positions and block
-table) and how to sample; keeping it to that makes the runner independent of request state
-(which the scheduler alone changes) and keeps this module a leaf that both sides import.
+The runner keeps each sequence's state between steps (vLLM v1's NewRequestData and
+CachedRequestData): a sequence is sent whole once (`NewSequence`: its tokens, sampling
+parameters and block table); afterwards a step carries, for the sequences it computes, only
+their new token ids and new block ids (a tail block replaced by copy-on-write; the whole table
+after a swap-in), and which sequences finished or lost their KV. So a step's bytes do not grow
+with the sequences' lengths, however long they run, and under tensor parallelism every rank
+applies the same changes to its own copy (tests/step/test_step_bytes.py).
+
+What a scheduled sequence computes is a chunk of positions and a token budget: how many tokens
+the step may give it. How the runner fills that budget (one forward pass, several greedy steps in
+one call, speculation cycles) is the planner's to say (step/planner.py), not a flag here. No
+`Sequence` objects: this module is a leaf that both sides import.
 """
 from __future__ import annotations
 
@@ -25,74 +34,63 @@ class PromptLogprobsRequest:
 
 
 @dataclass
-class ScheduledChunk:
-    """Positions [start, start + len(token_ids)) of one sequence, computed this step."""
+class NewSequence:
+    """A sequence the runner does not hold: everything it keeps of it. Sent when a sequence is
+    first scheduled, when a sample is forked, and again after a preemption dropped its KV."""
 
     seq_id: int
-    start: int
-    token_ids: list[int]
-    block_table: list[int]  # the sequence's blocks; covers every position up to the chunk's end
-    prompt_logprobs: PromptLogprobsRequest | None = None
-    # Rows past the first laid out as decode rows, each attending to the context up to its own
-    # position: a decode's proposals to verify (token_ids = [last token, *proposals]), or, where
-    # the model runner or a draft runs a short chunk as one fused step, the chunk's other tokens.
-    num_spec: int = 0
-    draft_start: int = 0  # first position whose draft-model KV is not yet valid
-
-    @property
-    def is_decode(self) -> bool:
-        """One new position per row of context (a plain decode, or a decode with proposals)."""
-        return self.num_tokens == 1 + self.num_spec
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.token_ids)
+    token_ids: list[int]  # prompt + output so far (a copy)
+    num_prompt_tokens: int
+    params: SamplingParams
+    sample_index: int  # which sample of its request: seeds a seeded request's per-sample generator
+    eos_token_ids: frozenset[int]
+    block_table: list[int]  # a copy
+    num_computed_tokens: int  # positions whose KV is valid already (a prefix-cache hit, a fork's parent's)
+    # A sample forked this step (n / best_of) samples from the last row of this sequence's chunk.
+    forked_from: int | None = None
 
 
 @dataclass
-class SampleRow:
-    """One token to sample for `seq_id`, from the logits of chunk `chunk`'s last position (its own
-    chunk, or the chunk of the parent it was forked from this step)."""
+class SequenceUpdate:
+    """What changed of a sequence the runner holds, since the step that last scheduled it."""
 
     seq_id: int
-    chunk: int
-    params: SamplingParams
-    sample_index: int  # which sample of its request: seeds a seeded request's per-sample generator
-    token_ids: list[int]  # prompt + output so far (penalties look at it; read, never kept)
-    num_prompt_tokens: int
-    eos_token_ids: frozenset[int]
-    spec_token_ids: list[int] = field(default_factory=list)  # proposals verified at this row's chunk
-    allowed_tokens: Any = None  # structured output: int32 bitmask of the tokens the grammar allows
+    num_computed_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)  # appended to its tokens
+    new_block_ids: list[int] = field(default_factory=list)  # appended to its table
+    replaced_blocks: list[tuple[int, int]] = field(default_factory=list)  # (index, block): copy-on-write
+    block_table: list[int] | None = None  # the whole table, when more than its tail changed (a swap-in)
 
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+
+@dataclass
+class ScheduledChunk:
+    """Positions [num_computed_tokens, num_computed_tokens + num_tokens) of one sequence, computed
+    this step; a decode's proposals to verify are among them (the runner made them)."""
+
+    seq_id: int
+    num_tokens: int
+    # The most tokens the step may give the sequence: 0 for a chunk that ends mid-prompt, 1 for
+    # one next token, more for a burst (the block table then covers that many positions from the
+    # chunk's start).
+    token_budget: int = 1
+    max_proposals: int = 0  # speculative tokens it may propose for the next step to verify
+    prompt_logprobs: PromptLogprobsRequest | None = None
 
 
 @dataclass
 class SchedulerOutput:
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    updates: list[SequenceUpdate] = field(default_factory=list)
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    samples: list[SampleRow] = field(default_factory=list)
+    allowed_tokens: dict[int, Any] = field(default_factory=dict)  # seq id -> grammar bitmask (int32) of its next token
     blocks_to_swap_out: BlockPairs = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: BlockPairs = field(default_factory=list)  # (host, device)
     blocks_to_copy: BlockPairs = field(default_factory=list)  # (source, destination), copy-on-write
+    # Preempted by recompute since the previous step: their KV is gone, and they come back as
+    # new sequences. (A swapped-out sequence keeps its state; its table changes at swap-in.)
     preempted_seq_ids: list[int] = field(default_factory=list)
     # Sequences that finished since the previous step: the runner drops its state for them.
     finished_seq_ids: list[int] = field(default_factory=list)
-    # Greedy steps to run, each row's argmax fed back as its next input (multi-step scheduling);
-    # every block table then covers its row's position + num_steps - 1.
-    num_steps: int = 1
-    # Whether decodes propose speculative tokens for the next step (off while the batch is large;
-    # a draft model then skips decodes and catches up on them when proposals resume).
-    propose: bool = True
-    # Greedy draft-model speculation cycles (propose, verify, accept) the runner runs for every
-    # chunk of this step in one call (0: none); every chunk is then a plain greedy decode whose
-    # block table covers fused_spec_cycles * (k + 1) positions from its chunk's start.
-    fused_spec_cycles: int = 0
 
     @property
     def num_batched_tokens(self) -> int:

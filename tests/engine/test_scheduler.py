@@ -24,9 +24,9 @@ def make_seq(name: str, prompt_len: int, arrival: float = 0.0, priority: int = 0
 
 
 def run_step(scheduler: Scheduler):
-    """Schedule, then hand back what a runner would: token 7 for every sample row."""
+    """Schedule, then hand back what a runner would: token 7 for every chunk that samples."""
     out = scheduler.schedule()
-    sampled = {row.seq_id: [SampledToken(7, 0.0)] for row in out.samples}
+    sampled = {chunk.seq_id: [SampledToken(7, 0.0)] for chunk in out.chunks if chunk.token_budget}
     scheduler.update_from_output(ModelRunnerOutput(sampled), lambda seq, token: None)
     return out
 
