@@ -170,15 +170,20 @@ class Scheduler:
         for chunk in out.chunks:
             chunk.max_proposals = max_proposals
         self._plan_burst(step, bool(forks))
-        bm = self.block_manager
-        described = [self.mirror.describe(item.seq, bm.block_table(item.seq.seq_id)) for item in step.scheduled]
-        described += [self.mirror.describe(child, bm.block_table(child.seq_id), parent) for child, parent in forks]
-        out.new_seqs = [d for d in described if not isinstance(d, SequenceUpdate)]
-        out.updates = [d for d in described if isinstance(d, SequenceUpdate)]
+        self._describe(step, forks)  # after the burst's reservation: the tables as the runner will use them
         self._attach_masks(out, [item.seq for item in step.scheduled if item.completes_context] + [c for c, _ in forks])
         out.finished_seq_ids, self._finished_ids = self._finished_ids, []
         self._scheduled = step.scheduled
         return out
+
+    def _describe(self, step: _Step, forks: list[tuple[Sequence, int]]) -> None:
+        """What the runner is told of each sequence the step computes or forks: the whole
+        sequence if it does not hold it, else what changed since it last saw it."""
+        bm = self.block_manager
+        described = [self.mirror.describe(item.seq, bm.block_table(item.seq.seq_id)) for item in step.scheduled]
+        described += [self.mirror.describe(child, bm.block_table(child.seq_id), parent) for child, parent in forks]
+        step.out.new_seqs = [d for d in described if not isinstance(d, SequenceUpdate)]
+        step.out.updates = [d for d in described if isinstance(d, SequenceUpdate)]
 
     def _plan_burst(self, step: _Step, forked: bool) -> None:
         """Make a step of decodes that all sample a burst (several tokens each: multi-step greedy
