@@ -247,7 +247,7 @@ class LLMEngine:
 def _make_runner(config: EngineConfig, model_config: ModelConfig, max_model_len: int, planner: StepPlanner):
     """One runner, with the speculator when the engine speculates; or rank 0's runner and the
     tensor-parallel workers (which do not speculate)."""
-    if config.tensor_parallel_size > 1:
+    if planner.tensor_parallel_size > 1:
         from pagedllm.worker.tensor_parallel import TensorParallelRunner
 
         return TensorParallelRunner(config, model_config, max_model_len, planner)

@@ -7,9 +7,10 @@ or whole greedy speculation cycles in one C call. Which of them an engine may us
 its configuration, the device and what could be built; which one a step takes follows from the
 sequences it holds. Both are decided here and nowhere else:
 
-- at start-up, `StepPlanner.decide` settles the backends (attention, the fused decode step, the
-  draft model's, CUDA graphs, fused speculation cycles) and refuses a configuration that asks
-  for one that cannot run, naming why;
+- at start-up, `StepPlanner.decide` settles how the engine runs (tensor parallelism, layer-wise
+  KV offload) and its backends (attention, the fused decode step, the draft model's, CUDA
+  graphs, fused speculation cycles), and refuses a configuration that asks for one that cannot
+  run, naming why;
 - the scheduler asks how far each sequence may advance this step — whether its proposals are
   verified, how many lookahead slots a decode reserves for the draft's proposals, whether the
   step is a burst (several tokens per sequence) and how many tokens each may propose next — and
@@ -77,6 +78,8 @@ class StepPlanner:
     """The decisions (defaults: plain steps, SDPA, nothing fused), and the rules that apply them."""
 
     max_model_len: int = 1 << 30
+    tensor_parallel_size: int = 1  # ranks the model is split across (worker/tensor_parallel.py)
+    kv_offload: bool = False  # the pool in host memory, two layers on the device (worker/kv_offload.py)
     attention_backend: str = "sdpa"  # kernel | triton | sdpa
     fused_decode: bool = False  # small all-decode steps as one C call (models/fused_decode.py)
     cuda_graphs: bool = False  # all-decode steps replayed from CUDA graphs (worker/cuda_graphs.py)
@@ -102,8 +105,8 @@ class StepPlanner:
                            "every engine step runs one step", config.num_scheduler_steps)
         graphs = (not config.enforce_eager and device.type == "cuda" and attention == "triton"
                   and config.tensor_parallel_size == 1 and not config.kv_offload and model_config.moe is None)
-        planner = cls(max_model_len, attention, fused, graphs, config.num_scheduler_steps if fused else 1,
-                      config.speculative_config)
+        planner = cls(max_model_len, config.tensor_parallel_size, config.kv_offload, attention, fused, graphs,
+                      config.num_scheduler_steps if fused else 1, config.speculative_config)
         return planner._with_draft(dtype, device)
 
     def _with_draft(self, dtype: torch.dtype, device: torch.device) -> "StepPlanner":

@@ -75,8 +75,8 @@ class ModelRunner:
         self.offload: LayerwiseKVOffload | None = None
         self.num_blocks, self.num_cpu_blocks = pool_sizes or self._pool_sizes()
         self.kv_cache = KVCache(self.model.config, self.num_blocks, self.num_cpu_blocks, self.block_size, self.dtype,
-                                self.device, host_pool=config.kv_offload)
-        self.offload = self._offload() if config.kv_offload else None
+                                self.device, host_pool=planner.kv_offload)
+        self.offload = self._offload() if planner.kv_offload else None
         for index, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(*(self.offload.buffer(0) if self.offload else self.kv_cache.layer(index)))
         if self.triton_attention and self.device.type == "cuda":  # (Triton's interpreter would only be slower)
