@@ -35,9 +35,10 @@ class RunnerMirror:
             return NewSequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, request.params, seq.index,
                                request.eos_token_ids, list(table), seq.num_computed_tokens, forked_from)
         update = SequenceUpdate(seq.seq_id, seq.num_computed_tokens, seq.token_ids[sent.num_tokens :])
-        sent.num_tokens = seq.num_tokens
-        _table_delta(update, sent.table, table)
-        sent.table = list(table)
+        sent.num_tokens = len(seq.token_ids)
+        if table != sent.table:
+            _table_delta(update, sent.table, table)
+            sent.table = list(table)
         return update
 
     def forget(self, seq_id: int) -> None:

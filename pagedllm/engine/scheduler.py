@@ -92,6 +92,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.structured = structured  # computes the masks of grammar-constrained rows
         self.planner = planner or StepPlanner(max_model_len=config.max_model_len)
+        self._draft_kv = self.planner.draft_model  # a block is complete once the draft's KV is in it too
         self.mirror = RunnerMirror()  # what the runner holds of each sequence
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -156,22 +157,25 @@ class Scheduler:
         forks of extra samples, and what changed of each since the runner last saw it."""
         out = step.out
         now = time.time()
+        sampled: list[Sequence] = []  # the scheduled sequences whose chunk ends with a token to sample
         forks: list[tuple[Sequence, int]] = []  # (sample forked this step, the sequence it samples with)
         for item in step.scheduled:
-            seq = item.seq
-            out.chunks.append(ScheduledChunk(seq.seq_id, item.num_new_tokens, int(item.completes_context),
+            seq, samples = item.seq, item.completes_context
+            out.chunks.append(ScheduledChunk(seq.seq_id, item.num_new_tokens, int(samples),
                                              prompt_logprobs=_prompt_logprobs_request(item)))
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
                 self.num_prompt_tokens_total += len(seq.request.prompt_token_ids)
-            if item.completes_context:
+            if samples:
+                sampled.append(seq)
                 forks += [(child, seq.seq_id) for child in self._fork_samples(item)]
         max_proposals = self.planner.max_proposals(len(self.running))
         for chunk in out.chunks:
             chunk.max_proposals = max_proposals
-        self._plan_burst(step, bool(forks))
+        if not forks and len(sampled) == len(step.scheduled):
+            self._plan_burst(step)
         self._describe(step, forks)  # after the burst's reservation: the tables as the runner will use them
-        self._attach_masks(out, [item.seq for item in step.scheduled if item.completes_context] + [c for c, _ in forks])
+        self._attach_masks(out, sampled + [child for child, _ in forks])
         out.finished_seq_ids, self._finished_ids = self._finished_ids, []
         self._scheduled = step.scheduled
         return out
@@ -179,21 +183,19 @@ class Scheduler:
     def _describe(self, step: _Step, forks: list[tuple[Sequence, int]]) -> None:
         """What the runner is told of each sequence the step computes or forks: the whole
         sequence if it does not hold it, else what changed since it last saw it."""
-        bm = self.block_manager
-        described = [self.mirror.describe(item.seq, bm.block_table(item.seq.seq_id)) for item in step.scheduled]
-        described += [self.mirror.describe(child, bm.block_table(child.seq_id), parent) for child, parent in forks]
-        step.out.new_seqs = [d for d in described if not isinstance(d, SequenceUpdate)]
-        step.out.updates = [d for d in described if isinstance(d, SequenceUpdate)]
+        tables, out = self.block_manager.tables, step.out
+        for seq, parent in [(item.seq, None) for item in step.scheduled] + forks:
+            described = self.mirror.describe(seq, tables[seq.seq_id], parent)
+            (out.updates if isinstance(described, SequenceUpdate) else out.new_seqs).append(described)
 
-    def _plan_burst(self, step: _Step, forked: bool) -> None:
-        """Make a step of decodes that all sample a burst (several tokens each: multi-step greedy
-        steps or fused speculation cycles) when nothing waits to be admitted and the planner
-        says so, reserving the positions; when they do not fit, its fallback budget (blocks
-        already added stay in the tables for the tokens to come)."""
+    def _plan_burst(self, step: _Step) -> None:
+        """Make a step whose sequences all sample (none forked) a burst (several tokens each:
+        multi-step greedy steps or fused speculation cycles) when nothing waits to be admitted
+        and the planner says so, reserving the positions; when they do not fit, its fallback
+        budget (blocks already added stay in the tables for the tokens to come)."""
         out = step.out
         seqs = [item.seq for item in step.scheduled]
-        if (self.waiting or self.swapped or step.preempted or out.blocks_to_swap_in or forked
-                or not all(item.completes_context for item in step.scheduled)):
+        if self.waiting or self.swapped or step.preempted or out.blocks_to_swap_in:
             return
         burst = self.planner.burst(seqs, step.fusing)
         if burst is None:
@@ -279,7 +281,7 @@ class Scheduler:
         """Positions whose KV is complete: the target's, and the draft model's where there is one
         (it keeps its KV in the same blocks, lags while speculation pauses, and a prefix-cache hit
         counts as both)."""
-        if self.planner.draft_model:
+        if self._draft_kv:
             return min(seq.num_computed_tokens, seq.num_draft_computed)
         return seq.num_computed_tokens
 

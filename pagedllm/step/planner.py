@@ -171,8 +171,9 @@ class StepPlanner:
 
     def lookahead_slots(self, seq: PlannedSequence) -> int:
         """Slots a decode reserves past its chunk for the draft model's proposals."""
-        is_decode = seq.num_tokens - seq.num_computed_tokens == 1
-        return self.num_speculative_tokens if is_decode and self.draft_model else 0
+        if not self.draft_model or seq.num_tokens - seq.num_computed_tokens != 1:
+            return 0
+        return self.num_speculative_tokens
 
     def burst(self, seqs: Sequence[PlannedSequence], fusing: bool) -> Burst | None:
         """For a step of decodes that all sample, with nothing queued: fused speculation cycles

@@ -33,7 +33,7 @@ class PromptLogprobsRequest:
     targets: list[int]
 
 
-@dataclass
+@dataclass(slots=True)
 class NewSequence:
     """A sequence the runner does not hold: everything it keeps of it. Sent when a sequence is
     first scheduled, when a sample is forked, and again after a preemption dropped its KV."""
@@ -50,19 +50,19 @@ class NewSequence:
     forked_from: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceUpdate:
     """What changed of a sequence the runner holds, since the step that last scheduled it."""
 
     seq_id: int
     num_computed_tokens: int
-    new_token_ids: list[int] = field(default_factory=list)  # appended to its tokens
-    new_block_ids: list[int] = field(default_factory=list)  # appended to its table
-    replaced_blocks: list[tuple[int, int]] = field(default_factory=list)  # (index, block): copy-on-write
+    new_token_ids: list[int] | tuple[()] = ()  # appended to its tokens
+    new_block_ids: list[int] | tuple[()] = ()  # appended to its table
+    replaced_blocks: list[tuple[int, int]] | tuple[()] = ()  # (index, block): copy-on-write
     block_table: list[int] | None = None  # the whole table, when more than its tail changed (a swap-in)
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """Positions [num_computed_tokens, num_computed_tokens + num_tokens) of one sequence, computed
     this step; a decode's proposals to verify are among them (the runner made them)."""

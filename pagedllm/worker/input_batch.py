@@ -22,7 +22,7 @@ SDPA_DECODE_BUCKETS = (4, 2)
 KERNEL_DECODE_BUCKETS = (1, 0)
 
 
-@dataclass
+@dataclass(slots=True)
 class BatchChunk:
     """Positions [start, start + len(token_ids)) of one sequence, laid out in this step's batch."""
 

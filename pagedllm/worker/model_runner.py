@@ -206,10 +206,7 @@ class ModelRunner:
 
     def _batch_chunk(self, chunk: ScheduledChunk) -> BatchChunk:
         """A scheduled chunk's tokens (its proposals to verify are the speculator's)."""
-        proposals = self.speculator.proposals(chunk.seq_id) if self.speculator is not None else []
-        laid_out = self.states.batch_chunk(chunk.seq_id, chunk.num_tokens, proposals)
-        laid_out.prompt_logprobs = chunk.prompt_logprobs
-        return laid_out
+        return self.states.batch_chunk(chunk, self.speculator.proposals(chunk.seq_id) if self.speculator is not None else [])
 
     def _sample_rows(self, sched: SchedulerOutput, chunks: list[BatchChunk]) -> list[SampleRow]:
         """A row for each chunk that ends with a token to sample (with the proposals it verifies),

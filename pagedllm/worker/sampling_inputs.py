@@ -19,7 +19,7 @@ from pagedllm.worker.staging import Staging
 _NO_TOP_K = np.iinfo(np.int64).max
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRow:
     """One token to sample for `seq_id`, from the logits of chunk `chunk`'s last position (its own
     chunk, or the chunk of the parent it was forked from this step)."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.step.scheduler_output import NewSequence, SchedulerOutput, SequenceUpdate
+from pagedllm.step.scheduler_output import NewSequence, ScheduledChunk, SchedulerOutput, SequenceUpdate
 from pagedllm.worker.input_batch import BatchChunk
 from pagedllm.worker.sampling_inputs import SampleRow
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceState:
     token_ids: list[int]  # prompt + output so far
     num_prompt_tokens: int
@@ -38,12 +38,8 @@ class SequenceState:
             self.block_table = update.block_table
         for index, block in update.replaced_blocks:
             self.block_table[index] = block
-        self.block_table += update.new_block_ids
-
-    @property
-    def num_uncomputed(self) -> int:
-        """Known tokens without KV yet (1 for a decode)."""
-        return len(self.token_ids) - self.num_computed_tokens
+        if update.new_block_ids:
+            self.block_table += update.new_block_ids
 
 
 class SequenceStates(dict[int, SequenceState]):
@@ -59,14 +55,16 @@ class SequenceStates(dict[int, SequenceState]):
         for update in sched.updates:
             self[update.seq_id].update(update)
 
-    def batch_chunk(self, seq_id: int, num_tokens: int, proposals: list[int]) -> BatchChunk:
+    def batch_chunk(self, chunk: ScheduledChunk, proposals: list[int]) -> BatchChunk:
         """A scheduled chunk's rows: its known tokens from the first without KV, then the
-        proposals it verifies (the rest of `num_tokens`)."""
-        state = self[seq_id]
-        start = state.num_computed_tokens
-        num_known = min(num_tokens, state.num_uncomputed)
-        tokens = state.token_ids[start : start + num_known] + proposals[: num_tokens - num_known]
-        return BatchChunk(seq_id, start, tokens, state.block_table, num_spec=num_tokens - num_known)
+        proposals it verifies (the rest of its tokens)."""
+        state = self[chunk.seq_id]
+        start, num_tokens = state.num_computed_tokens, chunk.num_tokens
+        num_known = min(num_tokens, len(state.token_ids) - start)
+        tokens = state.token_ids[start : start + num_known]
+        if num_tokens > num_known:
+            tokens += proposals[: num_tokens - num_known]
+        return BatchChunk(chunk.seq_id, start, tokens, state.block_table, chunk.prompt_logprobs, num_tokens - num_known)
 
     def sample_row(self, seq_id: int, chunk: int, spec_token_ids: list[int], allowed_tokens=None) -> SampleRow:
         state = self[seq_id]

@@ -61,6 +61,6 @@ def test_a_table_change_is_sent_as_what_changed():
     update = mirror.describe(seq, [4, 6, 7])
     assert (update.new_token_ids, update.replaced_blocks, update.new_block_ids, update.block_table) == ([9], [(1, 6)], [7], None)
     update = mirror.describe(seq, [8, 9, 10])  # a swap-in: fresh blocks
-    assert (update.new_token_ids, update.new_block_ids, update.block_table) == ([], [], [8, 9, 10])
+    assert (list(update.new_token_ids), list(update.new_block_ids), update.block_table) == ([], [], [8, 9, 10])
     mirror.forget(seq.seq_id)
     assert mirror.describe(seq, [8, 9, 10]).token_ids == [1, 2, 3, 9]  # sent whole again
