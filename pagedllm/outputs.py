@@ -55,6 +55,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    status: str | None = None  # RequestState's value: queued, prefilling, decoding, preempted, completed, failed
+    num_preemptions: int = 0
 
 
 @dataclass

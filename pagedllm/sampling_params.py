@@ -6,6 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+# Ranges beyond which a value only breaks the float32 arithmetic of sampling: a temperature or a
+# penalty of 1e308 is inf in float32 (-inf / inf is NaN), a top_p or a penalty of 1e-300 is 0
+# (every token dropped, or a division by 0), and the sampled row is then NaN (token 0 each time).
+MAX_TEMPERATURE = 100.0
+MIN_TOP_P = 1e-6
+PENALTY_RANGE = (0.01, 100.0)
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -82,9 +88,13 @@ class SamplingParams:
         _number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be <= {MAX_TEMPERATURE:g} (any higher is uniform sampling), got {self.temperature}")
         _number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_p < MIN_TOP_P:
+            raise ValueError(f"top_p must be in (0, 1] and at least {MIN_TOP_P:g} (smaller rounds to 0), got {self.top_p}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
         _number("min_p", self.min_p)
@@ -98,6 +108,9 @@ class SamplingParams:
         _number("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        low, high = PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
         if self.max_tokens is not None:
             _int_at_least("max_tokens", self.max_tokens, 1)
         _int_at_least("min_tokens", self.min_tokens, 0)

@@ -62,3 +62,17 @@ def kv_blocks_all_free(monkeypatch):
         assert stats["num_free_blocks"] == stats["num_total_blocks"], f"KV blocks leaked: {stats}"
         engine.block_manager.check_invariants()
         assert not engine.block_manager.tables and not engine.block_manager.cpu_tables
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A two-node Ray cluster on this machine, shared by the cluster tests (jobs and serving replicas);
+    at the end no raylet, GCS server or Ray worker of it may be left."""
+    from ray_local import LocalRayCluster
+
+    cluster = LocalRayCluster()
+    try:
+        yield cluster
+    finally:
+        left = cluster.stop()
+        assert not left, f"Ray processes left behind: {left}"

@@ -84,7 +84,7 @@ def model_config(arch: str, **overrides):
     if arch == "qwen2":
         return Qwen2Config(**common)
     if arch == "qwen3":
-        return Qwen3Config(**{**common, "head_dim": 32})
+        return Qwen3Config(**{"head_dim": 32, **common})
     # Mixture-of-experts: 4 experts, top 2; Qwen3-MoE keeps a dense MLP in its second layer
     # and renormalises the kept router weights, Qwen2-MoE adds a gated shared expert.
     if arch == "mixtral":

@@ -13,6 +13,11 @@ A batch of B rows also does 2 x B x (weights' elements) FLOPs a step, which at b
 2-core CPU takes about as long as reading the weights; so each batch's limit is the lower of
 the bandwidth limit and the fp32 matmul peak (measured in the same run) over that work.
 
+`--model FILE.gguf --against llama.cpp` runs a real GGUF file instead (its blocks kept, as the
+engine serves it by default) against llama.cpp on the same file through llama-cpp-python (an
+optional, bench-only dependency, bench/llama_cpp.py) with the same thread count: single-stream
+decode (first to last token, the engines taking turns) and a 512-token prefill.
+
 The read bandwidth of a shared VM is not a constant: other tenants of the host take a share of
 the memory system that changes from one second to the next (1 GiB reads of the same buffer a few
 seconds apart have given 38 and 77 GB/s). A limit from the best bandwidth seen at any moment of
@@ -94,7 +99,8 @@ def run_pagedllm(llm, batch: int, prompt_len: int, new_tokens: int, seed: int) -
     from pagedllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    outputs = llm.generate(prompts(batch, prompt_len, SMOLLM2_135M["vocab_size"], seed), params, use_tqdm=False)
+    vocab = llm.llm_engine.model_config.vocab_size
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(batch, prompt_len, vocab, seed)], params, use_tqdm=False)
     first = min(o.metrics.first_token_time for o in outputs)
     last = max(o.metrics.last_token_time for o in outputs)
     return Rate(batch * (new_tokens - 1) / (last - first))
@@ -125,8 +131,21 @@ def run_transformers(model, batch: int, prompt_len: int, new_tokens: int, seed: 
     return Rate(batch * (len(clock.times) - 1) / (clock.times[-1] - clock.times[0]))
 
 
+def prefill_pagedllm(llm, prompt: list[int]) -> float:
+    """Prompt tokens/s of one prompt prefilled alone (a new prompt: nothing from the prefix cache)."""
+    from pagedllm import SamplingParams
+
+    output = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    return len(prompt) / (output.metrics.first_token_time - output.metrics.arrival_time)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 for pagedllm")
+    parser.add_argument("--model", default=None, help="a GGUF file or model folder (default: a random model of SmolLM2-135M's shape)")
+    parser.add_argument("--against", default="transformers", choices=["transformers", "llama.cpp", "none"],
+                        help="the baseline in the same run: transformers' generate, or llama.cpp (llama-cpp-python) on the same "
+                             "GGUF file, batch 1 and a 512-token prefill")
+    parser.add_argument("--quantization", default=None, choices=["int8", "q4", "gguf", "none"],
+                        help="pagedllm's weights (a GGUF file keeps its blocks by default)")
     parser.add_argument("--decode-backend", default="auto", choices=["auto", "fused", "torch"])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -136,7 +155,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement, each between two bandwidth reads; all are printed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "pagedllm-bench-smollm2-135m-random")
-    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-transformers", action="store_true", help="the same as --against none")
+    parser.add_argument("--prefill-len", type=int, default=512, help="--against llama.cpp: prompt tokens of the prefill measurement")
 
 
 @dataclass
@@ -153,10 +173,12 @@ def _measure(engines: list[tuple[str, object]], batches: list[int], repeats: int
         for batch in batches:
             for label, fn in engines:
                 before = read_bandwidth()
-                rate = fn(batch).tok_s
-                runs[label][batch].append(Run(rate, max(before, read_bandwidth())))
+                rate = fn(batch)
+                if rate is not None:  # None: this engine does not run this batch size
+                    runs[label][batch].append(Run(rate.tok_s, max(before, read_bandwidth())))
     for label, _ in engines:
-        for batch in batches:
+        runs[label] = {batch: r for batch, r in runs[label].items() if r}
+        for batch in runs[label]:
             print(f"{label} batch {batch}: " + ", ".join(f"{r.tok_s:.1f} ({r.bandwidth / 1e9:.0f} GB/s)" for r in runs[label][batch])
                   + " tok/s (read bandwidth around each run)", flush=True)
     return runs
@@ -170,10 +192,11 @@ def _limit(bandwidth: float, peak: float, weights: int, elements: int, batch: in
 def run(args: argparse.Namespace) -> int:
     from pagedllm import LLM
 
-    folder = build_model(args.model_cache)
+    folder = args.model or build_model(args.model_cache)
+    against = "none" if args.skip_transformers else args.against
     batches = [int(b) for b in args.batch_sizes.split(",")]
     library = kernels.load()
-    print(f"model: random SmolLM2-135M shape; prompt {args.prompt_len} tokens, {args.new_tokens} greedy tokens; "
+    print(f"model: {args.model or 'random SmolLM2-135M shape'}; prompt {args.prompt_len} tokens, {args.new_tokens} greedy tokens; "
           f"{torch.get_num_threads()} threads; kernels: {kernels.isa(library) if library else 'none (no compiler)'}")
     bandwidth, peak = read_bandwidth(), measure_matmul_peak()
     engine_args = {"decode_backend": args.decode_backend, "max_num_seqs": max(batches)}
@@ -185,15 +208,20 @@ def run(args: argparse.Namespace) -> int:
         weights, elements = weight_bytes_per_step(llm), weight_elements(llm)
         for batch in batches:  # warm-up, long enough for the fused step to have tried both thread counts at each size
             run_pagedllm(llm, batch, args.prompt_len, 64, args.seed)
-        name = f"pagedllm ({args.quantization or 'fp32'}, {args.decode_backend}, {steps} step{'s' if steps > 1 else ''})"
+        weights_kind = llm.llm_engine.config.quantization or "fp32"
+        name = f"pagedllm ({weights_kind}, {args.decode_backend}, {steps} step{'s' if steps > 1 else ''})"
         engines.append((name, functools.partial(lambda llm, b: run_pagedllm(llm, b, args.prompt_len, args.new_tokens, args.seed), llm)))
-    if not args.skip_transformers:
+    if against == "llama.cpp":
+        engines.append(_llama_cpp_engine(args, llm))
+    if against == "transformers":
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         run_transformers(model, 1, 8, 4, args.seed)  # warm-up
         engines.append(("transformers (fp32)", lambda b: run_transformers(model, b, args.prompt_len, args.new_tokens, args.seed)))
     results = list(_measure(engines, batches, args.repeats).items())
+    if against == "llama.cpp":
+        _prefill(args, llm, engines[-1][1].llama)
     every_run = [r.bandwidth for _, rates in results for runs in rates.values() for r in runs]
     bandwidth = max(bandwidth, read_bandwidth(), *every_run)  # the best seen in the whole run
     peak = max(peak, measure_matmul_peak())
@@ -205,7 +233,52 @@ def run(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|---|")
     for label, rates in results:
         for batch, runs in rates.items():
+            if label.startswith("llama.cpp"):
+                print(f"| {label} | {batch} | {max(r.tok_s for r in runs):.1f} | | | | |")
+                continue
             best, limit = max(r.tok_s for r in runs) / batch, _limit(bandwidth, peak, weights, elements, batch)
             paired = statistics.median(r.tok_s / batch / _limit(r.bandwidth, peak, weights, elements, batch) for r in runs)
             print(f"| {label} | {batch} | {best * batch:.1f} | {best:.1f} | {limit:.1f} | {best / limit:.0%} | {paired:.0%} |")
     return 0
+
+
+class _LlamaCpp:
+    """llama.cpp's single-stream decode as an engine of `_measure` (batch 1 only)."""
+
+    def __init__(self, llama, args: argparse.Namespace, vocab: int):
+        self.llama, self.args, self.vocab = llama, args, vocab
+
+    def __call__(self, batch: int) -> Rate | None:
+        from pagedllm.bench import llama_cpp
+
+        if batch != 1:
+            return None
+        prompt = prompts(1, self.args.prompt_len, self.vocab, self.args.seed)[0]
+        return Rate(llama_cpp.decode_rate(self.llama, prompt, self.args.new_tokens))
+
+
+def _llama_cpp_engine(args: argparse.Namespace, llm) -> tuple[str, _LlamaCpp]:
+    from pagedllm.bench import llama_cpp
+    from pagedllm.gguf import is_gguf
+
+    if not is_gguf(args.model or ""):
+        raise SystemExit("--against llama.cpp needs --model FILE.gguf (llama.cpp reads the same file)")
+    llama = llama_cpp.load(str(args.model), torch.get_num_threads(), max(args.prompt_len + args.new_tokens, args.prefill_len) + 16)
+    engine = _LlamaCpp(llama, args, llm.llm_engine.model_config.vocab_size)
+    engine(1)  # warm-up
+    return f"llama.cpp ({Path(args.model).name}, {torch.get_num_threads()} threads)", engine
+
+
+def _prefill(args: argparse.Namespace, llm, llama) -> None:
+    """Prompt tokens/s of a fresh `prefill_len`-token prompt, the engines taking turns."""
+    from pagedllm.bench import llama_cpp
+
+    vocab = llm.llm_engine.model_config.vocab_size
+    ours, theirs = [], []
+    for round_ in range(args.repeats):
+        prompt = prompts(1, args.prefill_len, vocab, args.seed + 1000 + round_)[0]
+        ours.append(prefill_pagedllm(llm, prompt))
+        theirs.append(llama_cpp.prefill_rate(llama, prompt))
+    print(f"prefill of {args.prefill_len} tokens, tok/s each round: pagedllm {', '.join(f'{r:.0f}' for r in ours)}; "
+          f"llama.cpp {', '.join(f'{r:.0f}' for r in theirs)}; best {max(ours):.0f} vs {max(theirs):.0f} "
+          f"({max(ours) / max(theirs):.2f}x)")

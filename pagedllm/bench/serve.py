@@ -9,6 +9,11 @@ slower than the engine steps) and time per output token (TPOT: (e2e - TTFT) / (t
 
     pagedllm bench serve --url http://127.0.0.1:8000 --model tiny
     pagedllm bench serve --model-path DIR --num-kv-blocks 2048     # starts its own server
+    pagedllm bench serve --model-path DIR --data-parallel-size 2   # one engine, then 2 replicas, same run
+
+With --data-parallel-size N (and --model-path) the same load runs twice, against a server with one
+engine (torch's threads: all cores) and against one with N replica processes (the cores split between
+them), and the two summaries are printed side by side with their ratio.
 """
 from __future__ import annotations
 
@@ -164,6 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--output-json", help="also write the summary here")
     parser.add_argument("--serve-arg", action="append", default=[], help="with --model-path: extra `pagedllm serve` flag (repeat)")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="with --model-path: run one engine, then this many replicas, and compare (default 1: one run)")
 
 
 def _vocab_size(base_url: str, args: argparse.Namespace) -> int:
@@ -177,27 +184,52 @@ def _vocab_size(base_url: str, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.data_parallel_size > 1:
+        return compare_data_parallel(args)
+    summary, results = measure(args, [])
+    print(report(summary, args))
+    return finish(args, {"summary": asdict(summary)}, results)
+
+
+def measure(args: argparse.Namespace, serve_args: list[str]) -> tuple[Summary, list[RequestResult]]:
+    """The load against --url, or against a server of its own started with `serve_args` added."""
     server = None
     if args.model_path:
         from pagedllm.entrypoints.serve import launch
 
         scratch = Path(tempfile.mkdtemp(prefix="pagedllm-bench-"))
         log = scratch / "server.log"
-        extra = [arg for item in args.serve_arg for arg in item.split()]
+        extra = [arg for item in args.serve_arg for arg in item.split()] + serve_args
         print(f"starting pagedllm serve --model {args.model_path} {' '.join(extra)} (log: {log})", file=sys.stderr)
         # its own (empty) training job store: a benchmark must not touch the user's
         server = launch(["--model", args.model_path, "--log-level", "warning", "--data-dir", str(scratch / "data"), *extra], log)
     base_url = server.url if server else args.url.rstrip("/").removesuffix("/v1")
     try:
         args.vocab_size = _vocab_size(base_url, args)
-        summary, results = asyncio.run(run_load(args, base_url, args.model))
+        return asyncio.run(run_load(args, base_url, args.model))
     finally:
         if server is not None:
             server.stop()
-    print(report(summary, args))
+
+
+def compare_data_parallel(args: argparse.Namespace) -> int:
+    """One engine, then --data-parallel-size replicas, the same load against each, one after the other."""
+    if not args.model_path:
+        raise SystemExit("bench serve --data-parallel-size needs --model-path (it starts both servers)")
+    size = args.data_parallel_size
+    one, one_results = measure(args, [])
+    many, many_results = measure(args, ["--data-parallel-size", str(size)])
+    print(f"== one engine\n{report(one, args)}\n== {size} replicas\n{report(many, args)}")
+    print(f"{size} replicas / one engine: output tokens/s x{many.output_tokens_per_s / one.output_tokens_per_s:.2f}, "
+          f"TTFT p50 x{many.ttft_ms['p50'] / max(one.ttft_ms['p50'], 1e-9):.2f}, "
+          f"TPOT p50 x{many.tpot_ms['p50'] / max(one.tpot_ms['p50'], 1e-9):.2f}")
+    return finish(args, {"one_engine": asdict(one), f"replicas_{size}": asdict(many)}, one_results + many_results)
+
+
+def finish(args: argparse.Namespace, summaries: dict, results: list[RequestResult]) -> int:
     errors = [r.error for r in results if not r.ok]
     if errors:
         print(f"first error: {errors[0]}", file=sys.stderr)
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps({"settings": vars(args), "summary": asdict(summary)}, indent=2, default=str))
+        Path(args.output_json).write_text(json.dumps({"settings": vars(args), **summaries}, indent=2, default=str))
     return 1 if errors else 0

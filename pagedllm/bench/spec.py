@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.paths import DEFAULT_MODEL, DRAFT_MODEL
+from pagedllm.paths import TINY_MODEL, DRAFT_MODEL
 
 # Every configuration's engine stays loaded, each with this KV budget (~40k tokens of the default
 # model; the workload needs at most 8 x 320).
@@ -66,7 +66,7 @@ def make_prompts(tokenizer, count: int, prompt_tokens: int, first: int = 0) -> l
 def make_llm(engine_args: dict):
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(str(DEFAULT_MODEL), kv_cache_memory=KV_CACHE_MEMORY, **engine_args)
+    llm = LLM(str(TINY_MODEL), kv_cache_memory=KV_CACHE_MEMORY, **engine_args)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # warm-up
     return llm
 
@@ -160,12 +160,12 @@ def run(args: argparse.Namespace) -> int:
            (f"{reduced_name}, {steps} cycles", {"speculative_config": reduced, "num_scheduler_steps": steps})]
           if steps > 1 else []),
     ]
-    print(f"target {DEFAULT_MODEL.name}, draft {args.draft.name}; {args.num_prompts} stdlib completions of {args.prompt_tokens} "
+    print(f"target {TINY_MODEL.name}, draft {args.draft.name}; {args.num_prompts} stdlib completions of {args.prompt_tokens} "
           f"prompt tokens, {args.max_tokens} greedy tokens each, {args.batch} at a time, {torch.get_num_threads()} threads; "
           f"{args.rounds} rounds, the configurations taking turns"
           + (f"; speculation pauses at {args.disable_by_batch_size} sequences" if pause else ""))
     llms = [make_llm(engine_args) for _, engine_args in configs]
-    tokenizer = load_tokenizer(str(DEFAULT_MODEL))
+    tokenizer = load_tokenizer(str(TINY_MODEL))
     rounds = []  # per round, per configuration: (cold pass, cached pass)
     for number in range(args.rounds):
         new = make_prompts(tokenizer, args.num_prompts, args.prompt_tokens, first=number * args.num_prompts)

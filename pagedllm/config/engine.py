@@ -59,7 +59,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # auto | fused | torch: small all-decode steps as one C call (models/fused_decode.py) or modules
     decode_backend: str = "auto"
-    quantization: str | None = None  # "int8": weight-only, per-channel scales, quantized at load
+    # Weight-only: "int8" (per-channel scales) or "q4" (Q4_1 blocks of 32) quantized at load; "gguf" keeps
+    # a GGUF file's blocks (the default for GGUF files); "none" dequantizes a GGUF file (layers/quantization.py)
+    quantization: str | None = None
     kv_cache_memory_fraction: float = 0.25
     # Split the model across this many processes on this host (gloo on CPU, NCCL on CUDA).
     tensor_parallel_size: int = 1
@@ -110,6 +112,14 @@ class EngineConfig:
                              f"attention_backend={self.attention_backend!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {self.quantization!r}")
+        from pagedllm.gguf import is_gguf
+
+        if self.quantization is None and is_gguf(self.model):
+            self.quantization = "gguf"
+        if self.quantization == "gguf" and not is_gguf(self.model):
+            raise ValueError("quantization='gguf' keeps a GGUF file's blocks; the model is not a GGUF file")
+        if self.quantization == "q4" and self.tensor_parallel_size > 1:
+            raise ValueError("quantization='q4' is not supported with tensor_parallel_size > 1")
         if not 0 < self.kv_cache_memory_fraction <= 0.9:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.9]")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -137,6 +147,14 @@ class EngineConfig:
         known = {f.name for f in fields(cls)} - {"extra", "model"}
         extra = {k: v for k, v in kwargs.items() if k not in known}
         return cls(model=model, extra=extra, **{k: v for k, v in kwargs.items() if k in known})
+
+    def check_model(self, model_config: ModelConfig) -> None:
+        """What can be told about these arguments and this model before anything is loaded (the
+        server checks it before binding its port): the context length, the step budget, and that
+        tensor parallelism divides the model; a ValueError naming the argument otherwise."""
+        max_model_len = self.resolve_max_model_len(model_config)
+        self.resolve_max_num_batched_tokens(max_model_len)
+        model_config.shard(self.tensor_parallel_size)
 
     def torch_device(self, rank: int = 0) -> torch.device:
         """The device of tensor-parallel rank `rank`: on CUDA, GPU `rank` (of an unindexed device)."""

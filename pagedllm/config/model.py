@@ -1,7 +1,7 @@
-"""A model's configuration, read from a Hugging Face `config.json`.
+"""A model's configuration, read from a Hugging Face `config.json` or a GGUF file.
 
 `ModelConfig` accepts both the transformers >= 5 spelling (`rope_parameters`) and the older
-`rope_theta` + `rope_scaling`; a folder that is missing, incomplete or of an unsupported
+`rope_theta` + `rope_scaling`, or a GGUF file's metadata; a folder that is missing, incomplete or of an unsupported
 architecture raises `ModelLoadError` naming what is wrong.
 """
 from __future__ import annotations
@@ -108,6 +108,12 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        """From a model folder's config.json, or from a GGUF file's metadata."""
+        from pagedllm.gguf import is_gguf, open_gguf
+        from pagedllm.gguf.config import hf_config
+
+        if is_gguf(path):
+            return cls.from_dict(hf_config(open_gguf(path)), str(path))
         folder = Path(path)
         if not folder.is_dir():
             raise ModelLoadError(f"model folder {str(path)!r} does not exist or is not a directory")

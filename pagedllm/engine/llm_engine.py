@@ -21,6 +21,8 @@ from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
+from pagedllm.gguf import is_gguf, open_gguf
+from pagedllm.gguf.tokenizer import gguf_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.speculator import Speculator
@@ -34,8 +36,10 @@ MAX_LOGPROBS = 20
 
 
 def load_tokenizer(path: str):
-    """transformers' fast tokenizer (tokenizer.json + tokenizer_config.json), or None when the
-    folder ships none: token-id prompts still work then."""
+    """transformers' fast tokenizer (tokenizer.json + tokenizer_config.json, or a GGUF file's
+    metadata), or None when the folder ships none: token-id prompts still work then."""
+    if is_gguf(path):
+        return gguf_tokenizer(open_gguf(path))
     folder = Path(path)
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
@@ -187,6 +191,33 @@ class LLMEngine:
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+    def fail_unfinished(self, error: str) -> list[RequestOutput]:
+        """After the engine itself failed (an exception out of `step`): every unfinished request
+        is marked failed, its KV blocks freed, and its final output finishes with reason "error".
+        Nothing else of the engine is trusted afterwards; whoever owns it shuts it down."""
+        outputs = []
+        for request in list(self.requests.values()):
+            self.abort_request(request.request_id)
+            request.error = error
+            outputs.append(self.output_processor.failed_output(request))
+        self._aborted = []
+        return outputs
+
+    def request_states(self) -> list[dict[str, Any]]:
+        """Every live request's state, timings (time.time()) and counts: what the platform's
+        data model keeps per InferenceRequest."""
+        rows = []
+        for request in self.requests.values():
+            m = request.metrics
+            rows.append({
+                "id": request.request_id, "status": request.state.value, "priority": request.priority,
+                "arrival_time": m.arrival_time, "first_scheduled_time": m.first_scheduled_time,
+                "first_token_time": m.first_token_time, "num_prompt_tokens": len(request.prompt_token_ids),
+                "num_generated_tokens": sum(seq.num_output_tokens for seq in request.seqs),
+                "num_samples": len(request.seqs), "num_preemptions": request.num_preemptions,
+            })
+        return rows
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

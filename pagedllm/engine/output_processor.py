@@ -8,6 +8,7 @@ the `RequestOutput` snapshots handed to callers.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from pagedllm.engine.detokenizer import Detokenizer, find_stop, held_back
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
@@ -92,7 +93,15 @@ class OutputProcessor:
             metrics=request.metrics,
             prompt_logprobs=request.prompt_logprobs,
             num_cached_tokens=request.num_cached_tokens,
+            status=request.state.value,
+            num_preemptions=request.num_preemptions,
         )
+
+    def failed_output(self, request: Request) -> RequestOutput:
+        """The final output of a request the engine failed: every sample ends with reason "error"."""
+        completions = [replace(_completion(seq, index), finish_reason="error", stop_reason=request.error)
+                       for index, seq in enumerate(request.seqs[: request.params.n])]
+        return replace(self._snapshot(request, completions), finished=True)
 
 
 def _completion(seq: Sequence, index: int) -> CompletionOutput:

@@ -417,6 +417,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:
         self.num_preemptions += 1
+        seq.request.num_preemptions += 1
         step.preempted.append(seq)
         if self.config.preemption_mode == "swap":
             pairs = self.block_manager.swap_out(seq.seq_id)

@@ -28,6 +28,18 @@ class SequenceStatus(enum.Enum):
         return self in _FINISHED
 
 
+class RequestState(enum.Enum):
+    """A request's state as the platform's data model names it (InferenceRequest.status),
+    derived from its samples' sequence states (`Request.state`)."""
+
+    QUEUED = "queued"  # waiting to be admitted for the first time
+    PREFILLING = "prefilling"  # its prompt (or a recomputed context) is being computed
+    DECODING = "decoding"
+    PREEMPTED = "preempted"  # swapped out, or waiting to be recomputed
+    COMPLETED = "completed"  # finished: a stop rule, its length, or an abort
+    FAILED = "failed"  # the engine failed while it ran (finish reason "error")
+
+
 _FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
 
 # The sequence state diagram, plus RUNNING -> WAITING for recompute preemption.
@@ -111,6 +123,8 @@ class Request:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     forked: bool = False
+    num_preemptions: int = 0  # times one of its samples was preempted
+    error: str | None = None  # why the engine failed it (its samples then finish with reason "error")
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -122,6 +136,17 @@ class Request:
     def num_samples(self) -> int:
         """Sequences the request will run at once (the scheduler admits it only with room for all)."""
         return self.params.best_of
+
+    @property
+    def state(self) -> RequestState:
+        if self.error is not None:
+            return RequestState.FAILED
+        if self.finished:
+            return RequestState.COMPLETED
+        running = [s for s in self.seqs if s.status is SequenceStatus.RUNNING]
+        if running:
+            return RequestState.PREFILLING if any(s.is_prefill for s in running) else RequestState.DECODING
+        return RequestState.PREEMPTED if self.num_preemptions else RequestState.QUEUED
 
     @property
     def finished(self) -> bool:

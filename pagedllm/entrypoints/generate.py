@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 
 from pagedllm.entrypoints.engine_args import add_engine_arguments, engine_args
-from pagedllm.paths import DEFAULT_MODEL
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="complete prompts offline")
-    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--model", help="a Hugging Face folder or a GGUF file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")
     parser.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -24,8 +24,16 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, **engine_args(args))
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
-    for output in llm.generate(args.prompt, params):
+    prompts = [chat_prompt(llm.get_tokenizer(), p) for p in args.prompt] if args.chat else args.prompt
+    for prompt, output in zip(args.prompt, llm.generate(prompts, params)):
         for completion in output.outputs:
-            print(f"--- {output.prompt!r} [{completion.finish_reason}]")
-            print(output.prompt + completion.text)
+            print(f"--- {prompt!r} [{completion.finish_reason}]")
+            print(completion.text if args.chat else prompt + completion.text)
     return 0
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    """`text` as the one user message of a conversation, rendered by the model's chat template."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat needs a model with a chat template")
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)

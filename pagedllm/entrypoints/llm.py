@@ -9,14 +9,17 @@ from tqdm.auto import tqdm
 
 from pagedllm.engine.beam_search import BeamSearcher
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.entrypoints.chat_template import render_chat
 from pagedllm.outputs import BeamSearchOutput, RequestOutput
-from pagedllm.paths import DEFAULT_MODEL
+from pagedllm.paths import default_model
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any):
-        self.llm_engine = LLMEngine.from_engine_args(str(model or DEFAULT_MODEL), **engine_args)
+        """`model`: a Hugging Face model folder or a GGUF file; the default model
+        (SmolLM2-135M-Instruct, paths.py) when None."""
+        self.llm_engine = LLMEngine.from_engine_args(str(model or default_model()), **engine_args)
         self._counter = itertools.count()
 
     def get_tokenizer(self):
@@ -45,6 +48,31 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         return self._add_and_run(prompt_list, params_list, priorities, use_tqdm)
+
+    def chat(
+        self,
+        messages: Seq[dict[str, Any]] | Seq[Seq[dict[str, Any]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, str]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of messages) or several, each rendered by
+        the model's chat template (or `chat_template`) as the server's chat endpoint renders it,
+        then generated like `generate`'s prompts."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = render_chat(tokenizer, list(conversation), tools=tools, chat_template=chat_template,
+                               add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                               documents=documents, chat_template_kwargs=chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search for every prompt (vLLM's `LLM.beam_search`): each prompt's `beam_width`

@@ -1,7 +1,10 @@
 """`pagedllm serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
-    pagedllm serve --model models/pagedllm-py-tiny            # one model, http://127.0.0.1:8000/v1
+    pagedllm serve                                             # the default model, SmolLM2-135M-Instruct
+    pagedllm serve --model path/model.gguf                     # one model, http://127.0.0.1:8000/v1
+    pagedllm serve --model models/pagedllm-py-tiny             # a Hugging Face folder
     pagedllm serve --model-dir models                          # none loaded; load by folder name
+    pagedllm serve --no-model                                  # training jobs only
     pagedllm serve --model DIR --api-key KEY --max-num-seqs 64 --num-kv-blocks 4096
 
 Every engine argument (EngineConfig's fields) is a flag; they apply to each model loaded. A bad
@@ -22,12 +25,16 @@ from pathlib import Path
 
 from pagedllm.config import EngineConfig, ModelConfig, ModelLoadError
 from pagedllm.entrypoints.engine_args import add_engine_arguments, engine_args
+from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES
 from pagedllm.jobs.settings import default_data_dir
-from pagedllm.paths import DEFAULT_MODEL
+from pagedllm.paths import DEFAULT_MODEL_NAME, TINY_MODEL, DefaultModelMissing, default_model
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model folder to load at start-up (Hugging Face layout); optional")
-    parser.add_argument("--served-model-name", help="the 'model' name clients use (default: the folder's name)")
+    parser.add_argument("--model", help="model to load at start-up: a Hugging Face folder or a GGUF file (default: "
+                                        f"{DEFAULT_MODEL_NAME}, unless --model-dir is given)")
+    parser.add_argument("--no-model", action="store_true",
+                        help="start with no model loaded (training jobs; --model-dir models load on demand)")
+    parser.add_argument("--served-model-name", help="the 'model' name clients use (default: the folder's or file's name)")
     parser.add_argument("--model-dir", help="folder whose sub-folders can be loaded on demand: POST /v1/models/<name>/load")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -40,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                         help="abort a generation not finished this long after it arrived (waiting included) with 504 "
                              "(default: none)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                        help="answer 413 to a request body larger than this, before reading it (default: 4 MiB)")
     parser.add_argument("--data-dir", default=str(default_data_dir()),
                         help="training job store, job logs and default checkpoint folders (default: %(default)s)")
     parser.add_argument("--train-slots", type=int, default=None,
@@ -47,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-path", action="append", default=[], metavar="DIR",
                         help="a folder training jobs may read and write besides the data dir (repeatable; "
                              "every path a job names must resolve under one of them)")
+    parser.add_argument("--cluster", metavar="ray[://HOST:PORT]",
+                        help="run training jobs (and --data-parallel-size replicas) on a Ray cluster: 'ray' joins the "
+                             "cluster of this machine ($RAY_ADDRESS, else the one `ray start` left here), "
+                             "'ray://HOST:PORT' a Ray Client address (default: this machine alone, no Ray)")
+    parser.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                        help="engine replicas per model behind this server: processes, or Ray actors with --cluster; "
+                             "each request goes to the one with the fewest outstanding tokens, preferring the one "
+                             "whose prefix cache holds the prompt's first blocks (default: 1, the engine in-process)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(parser)
 
@@ -63,15 +80,23 @@ def build_settings(args: argparse.Namespace):
 
     engine = engine_args(args)
     models = []
-    if args.model:
-        ModelConfig.from_pretrained(args.model)  # a missing or broken folder fails here, clearly
-        EngineConfig.from_kwargs(args.model, **engine)  # and so does a bad engine argument
-        name = args.served_model_name or Path(args.model).resolve().name
-        models.append(ModelSpec(name, args.model))
+    model, name = args.model, args.served_model_name
+    if args.no_model and model:
+        raise ValueError("--no-model and --model exclude each other")
+    if model is None and args.model_dir is None and not args.no_model:
+        model, name = str(default_model()), name or DEFAULT_MODEL_NAME
+    if model:
+        model_config = ModelConfig.from_pretrained(model)  # a missing or broken model fails here, clearly
+        EngineConfig.from_kwargs(model, **engine).check_model(model_config)  # and so does a bad engine argument
+        models.append(ModelSpec(name or model_name(model), model))
     elif args.served_model_name:
         raise ValueError("--served-model-name needs --model")
     if args.model_dir and not Path(args.model_dir).is_dir():
         raise ValueError(f"--model-dir {args.model_dir!r} is not a directory")
+    if args.cluster is not None:
+        from pagedllm.jobs.ray_cluster import ray_address
+
+        ray_address(args.cluster)  # a malformed --cluster fails here, before the port is bound
     return ServerSettings(
         models=models,
         model_dir=args.model_dir,
@@ -79,11 +104,20 @@ def build_settings(args: argparse.Namespace):
         protect_metrics=args.protect_metrics,
         max_waiting_requests=args.max_waiting_requests,
         request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
         engine_args=engine,
         data_dir=args.data_dir,
         train_slots=args.train_slots,
         allowed_paths=args.allowed_path,
+        cluster=args.cluster,
+        data_parallel_size=args.data_parallel_size,
     )
+
+
+def model_name(path: str) -> str:
+    """The name a model is served under by default: its folder's name, or its file's without .gguf."""
+    resolved = Path(path).resolve()
+    return resolved.stem if resolved.is_file() else resolved.name
 
 
 def is_loopback(host: str) -> bool:
@@ -108,12 +142,13 @@ def banner(settings, args: argparse.Namespace) -> str:
     url = f"http://{args.host}:{args.port}"
     if not settings.models:
         return f"pagedllm serve: {url}/v1 with no model loaded (POST /v1/models/<name>/load)"
-    name = settings.models[0].name
+    name, path = settings.models[0].name, settings.models[0].path
     key = " -H 'Authorization: Bearer $PAGEDLLM_API_KEY'" if settings.api_key else ""
-    body = '{"model": "%s", "prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0}' % name
+    body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
+            '"max_tokens": 64, "temperature": 0}' % name)
     return (
-        f"pagedllm serve: {name} at {url}/v1\n"
-        f"  try: curl {url}/v1/completions -H 'Content-Type: application/json'{key} -d '{body}'"
+        f"pagedllm serve: {name} ({path}) at {url}/v1, web console at {url}/\n"
+        f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{key} -d '{body}'"
     )
 
 
@@ -121,9 +156,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = build_settings(args)
-    except (ValueError, ModelLoadError) as exc:
+    except (ValueError, ModelLoadError, DefaultModelMissing) as exc:
         hint = ""
-        if args.model and Path(args.model).resolve() == DEFAULT_MODEL.resolve() and not DEFAULT_MODEL.is_dir():
+        if args.model and Path(args.model).resolve() == TINY_MODEL.resolve() and not TINY_MODEL.is_dir():
             hint = " (the repository's default model has not been built yet)"
         print(f"pagedllm serve: error: {exc}{hint}", file=sys.stderr)
         return 2
@@ -168,14 +203,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(args: list[str], log: Path, timeout: float = 300) -> ServerProcess:
-    """Start `pagedllm serve ARGS` on 127.0.0.1 and a free port; return once /health answers."""
+def launch(args: list[str], log: Path, timeout: float = 300, env: dict[str, str] | None = None) -> ServerProcess:
+    """Start `pagedllm serve ARGS` on 127.0.0.1 and a free port (with `env` added to this
+    process's environment, e.g. kernels.sanitizer_env()); return once /health answers."""
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.serve", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", Path(log))
     deadline = time.monotonic() + timeout
     while True:

@@ -2,8 +2,8 @@
 
 Devices are GPUs when torch sees any, else CPU worker slots (--train-slots, default the CPU cores this
 process may run on). Utilisation comes from psutil (CPU) or NVML through torch (GPU); nothing is
-estimated. Multi-node training is torchrun's rendezvous across machines (docs/jobs.md), so this
-service reports the one node it runs on.
+estimated. This is the view of a server that runs jobs on its own node; with `--cluster ray` the
+nodes are Ray's (ray_cluster.py).
 """
 from __future__ import annotations
 
@@ -89,4 +89,7 @@ class ClusterMonitor:
             node_id=self.node_id, gpus=self.slots, device_type=self.devices.kind,
             status="busy" if used_slots >= self.slots else "ready",
             gpu_memory_used=[round(x, 3) for x in used], memory_total=[round(x, 3) for x in total],
+            hostname=self.node_id, cpus=float(os.cpu_count() or 1),
+            gpu_count=float(self.devices.count if self.devices.kind == "cuda" else 0),
+            free_slots=max(0, self.slots - used_slots),
         )]

@@ -6,10 +6,15 @@ under one of the allowed roots — the server's data dir, plus the folders the o
 `pagedllm serve --allowed-path DIR`. Otherwise a caller could write checkpoints into system folders,
 or train on (and read back through the model) files nobody meant to share. Relative paths are taken
 under the data dir: the server's working directory means nothing to a remote caller. `@stdlib` (the
-interpreter's own standard library, a public corpus) stays allowed.
+interpreter's own standard library, a public corpus) stays allowed as a dataset, and
+`@pagedllm-py-tiny` (the repository's own model's tokenizer, only read) as a tokenizer.
 
 Paths are stored resolved, so a symlink changed after submission cannot redirect the job; and they
-are checked again before each launch, against the roots of the server that launches it.
+are checked again before each launch, against the roots of the server that launches it. A dataset
+folder is confined file by file: every file its glob takes (the default `**/*` too) must lie under an
+allowed root once its links are followed, else the job is refused naming the file; the trainer, given
+the roots, skips any that a link planted later leads out (training/corpus.py). The service's own files
+in the data dir (its job store, its checkpoint key) are never a job's data.
 """
 from __future__ import annotations
 
@@ -18,13 +23,17 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
 from pagedllm.training.config import ConfigError
-from pagedllm.training.corpus import STDLIB_ALIAS
+from pagedllm.training.corpus import STDLIB_ALIAS, folder_files, within
+from pagedllm.training.provenance import SERVICE_KEY_FILE
+from pagedllm.training.tokenizer import BUNDLED_TOKENIZER_ALIAS
 
 CHECKPOINT_DIR = "checkpoint_config.checkpoint_dir"
 DATASET_PATH = "data_config.dataset_path"
 TOKENIZER_PATH = "data_config.tokenizer_path"
 CACHE_DIR = "data_config.cache_dir"
 FILE_GLOB = "data_config.file_glob"
+# The job service's own files in its data dir, never a job's data.
+SERVICE_FILES = ("jobs.db", "jobs.db-wal", "jobs.db-shm", "service.lock", SERVICE_KEY_FILE)
 
 
 def real_path(path: str | Path) -> Path:
@@ -65,6 +74,14 @@ class AllowedRoots:
                                      "(symlinks are followed; the operator can add a folder with pagedllm serve --allowed-path)")
         return resolved
 
+    def contains(self, path: Path) -> bool:
+        """Whether `path`, its links followed, lies under an allowed root."""
+        return within(path, self.roots)
+
+    def private(self, path: Path) -> bool:
+        """Whether `path` (its links followed) is one of the job service's own files."""
+        return real_path(path) in {self.data_dir / name for name in SERVICE_FILES}
+
     def check_unchanged(self, field: str, value: str) -> None:
         """A stored (resolved) path still resolves to itself under an allowed root: checked before each launch."""
         if self.resolve(field, value) != Path(value):
@@ -81,12 +98,36 @@ def check_file_glob(pattern: str) -> None:
 def confine_data(data: dict, roots: AllowedRoots) -> dict:
     """The data_config section with its paths resolved under the allowed roots."""
     check_file_glob(data.get("file_glob", "**/*"))
-    updates = {"tokenizer_path": str(roots.resolve(TOKENIZER_PATH, data["tokenizer_path"]))}
+    updates = {}
+    if data["tokenizer_path"] != BUNDLED_TOKENIZER_ALIAS:
+        updates["tokenizer_path"] = str(_data_path(roots, TOKENIZER_PATH, data["tokenizer_path"]))
     if data["dataset_path"] != STDLIB_ALIAS:
-        updates["dataset_path"] = str(roots.resolve(DATASET_PATH, data["dataset_path"]))
+        updates["dataset_path"] = str(_data_path(roots, DATASET_PATH, data["dataset_path"]))
+        check_dataset_files(updates["dataset_path"], data.get("file_glob", "**/*"), roots)
     if data.get("cache_dir"):
         updates["cache_dir"] = str(roots.resolve(CACHE_DIR, data["cache_dir"]))
     return {**data, **updates}
+
+
+def _data_path(roots: AllowedRoots, field: str, value: str) -> Path:
+    resolved = roots.resolve(field, value)
+    if roots.private(resolved):
+        raise ConfigError(field, f"{value!r} is one of the job service's own files, not data")
+    return resolved
+
+
+def check_dataset_files(dataset_path: str, file_glob: str, roots: AllowedRoots) -> None:
+    """Every file a dataset folder's glob takes lies under an allowed root once its links are
+    followed, and none is the service's own; ConfigError naming the first that does not."""
+    folder = Path(dataset_path)
+    if not folder.is_dir():
+        return  # a single file: resolved already; a missing path is reported by the trainer's own checks
+    for file in folder_files(folder, file_glob):
+        if not roots.contains(file):
+            raise ConfigError(DATASET_PATH, f"{file} (taken by file_glob {file_glob!r}) is a link to {real_path(file)}, outside the "
+                                            f"folders this server lets jobs use: {roots.describe()}; links pointing out are refused")
+        if roots.private(file):
+            raise ConfigError(DATASET_PATH, f"{file} (taken by file_glob {file_glob!r}) is one of the job service's own files, not data")
 
 
 def confine_checkpoint_dir(value: str, roots: AllowedRoots) -> Path:
@@ -102,10 +143,14 @@ def check_confined(config: dict, roots: AllowedRoots) -> None:
     """Before a launch: every stored path of the job still lies, unchanged, under this server's roots."""
     data = config["data_config"]
     check_file_glob(data.get("file_glob", "**/*"))
-    fields = [(CHECKPOINT_DIR, config["checkpoint_config"]["checkpoint_dir"]), (TOKENIZER_PATH, data["tokenizer_path"])]
+    fields = [(CHECKPOINT_DIR, config["checkpoint_config"]["checkpoint_dir"])]
+    if data["tokenizer_path"] != BUNDLED_TOKENIZER_ALIAS:
+        fields.append((TOKENIZER_PATH, data["tokenizer_path"]))
     if data["dataset_path"] != STDLIB_ALIAS:
         fields.append((DATASET_PATH, data["dataset_path"]))
     if data.get("cache_dir"):
         fields.append((CACHE_DIR, data["cache_dir"]))
     for field, value in fields:
         roots.check_unchanged(field, value)
+    if data["dataset_path"] != STDLIB_ALIAS:
+        check_dataset_files(data["dataset_path"], data.get("file_glob", "**/*"), roots)

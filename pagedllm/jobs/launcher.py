@@ -22,6 +22,9 @@ from pathlib import Path
 
 import psutil
 
+from pagedllm.training.corpus import ROOTS_ENV
+from pagedllm.training.provenance import KEY_ENV, service_key
+
 JOB_ID_ENV = "PAGEDLLM_JOB_ID"
 DATA_DIR_ENV = "PAGEDLLM_JOB_DATA_DIR"
 
@@ -56,6 +59,7 @@ class LaunchSpec:
     paths: JobPaths
     data_dir: Path
     resume_from: str | None = None  # a checkpoint_id
+    allowed_roots: tuple[Path, ...] = ()  # the folders its dataset files may lead into (links followed)
 
 
 def train_command(spec: LaunchSpec) -> list[str]:
@@ -91,9 +95,16 @@ class ProcessRef:
         return self.process() is not None
 
 
+def job_environment(job_id: str, data_dir: Path, allowed_roots: tuple[Path, ...] = ()) -> dict[str, str]:
+    """What every process of a job carries besides its parent's environment (local, or a Ray rank's)."""
+    return {JOB_ID_ENV: job_id, DATA_DIR_ENV: str(data_dir), "PYTHONUNBUFFERED": "1",
+            KEY_ENV: service_key(data_dir).hex(),  # the job signs its checkpoints with the service's key
+            ROOTS_ENV: os.pathsep.join(str(root) for root in allowed_roots or (data_dir,))}
+
+
 def spawn(spec: LaunchSpec) -> tuple[subprocess.Popen, ProcessRef]:
     """Start the job's launcher in a new session, stdout and stderr appended to its log."""
-    env = {**os.environ, JOB_ID_ENV: spec.job_id, DATA_DIR_ENV: str(spec.data_dir), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **job_environment(spec.job_id, spec.data_dir, spec.allowed_roots)}
     spec.paths.root.mkdir(parents=True, exist_ok=True)
     with open(spec.paths.log, "ab") as log:
         proc = subprocess.Popen(train_command(spec), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from pagedllm.jobs.records import JobRecord, JobState, RunRecord, Transition
 from pagedllm.jobs.store import JobStore
-from pagedllm.training.checkpoint import CheckpointStatus, list_checkpoints
+from pagedllm.training.checkpoint import CheckpointStatus, authentic, list_checkpoints
 
 log = logging.getLogger("pagedllm.jobs")
 
@@ -64,8 +64,9 @@ def change_status(job: JobRecord, status: JobState, reason: str | None = None) -
 class JobMonitor:
     """Applies one run's events to the job's record, metrics, run and checkpoint records."""
 
-    def __init__(self, store: JobStore, job: JobRecord, run: RunRecord, events_path: Path) -> None:
-        self.store, self.job, self.run = store, job, run
+    def __init__(self, store: JobStore, job: JobRecord, run: RunRecord, events_path: Path, key: bytes) -> None:
+        """`key`: the service's checkpoint key; only manifests signed with it are recorded."""
+        self.store, self.job, self.run, self.key = store, job, run, key
         self.follower = EventFollower(events_path, job.events_offset)
 
     def poll(self) -> None:
@@ -107,7 +108,7 @@ class JobMonitor:
                            f"run {self.run.run} resumed from checkpoint {self.run.resumed_from} at step {self.run.start_step}")]
 
     def _checkpoint(self, event: dict) -> list[Transition]:
-        sync_checkpoints(self.store, self.job)
+        sync_checkpoints(self.store, self.job, self.key)
         status, checkpoint_id = event.get("status"), event.get("checkpoint_id")
         if status == CheckpointStatus.SAVING.value and self.job.status is JobState.RUNNING:
             return [change_status(self.job, JobState.CHECKPOINTING, f"saving checkpoint {checkpoint_id} at step {event.get('step')}")]
@@ -125,17 +126,19 @@ class JobMonitor:
         return notes
 
 
-def sync_checkpoints(store: JobStore, job: JobRecord) -> None:
+def sync_checkpoints(store: JobStore, job: JobRecord, key: bytes) -> None:
     """Copy every manifest of the job's checkpoint_dir into the store (they change: SAVING ->
-    COMPLETE -> DELETED when pruned)."""
+    COMPLETE -> DELETED when pruned): those the job wrote, signed with the service's `key`, not
+    whatever else lies there claiming the job's id."""
     try:
-        found = list_checkpoints(job.checkpoint_dir)
+        found = list_checkpoints(job.checkpoint_dir, skip_unreadable=True)
     except (OSError, ValidationError, ValueError) as exc:  # a manifest replaced while we read: next time
         log.debug("checkpoint scan of %s: %s", job.checkpoint_dir, exc)
         return
     for step_dir, manifest in found:
-        if str(manifest.job_id) == job.job_id:
-            store.put_checkpoint(job.job_id, {**manifest.model_dump(mode="json"), "path": str(step_dir)})
+        if str(manifest.job_id) == job.job_id and authentic(manifest, key):
+            record = manifest.model_dump(mode="json", exclude={"signature", "rng_states"})
+            store.put_checkpoint(job.job_id, {**record, "path": str(step_dir)})
 
 
 def abandon_unfinished_saves(store: JobStore, job: JobRecord) -> None:
@@ -146,12 +149,14 @@ def abandon_unfinished_saves(store: JobStore, job: JobRecord) -> None:
             store.put_checkpoint(job.job_id, record)
 
 
-def outcome(job: JobRecord, exit_code: int | None, last_log_line: str | None) -> tuple[JobState, str | None]:
-    """The state a run ended in, from its events, the launcher's exit code and whether it was cancelled."""
+def outcome(job: JobRecord, exit_code: int | None, last_log_line: str | None,
+            ended: str | None = None) -> tuple[JobState, str | None]:
+    """The state a run ended in, from its events, the launcher's exit code and whether it was cancelled.
+    `ended` says how the run ended where there is no launcher (a Ray run: its nodes and ranks)."""
     finish = job.finish or {}
     if finish.get("reason") == "completed":  # written after the final checkpoint and the last barrier
         if exit_code:
-            return JobState.COMPLETED, (f"completed at step {finish.get('step')}, then the launcher exited with code "
+            return JobState.COMPLETED, (f"completed at step {finish.get('step')}, then {'a rank' if ended else 'the launcher'} exited with code "
                                         f"{exit_code}: a rank failed while shutting down, after the final checkpoint")
         return JobState.COMPLETED, None
     if job.cancel_requested:
@@ -161,11 +166,13 @@ def outcome(job: JobRecord, exit_code: int | None, last_log_line: str | None) ->
         signal = (finish.get("exit_code") or 128) - 128
         by = f"signal {signal}" if signal > 0 else "a stop request"
         return JobState.CANCELLED, f"stopped from outside the job service ({by}) at step {finish.get('step')}"
-    return JobState.FAILED, failure_reason(job, exit_code, last_log_line)
+    return JobState.FAILED, failure_reason(job, exit_code, last_log_line, ended)
 
 
-def failure_reason(job: JobRecord, exit_code: int | None, last_log_line: str | None) -> str:
-    if exit_code is None:
+def failure_reason(job: JobRecord, exit_code: int | None, last_log_line: str | None, ended: str | None = None) -> str:
+    if ended is not None:
+        parts = [ended]
+    elif exit_code is None:
         parts = ["the job's processes ended while the server was not watching them (exit code unknown)"]
     elif exit_code < 0:
         parts = [f"the launcher was killed by signal {-exit_code}"]

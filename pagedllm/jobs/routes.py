@@ -130,8 +130,9 @@ async def list_checkpoints(request: Request, job_id: str) -> list[CheckpointView
 @jobs_router.post(JOB + "/resume", response_model=JobStatusResponse)
 async def resume_job(request: Request, job_id: str, body: ResumeRequest | None = None) -> JobStatusResponse:
     checkpoint_id = str(body.checkpoint_id) if body is not None and body.checkpoint_id is not None else None
+    data_parallel_size = body.data_parallel_size if body is not None else None
     with api_errors():
-        status = service(request).resume(job_id, checkpoint_id)
+        status = service(request).resume(job_id, checkpoint_id, data_parallel_size)
     return JobStatusResponse(job_id=job_id, status=status)
 
 
@@ -170,13 +171,11 @@ async def job_logs(request: Request, job_id: str,
 async def cluster_status(request: Request) -> ClusterStatus:
     jobs = service(request)
     with api_errors():
-        store = jobs.require()
-        return jobs.cluster.status(jobs.slots_in_use(), len(jobs.active), len(store.jobs([JobState.PENDING])))
+        return jobs.cluster_status()
 
 
 @jobs_router.get("/v1/cluster/nodes", response_model=list[ClusterNode], tags=["cluster"])
 async def cluster_nodes(request: Request) -> list[ClusterNode]:
     jobs = service(request)
     with api_errors():
-        jobs.require()
-        return jobs.cluster.nodes(jobs.slots_in_use())
+        return jobs.cluster_nodes()

@@ -55,8 +55,10 @@ class RunView(BaseModel):
 
 class ProcessView(BaseModel):
     rank: int
-    pid: int
+    pid: int | None = None
     host: str
+    node_id: str | None = Field(None, description="the Ray node the rank runs on (--cluster ray)")
+    address: str | None = Field(None, description="that node's address")
 
 
 class JobView(TrainingJob):
@@ -101,6 +103,9 @@ class ResumeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     checkpoint_id: uuid.UUID | None = Field(None, description="default: the newest COMPLETE checkpoint")
+    data_parallel_size: int | None = Field(None, ge=1, description=(
+        "resume on this many data-parallel replicas (e.g. after a node was lost); the checkpoint is resharded "
+        "and the global batch kept"))
 
 
 class CheckpointView(Checkpoint):
@@ -134,10 +139,22 @@ class ClusterStatus(BaseModel):
     pending_jobs: int
 
 
+class NodeJob(BaseModel):
+    job_id: str
+    ranks: list[int]
+
+
 class ClusterNode(BaseModel):
     node_id: str
     gpus: int = Field(description="devices jobs may use: GPUs, or CPU worker slots")
     device_type: Literal["cuda", "cpu"]
-    status: Literal["ready", "busy"]
-    gpu_memory_used: list[float] = Field(description="GiB used per GPU; on CPU one value: RAM used")
+    status: Literal["ready", "busy", "dead"]
+    gpu_memory_used: list[float] = Field(description="GiB used per GPU; on CPU one value: RAM used (empty until measured)")
     memory_total: list[float] = Field(description="GiB per GPU; on CPU one value: RAM")
+    address: str | None = Field(None, description="the node's address (Ray's node manager address)")
+    hostname: str | None = None
+    alive: bool = True
+    cpus: float | None = Field(None, description="CPUs the node has (Ray: its CPU resource)")
+    gpu_count: float | None = Field(None, description="GPUs the node has")
+    free_slots: int | None = Field(None, description="of `gpus`, not held by a job or a serving replica")
+    jobs: list[NodeJob] = Field(default_factory=list, description="the jobs whose ranks run on this node")

@@ -21,3 +21,5 @@ class JobServiceConfig:
     cancel_grace_s: float = 10.0  # SIGTERM -> SIGKILL
     poll_interval_s: float = 0.25  # how often running jobs' events are read
     allowed_paths: tuple[Path, ...] = field(default_factory=tuple)  # besides data_dir: folders jobs may use
+    cluster: str | None = None  # "ray" or "ray://HOST:PORT": place jobs on a Ray cluster (None: this node)
+    rank_failure_grace_s: float = 10.0  # after one rank failed or was lost, the others' time to report before SIGKILL

@@ -20,7 +20,8 @@ SERVICE_FIELDS = ("job_id", "status", "created_at", "updated_at")
 NOT_SAVED = {"status", "created_at", "updated_at"}
 
 
-def build_config(body: dict[str, Any], job_id: str, roots: AllowedRoots, slots: int) -> tuple[dict, int]:
+def build_config(body: dict[str, Any], job_id: str, roots: AllowedRoots, slots: int,
+                 slots_name: str = "training slots of this server (--train-slots)") -> tuple[dict, int]:
     """(the job's config as JSON-ready dict by alias, its world size); ConfigError if it cannot run."""
     for name in SERVICE_FIELDS:
         if name in body:
@@ -30,7 +31,7 @@ def build_config(body: dict[str, Any], job_id: str, roots: AllowedRoots, slots: 
     if world > slots:
         raise ConfigError("parallelism_config",
                           f"the job needs {world} processes (tensor x pipeline x context x data parallel sizes), "
-                          f"more than the {slots} training slots of this server (--train-slots)")
+                          f"more than the {slots} {slots_name}")
     job = _with_confined_paths(job, job_id, roots)
     config = job.model_dump(mode="json", by_alias=True, exclude=NOT_SAVED)
     check_runnable(config, world)

@@ -40,4 +40,9 @@ def job_view(store: JobStore, job: JobRecord) -> JobView:
 
 
 def checkpoint_views(records: list[dict]) -> list[CheckpointView]:
-    return [CheckpointView.model_validate(r) for r in records]
+    """The records without the trainer's internals (RNG states, the signature), which the store no
+    longer keeps (records of older servers still may)."""
+    return [CheckpointView.model_validate({k: v for k, v in r.items() if k not in INTERNAL}) for r in records]
+
+
+INTERNAL = ("rng_states", "signature")

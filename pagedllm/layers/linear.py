@@ -17,7 +17,9 @@ For decode steps of a few rows the weights are also packed for the small-M kerne
 (layers/small_matmul.py), which the fused decode step reads; with `quantization="int8"` that copy
 is int8 with per-channel scales, and the module's own weight becomes its dequantized values, so
 the PyTorch path (prefills, large batches, the reference) computes with exactly the weights the
-int8 kernel uses.
+int8 kernel uses. GGUF blocks (Q4_0/Q4_1/Q8_0, a file's own or "q4"'s) are kept only as panels:
+the module computes every product with the C kernel and keeps no dense copy, so a 4-bit model
+takes 5 bits a weight in memory.
 """
 from __future__ import annotations
 
@@ -25,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers import triton_ops
-from pagedllm.layers.quantization import dequantize_int8, quantize_int8
-from pagedllm.layers.small_matmul import PackedWeight, pack, pack_swiglu
+from pagedllm.layers import kernels, triton_ops
+from pagedllm.layers.quantization import BLOCK, Blocks, dequantize_int8, quantize_blocks, quantize_int8
+from pagedllm.layers.small_matmul import PackedWeight, matmul, pack, pack_blocks, pack_swiglu
 
 # Batch size oneDNN optimises the weight layout for. From 16 up, results are batch-invariant
 # and speed is flat across hints; 64 is a typical decode batch.
@@ -53,30 +55,55 @@ class Linear(nn.Linear):
     quantizable = True  # False for weights whose precision decisions hang on (a MoE router)
     small: PackedWeight | None = None  # panels for the small-M kernel (the fused decode step)
     weight_scale: torch.Tensor | None = None  # int8: per-channel scales; the weight holds q * scale
+    # GGUF blocks of 32 (Q4_0/Q4_1/Q8_0): a GGUF file's own (the loader attaches them) or "q4"'s
+    blocks: Blocks | None = None
+    q4_kind = "Q4_1"  # the block type "q4" quantizes to (the LM head keeps 8 bits, as llama.cpp's files do)
+    library = None  # the C kernels, once the blocks are the only copy of the weight (pack)
 
-    def quantize(self, method: str) -> torch.Tensor:
-        """Weight-only quantization (layers/quantization.py); returns q. The weight is replaced
-        by a new tensor of its dequantized values, which unties a tied LM head from the
-        embedding: the embedding lookup keeps the checkpoint's values, as llama.cpp and vLLM keep
-        embeddings."""
-        if method != "int8":
-            raise ValueError(f"quantization must be 'int8', got {method!r}")
-        q, self.weight_scale = quantize_int8(self.weight)
-        self.weight = nn.Parameter(dequantize_int8(q, self.weight_scale).to(self.weight.dtype), requires_grad=False)
-        return q
+    def quantize(self, method: str) -> torch.Tensor | None:
+        """Weight-only quantization (layers/quantization.py); returns int8's q. The weight is
+        replaced by a new tensor of its dequantized values (so the PyTorch path computes with
+        exactly the weights the C kernel reads), which unties a tied LM head from the embedding:
+        the embedding lookup keeps the checkpoint's values, as llama.cpp and vLLM keep
+        embeddings. "gguf" keeps the blocks the loader attached (none: the weight stays as it is)."""
+        if method == "int8":
+            q, self.weight_scale = quantize_int8(self.weight)
+            self.weight = nn.Parameter(dequantize_int8(q, self.weight_scale).to(self.weight.dtype), requires_grad=False)
+            return q
+        if method == "q4" and self.in_features % BLOCK == 0:
+            self.blocks = quantize_blocks(self.weight, self.q4_kind)
+        elif method not in ("q4", "gguf"):
+            raise ValueError(f"quantization must be 'int8', 'q4' or 'gguf', got {method!r}")
+        if self.blocks is not None:
+            self.weight = nn.Parameter(self.blocks.dequantize().to(self.weight.dtype), requires_grad=False)
+        return None
 
     def pack_small(self, width: int, quantized: torch.Tensor | None = None) -> None:
-        """Pack the weight, or its int8 values `quantized`, into panels `width` channels wide."""
+        """Pack the weight, its int8 values `quantized`, or its blocks, into panels `width` channels wide."""
+        if self.blocks is not None:
+            self.small = pack_blocks(self.blocks, width, self.bias)
+            return
         self.small = pack(quantized if quantized is not None else self.weight, width, self.bias, self.weight_scale)
 
     def pack(self, keep_dense: bool) -> None:
         """Reorder the weight for oneDNN. The dense copy is dropped unless something else shares
-        it (tied embeddings), so packing does not double the model's memory."""
+        it (tied embeddings), so packing does not double the model's memory. Blocks packed for
+        the C kernel are the weight itself: every product (prefills and large batches too) reads
+        them, and no dense copy is kept."""
+        if self._blocks_only():
+            self.library = kernels.load()
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+            return
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_HINT)
         if not keep_dense:
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
+    def _blocks_only(self) -> bool:
+        return self.blocks is not None and self.small is not None and kernels.load() is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.library is not None:
+            return matmul(self.library, x.reshape(-1, x.shape[-1]), self.small).view(*x.shape[:-1], -1)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -99,9 +126,13 @@ class GateUpLinear(Linear):
 
     def pack_small(self, width: int, quantized: torch.Tensor | None = None) -> None:
         """Gate and up panels alternate, so the kernel finishes silu(gate) * up per panel pair."""
-        self.small = pack_swiglu(quantized if quantized is not None else self.weight, width, self.bias, self.weight_scale)
+        weight = self.blocks if self.blocks is not None else quantized if quantized is not None else self.weight
+        self.small = pack_swiglu(weight, width, self.bias, self.weight_scale)
 
     def pack(self, keep_dense: bool) -> None:
+        if self._blocks_only():
+            super().pack(keep_dense)
+            return
         gate, up = self.weight.detach().chunk(2)
         self.gate_packed = torch.ops.mkldnn._reorder_linear_weight(gate.contiguous(), _PACK_HINT)
         self.up_packed = torch.ops.mkldnn._reorder_linear_weight(up.contiguous(), _PACK_HINT)
@@ -110,6 +141,8 @@ class GateUpLinear(Linear):
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.library is not None:  # the swiglu panels give silu(gate) * up
+            return super().forward(x)
         if self.gate_packed is not None:
             gate = torch.ops.mkldnn._linear_pointwise(x, self.gate_packed, self.gate_bias, "swish", [], "")
             return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up_packed, self.up_bias, "mul")

@@ -66,12 +66,15 @@ def run_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
     tables = block_tables.to(torch.int64).contiguous()
     lens = ctx_lens.to(torch.int64).contiguous()
     batch, num_kv_heads, group, head_dim = q.shape
+    _check_pool(k_cache, v_cache, q)
+    if tables.dim() != 2 or tables.shape[0] != batch or lens.shape != (batch,):
+        raise ValueError(f"block_tables must be [{batch}, max_blocks] and ctx_lens [{batch}]")
     failed = library.paged_decode_f32(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        out.data_ptr(), out.stride(0), batch, tables.shape[1], k_cache.shape[1], num_kv_heads, group, head_dim,
-        window, scale, torch.get_num_threads(),
+        q.data_ptr(), q.stride(0), _span(q), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], tables.data_ptr(),
+        tables.numel(), lens.data_ptr(), lens.numel(), out.data_ptr(), out.stride(0), _span(out), batch, tables.shape[1],
+        k_cache.shape[1], num_kv_heads, group, head_dim, window, scale, torch.get_num_threads(),
     )
-    _check(failed, "paged decode", head_dim)
+    kernels.check_status(failed, library, "paged decode", head_dim)
     return out
 
 
@@ -85,14 +88,15 @@ def run_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     library = _available(library or load(), "prefill attention")
     if not (_rows_dense(q) and _rows_dense(out)) or out.shape != q.shape:
         raise ValueError("q and out must have the same shape and dense rows")
-    table = block_table.to(torch.int64).contiguous()
+    table = block_table.to(torch.int64).contiguous().view(-1)
     q_len, num_kv_heads, group, head_dim = q.shape
+    _check_pool(k_cache, v_cache, q)
     failed = library.prefill_attention_f32(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), q_len, ctx_len,
-        out.data_ptr(), out.stride(0), k_cache.shape[1], num_kv_heads, group, head_dim, window, scale,
-        torch.get_num_threads(),
+        q.data_ptr(), q.stride(0), _span(q), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], table.data_ptr(),
+        table.numel(), q_len, ctx_len, out.data_ptr(), out.stride(0), _span(out), k_cache.shape[1], num_kv_heads, group,
+        head_dim, window, scale, torch.get_num_threads(),
     )
-    _check(failed, "prefill attention", head_dim)
+    kernels.check_status(failed, library, "prefill attention", head_dim)
     return out
 
 
@@ -102,12 +106,19 @@ def _available(library: ctypes.CDLL | None, kernel: str) -> ctypes.CDLL:
     return library
 
 
-def _check(failed: int, kernel: str, head_dim: int) -> None:
-    """The kernels' status: 0 done, 2 a head_dim they cannot vectorise, else out of memory."""
-    if failed == 2:
-        raise ValueError(f"{kernel} kernel: head_dim must be a multiple of 8, got {head_dim}")
-    if failed:
-        raise MemoryError(f"{kernel} kernel: out of memory for attention scores")
+def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor) -> None:
+    """The pool the kernels index by block id: both caches contiguous fp32 [num_blocks,
+    block_size, Hkv, D] of one shape, whose heads match q's (the kernel checks ids against it)."""
+    _, num_kv_heads, _, head_dim = q.shape
+    if (k_cache.shape != v_cache.shape or k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim)
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32 or q.dtype != torch.float32):
+        raise ValueError("the KV caches must be contiguous float32 [num_blocks, block_size, Hkv, D] matching q")
+
+
+def _span(x: torch.Tensor) -> int:
+    """Floats from x's first element to the end of its storage: what a kernel may touch."""
+    return x.untyped_storage().nbytes() // x.element_size() - x.storage_offset()
 
 
 def _rows_dense(x: torch.Tensor) -> bool:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.layers import kernels
+
 
 @dataclass
 class Penalties:
@@ -129,7 +131,9 @@ class Sampler:
         if self.library is not None and rows <= KERNEL_GREEDY_ROWS and logits.dtype == torch.float32 and logits.is_contiguous():
             tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
             chosen = torch.empty(rows, dtype=torch.float32, device=logits.device)
-            self.library.greedy_rows(logits.data_ptr(), rows, logits.shape[1], tokens.data_ptr(), chosen.data_ptr())
+            status = self.library.greedy_rows(logits.data_ptr(), rows, logits.shape[1], logits.numel(), tokens.data_ptr(),
+                                              chosen.data_ptr(), rows)
+            kernels.check_status(status, self.library, "greedy rows")
             return SamplerOutput(tokens, chosen)
         tokens = logits.argmax(dim=-1)
         chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)

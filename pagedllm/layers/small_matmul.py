@@ -2,8 +2,8 @@
 
 At M <= 16 a linear's time is the time to read its weight, so the weight is packed once, at load
 time, into the layout that streams best: panels of `panel_width()` output channels (16 on
-AVX-512, 8 on AVX2), k-major, one contiguous run per thread. fp32 or int8 (weight-only, with
-per-channel scales, layers/quantization.py). `matmul()` is the standalone entry point, tested
+AVX-512, 8 on AVX2), k-major, one contiguous run per thread. fp32, int8 (weight-only, with
+per-channel scales) or GGUF blocks of 32 (Q8_0, Q4_0, Q4_1, kept bit for bit; layers/quantization.py). `matmul()` is the standalone entry point, tested
 against `x @ W^T`; the fused decode step (models/fused_decode.py) reads the same packed weights.
 """
 from __future__ import annotations
@@ -11,10 +11,15 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-WEIGHT_F32, WEIGHT_I8 = 0, 1
+from pagedllm.layers import kernels
+from pagedllm.layers.quantization import BLOCK, Blocks
+
+WEIGHT_F32, WEIGHT_I8, WEIGHT_Q8_0, WEIGHT_Q4 = 0, 1, 2, 3
 MAX_ROWS = 16  # the decode sizes these kernels are for; larger batches go to oneDNN
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # GGUF's bytes per block of 32
 
 
 class MatrixStruct(ctypes.Structure):
@@ -24,6 +29,7 @@ class MatrixStruct(ctypes.Structure):
         ("panels", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
         ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("num_panels", ctypes.c_int64),
         ("dtype", ctypes.c_int32), ("reserved", ctypes.c_int32),
+        ("panel_capacity", ctypes.c_int64), ("lane_capacity", ctypes.c_int64),
     ]
 
 
@@ -31,12 +37,13 @@ class MatrixStruct(ctypes.Structure):
 class PackedWeight:
     """A weight in panels, with the tensors the C struct points into (kept alive here)."""
 
-    panels: torch.Tensor  # [num_panels, k, width] float32 or int8
+    panels: torch.Tensor  # [num_panels, k, width] float32 or int8; [num_panels, bytes] uint8 for blocks
     scale: torch.Tensor | None  # [num_panels * width] (int8)
     bias: torch.Tensor | None  # [num_panels * width]
     n: int
     k: int
     swiglu: bool = False  # panels alternate gate, up: the output is silu(gate) * up, n / 2 wide
+    kind: int | None = None  # the C dtype; None: from the panels' dtype (fp32 or int8)
 
     @property
     def num_panels(self) -> int:
@@ -49,9 +56,14 @@ class PackedWeight:
         )
 
     def struct(self) -> MatrixStruct:
+        """The C description, with the capacities the kernels check it against (a weight packed
+        for another panel width is refused, not read past its end; a block-quantized one's
+        panel bytes hold its fp16 scales, so check_matrix measures them by the kind's block size)."""
+        kind = self.kind if self.kind is not None else WEIGHT_I8 if self.panels.dtype == torch.int8 else WEIGHT_F32
+        lanes = min((t.numel() for t in (self.scale, self.bias) if t is not None), default=0)
         return MatrixStruct(
-            self.panels.data_ptr(), _ptr(self.scale), _ptr(self.bias), self.n, self.k, self.num_panels,
-            WEIGHT_I8 if self.panels.dtype == torch.int8 else WEIGHT_F32, 0,
+            self.panels.data_ptr(), _ptr(self.scale), _ptr(self.bias), self.n, self.k, self.num_panels, kind, 0,
+            self.panels.numel() * self.panels.element_size(), lanes,
         )
 
 
@@ -85,15 +97,47 @@ def pack(weight: torch.Tensor, width: int, bias: torch.Tensor | None = None, sca
     return PackedWeight(panels, _lanes(scale, panels.shape[0], width), _lanes(bias, panels.shape[0], width), *w.shape)
 
 
-def pack_swiglu(weight: torch.Tensor, width: int, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> PackedWeight:
+def pack_blocks(blocks: Blocks, width: int, bias: torch.Tensor | None = None) -> PackedWeight:
+    """Pack GGUF blocks (layers/quantization.py) into panels of `width` channels, block by block
+    (csrc/kernels.h): the bits of every scale and quant unchanged, Q4_0 as Q4_1 with m = -8 d."""
+    n, row_bytes = blocks.rows.shape
+    size = _BLOCK_BYTES[blocks.kind]
+    nb = row_bytes // size
+    rows = np.zeros((-(-n // width) * width, nb, size), dtype=np.uint8)
+    rows[:n] = blocks.rows.reshape(n, nb, size)
+    panels = rows.reshape(-1, width, nb, size).transpose(0, 2, 1, 3)  # [P, nb, width, size]
+    d = panels[..., :2]
+    if blocks.kind == "Q8_0":
+        parts = [d, panels[..., 2:].transpose(0, 1, 3, 2)]
+    else:
+        quants = panels[..., -16:].transpose(0, 1, 3, 2)
+        if blocks.kind == "Q4_1":
+            m = panels[..., 2:4]
+        else:
+            m = (np.float16(-8) * np.ascontiguousarray(d).view(np.float16)).view(np.uint8)
+        parts = [d, m, quants]
+    flat = np.concatenate([np.ascontiguousarray(p).reshape(p.shape[0], nb, -1) for p in parts], axis=2)
+    num_panels = flat.shape[0]
+    return PackedWeight(torch.from_numpy(flat.reshape(num_panels, -1).copy()), None, _lanes(bias, num_panels, width),
+                        n, nb * BLOCK, kind=WEIGHT_Q8_0 if blocks.kind == "Q8_0" else WEIGHT_Q4)
+
+
+def pack_swiglu(weight: torch.Tensor | Blocks, width: int, bias: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None) -> PackedWeight:
     """A fused gate/up weight [2 I, k] (gate rows first) packed with gate and up panels
     alternating, so one thread's share yields finished silu(gate) * up channels."""
-    halves = [pack(part, width, None if bias is None else b, None if scale is None else s)
-              for part, b, s in zip(weight.chunk(2), _chunks(bias), _chunks(scale))]
+    if isinstance(weight, Blocks):
+        half = weight.rows.shape[0] // 2
+        halves = [pack_blocks(Blocks(weight.kind, part), width, b)
+                  for part, b in zip((weight.rows[:half], weight.rows[half:]), _chunks(bias))]
+    else:
+        halves = [pack(part, width, None if bias is None else b, None if scale is None else s)
+                  for part, b, s in zip(weight.chunk(2), _chunks(bias), _chunks(scale))]
     gate, up = halves
     panels = torch.stack((gate.panels, up.panels), dim=1).flatten(0, 1)
     interleave = lambda a, b: None if a is None else torch.stack((a.view(gate.num_panels, -1), b.view(gate.num_panels, -1)), 1).reshape(-1)  # noqa: E731
-    return PackedWeight(panels, interleave(gate.scale, up.scale), interleave(gate.bias, up.bias), 2 * gate.n, gate.k, swiglu=True)
+    return PackedWeight(panels, interleave(gate.scale, up.scale), interleave(gate.bias, up.bias), 2 * gate.n, gate.k, swiglu=True,
+                        kind=gate.kind)
 
 
 def _chunks(t: torch.Tensor | None) -> tuple:
@@ -107,6 +151,7 @@ def matmul(library: ctypes.CDLL, x: torch.Tensor, w: PackedWeight, num_threads: 
     x = x.contiguous()
     out = torch.empty(x.shape[0], w.n // 2 if w.swiglu else w.n, dtype=torch.float32, device=x.device)
     struct = w.struct()
-    library.small_matmul(ctypes.byref(struct), x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), out.shape[1],
-                         int(w.swiglu), num_threads or torch.get_num_threads())
+    status = library.small_matmul(ctypes.byref(struct), x.data_ptr(), x.shape[0], x.shape[1], x.numel(), out.data_ptr(),
+                                  out.shape[1], out.numel(), int(w.swiglu), num_threads or torch.get_num_threads())
+    kernels.check_status(status, library, "small matmul")
     return out

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from pagedllm.layers import kernels
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.small_matmul import MAX_ROWS, MatrixStruct, PackedWeight
 
@@ -36,7 +37,7 @@ class ModelStruct(ctypes.Structure):
     _fields_ = [
         ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("vocab", _i64), ("block_size", _i64), ("eps", _f32), ("attn_scale", _f32),
-        ("embed", _p), ("cos", _p), ("sin", _p), ("final_norm", _p), ("lm_head", ctypes.POINTER(MatrixStruct)),
+        ("embed_rows", _i64), ("num_blocks", _i64), ("max_position", _i64), ("embed", _p), ("cos", _p), ("sin", _p), ("final_norm", _p), ("lm_head", ctypes.POINTER(MatrixStruct)),
         ("layers", ctypes.POINTER(LayerStruct)),
     ]
 
@@ -45,6 +46,7 @@ class StepStruct(ctypes.Structure):
     _fields_ = [
         ("rows", _i64), ("token_ids", _p), ("positions", _p), ("slots", _p), ("ctx_lens", _p),
         ("block_tables", _p), ("max_blocks", _i64), ("logit_rows", _p), ("num_logits", _i64), ("logits", _p),
+        ("logits_capacity", _i64),
     ]
 
 
@@ -140,9 +142,12 @@ class FusedDecoder:
         self._lm_head = _packed(model.lm_head).struct()
         self.threads = ThreadCount(torch.get_num_threads())
         rotary = model.model.rotary
+        k_cache = model.model.layers[0].self_attn.attn.k_cache
+        _check_model(model, k_cache, rotary)
         self._struct = ModelStruct(
             cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-            cfg.vocab_size, model.model.layers[0].self_attn.attn.k_cache.shape[1], cfg.rms_norm_eps, cfg.head_dim**-0.5,
+            cfg.vocab_size, k_cache.shape[1], cfg.rms_norm_eps, cfg.head_dim**-0.5, model.model.embed_tokens.weight.shape[0],
+            k_cache.shape[0], rotary.cos.shape[0],
             model.model.embed_tokens.weight.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
             model.model.norm.weight.data_ptr(), ctypes.pointer(self._lm_head), self._layers,
         )
@@ -160,7 +165,7 @@ class FusedDecoder:
         started = time.perf_counter()
         failed = self.library.decode_step(ctypes.byref(self._struct), ctypes.byref(step), threads[0])
         self.threads.record(step.rows, threads, [time.perf_counter() - started])
-        check_status(failed)
+        kernels.check_status(failed, self.library, "fused decode step")
         return keep[-1]
 
     def greedy_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -175,9 +180,9 @@ class FusedDecoder:
         threads = (ctypes.c_int * num_steps)(*plan)
         seconds = (ctypes.c_double * num_steps)()
         failed = self.library.decode_steps(ctypes.byref(self._struct), ctypes.byref(step), num_steps, threads, seconds,
-                                           tokens.data_ptr(), logprobs.data_ptr())
+                                           tokens.data_ptr(), logprobs.data_ptr(), tokens.numel())
         self.threads.record(step.rows, plan, list(seconds))
-        check_status(failed)
+        kernels.check_status(failed, self.library, "fused greedy steps")
         return tokens, logprobs
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -187,17 +192,30 @@ class FusedDecoder:
         tensors = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
                    for t in (input_ids, positions, meta.slot_mapping, bucket.ctx_lens, bucket.block_tables, logit_rows)]
         ids, pos, slots, lens, tables, rows = tensors
+        num_rows = ids.shape[0]
+        if any(t.shape != (num_rows,) for t in (pos, slots, lens)) or tables.dim() != 2 or tables.shape[0] != num_rows \
+                or rows.dim() != 1:
+            raise ValueError(f"a fused step's ids, positions, slots and lengths must be [{num_rows}] and its block tables "
+                             f"[{num_rows}, max_blocks]")
         logits = torch.empty(rows.shape[0], self.vocab_size, dtype=torch.float32, device=ids.device)
-        step = StepStruct(ids.shape[0], ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), lens.data_ptr(), tables.data_ptr(),
-                          tables.shape[1], rows.data_ptr(), rows.shape[0], logits.data_ptr())
+        step = StepStruct(num_rows, ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), lens.data_ptr(), tables.data_ptr(),
+                          tables.shape[1], rows.data_ptr(), rows.shape[0], logits.data_ptr(), logits.numel())
         return step, [*tensors, logits]
 
 
-def check_status(failed: int) -> None:
-    """The error a C call's nonzero status stands for (shared by the calls built on the fused step)."""
-    if failed == 1:
-        raise MemoryError("fused decode step: out of memory for its scratch space")
-    if failed == 3:
-        raise ValueError("fused greedy steps: every row must sample")
-    if failed:
-        raise ValueError("fused decode step: head_dim must be a multiple of 8 and heads a multiple of KV heads")
+def _check_model(model, k_cache: torch.Tensor, rotary) -> None:
+    """What the C step indexes by the numbers it is given has the shape it is described with: the
+    embedding [rows, hidden] (more rows than the LM head's columns for a draft's reduced
+    vocabulary), every layer's caches [num_blocks, block_size, Hkv, D] alike and contiguous, the
+    rotary tables [max_position, D] (the matrices it checks itself)."""
+    cfg = model.config
+    embed = model.model.embed_tokens.weight
+    shapes_ok = embed.dim() == 2 and embed.shape[1] == cfg.hidden_size and embed.is_contiguous() \
+        and rotary.cos.shape == rotary.sin.shape and rotary.cos.shape[1] == cfg.head_dim and rotary.cos.is_contiguous() \
+        and tuple(k_cache.shape[2:]) == (cfg.num_kv_heads, cfg.head_dim)
+    for layer in model.model.layers:
+        caches = (layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache)
+        shapes_ok = shapes_ok and all(c.shape == k_cache.shape and c.is_contiguous() for c in caches)
+    if not shapes_ok:
+        raise ValueError("the fused decode step needs the embedding, rotary tables and KV caches in the config's shapes")
+

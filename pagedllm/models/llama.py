@@ -143,6 +143,7 @@ class CausalLM(nn.Module):
         vocab_rows = self.model.embed_tokens.num_embeddings  # this rank's rows
         self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False)
         self.lm_head.tp_dims = {"weight": 0}
+        self.lm_head.q4_kind = "Q8_0"
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -152,6 +153,7 @@ class CausalLM(nn.Module):
         rows = self.lm_head.weight.detach()[torch.tensor(token_ids)]
         self.lm_head = Linear(rows.shape[1], rows.shape[0], bias=False)
         self.lm_head.weight = nn.Parameter(rows, requires_grad=False)
+        self.lm_head.q4_kind = "Q8_0"
         self.config = replace(self.config, vocab_size=len(token_ids))
 
     def make_mlp(self, layer_index: int) -> nn.Module:
@@ -185,7 +187,7 @@ class CausalLM(nn.Module):
         """Quantize every projection and the LM head (`quantization`), and pack them for the
         small-M kernel whose panels are `panel_width` wide (layers/small_matmul.py)."""
         for linear in self.linears():
-            quantized = linear.quantize(quantization) if quantization is not None and linear.quantizable else None
+            quantized = linear.quantize(quantization) if quantization not in (None, "none") and linear.quantizable else None
             if panel_width is not None:
                 linear.pack_small(panel_width, quantized)
 

@@ -1,4 +1,5 @@
-"""Load a Hugging Face model folder's safetensors straight into our modules, by name.
+"""Load a Hugging Face model folder's safetensors, or a GGUF file's tensors, straight into our
+modules, by name.
 
 Single files and sharded checkpoints (model.safetensors.index.json) are both read lazily with
 safetensors' `safe_open`, one tensor at a time, so peak memory is the model plus one tensor.
@@ -10,13 +11,18 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import ModelConfig, ModelLoadError
 from pagedllm.distributed.group import ParallelGroup, shard_of
-from pagedllm.layers.linear import packing_available
+from pagedllm.gguf import is_gguf, open_gguf
+from pagedllm.gguf.weights import blocks as gguf_blocks
+from pagedllm.gguf.weights import tensors as gguf_tensors
+from pagedllm.layers.linear import Linear, packing_available
+from pagedllm.layers.quantization import Blocks, concat_rows
 from pagedllm.models.llama import CausalLM
 from pagedllm.models.registry import model_class
 
@@ -46,8 +52,9 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
                quantization: str | None = None, panel_width: int | None = None) -> CausalLM:
     """The whole model, or under tensor parallelism (`group`) this rank's part of it.
     `logit_token_ids`: the LM head scores only these tokens (a draft's reduced vocabulary).
-    `quantization`: "int8" quantizes every projection and the LM head at load
-    (layers/quantization.py). `panel_width`: also pack them for the small-M kernel whose panels
+    `quantization`: "int8" or "q4" quantizes every projection and the LM head at load
+    (layers/quantization.py); "gguf" keeps a GGUF file's blocks (Q4_0/Q4_1/Q8_0, other block
+    types converted; float matrices stay dense). `panel_width`: also pack them for the small-M kernel whose panels
     are that wide (the fused decode step); before oneDNN's packing drops the dense weights."""
     local = cfg.shard(group.size) if group is not None else cfg
     with torch.device("meta"):
@@ -61,6 +68,8 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     _load_weights(model, Path(cfg.path), group)
+    if quantization == "gguf" and group is None:
+        _attach_blocks(model, gguf_blocks(open_gguf(cfg.path)))
     if logit_token_ids is not None:
         model.restrict_vocab(logit_token_ids)
     model.quantize_and_pack(quantization, panel_width)
@@ -69,18 +78,27 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     return model.eval()
 
 
-def _load_weights(model: CausalLM, folder: Path, group: ParallelGroup | None) -> None:
-    params = dict(model.named_parameters())
-    pending = {name: model.expected_shards(name) for name in params}
-    for file in checkpoint_files(folder):
+def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """(name, tensor, file) for every weight of a model folder or GGUF file, one at a time."""
+    if is_gguf(path):
+        for key, tensor in gguf_tensors(open_gguf(path)):
+            yield key, tensor, path
+        return
+    for file in checkpoint_files(path):
         try:
             with safe_open(str(file), framework="pt") as reader:
                 for key in reader.keys():
-                    if _IGNORED.search(key):
-                        continue
-                    _assign(model, params, pending, key, reader.get_tensor(key), file, group)
+                    if not _IGNORED.search(key):
+                        yield key, reader.get_tensor(key), file
         except SafetensorError as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from exc
+
+
+def _load_weights(model: CausalLM, folder: Path, group: ParallelGroup | None) -> None:
+    params = dict(model.named_parameters())
+    pending = {name: model.expected_shards(name) for name in params}
+    for key, tensor, file in checkpoint_tensors(folder):
+        _assign(model, params, pending, key, tensor, file, group)
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
         raise ModelLoadError(f"{folder} lacks weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
@@ -88,6 +106,24 @@ def _load_weights(model: CausalLM, folder: Path, group: ParallelGroup | None) ->
         for name, param in params.items():  # a row-parallel bias is added once, by rank 0
             if name.endswith(".bias") and model.tp_dim(name[: -len("bias")] + "weight") == 1:
                 param.data.zero_()
+
+
+def _attach_blocks(model: CausalLM, blocks: Iterator[tuple[str, Blocks]]) -> None:
+    """Give each projection whose every checkpoint part is block-quantized its blocks (the parts
+    of a fused q|k|v or gate|up concatenated by rows). A tied LM head gets the embedding's."""
+    parts: dict[str, dict[int, Blocks]] = {}
+    for key, value in blocks:
+        if key == "model.embed_tokens.weight":
+            if not model.config.tie_word_embeddings:
+                continue
+            key = "lm_head.weight"
+        name, shard, _ = model.checkpoint_target(key)
+        if name.endswith(".weight"):
+            parts.setdefault(name, {})[shard] = value
+    for name, shards in parts.items():
+        module = model.get_submodule(name.removesuffix(".weight"))
+        if isinstance(module, Linear) and set(shards) == model.expected_shards(name):
+            module.blocks = concat_rows([shards[i] for i in sorted(shards)])
 
 
 def _assign(model: CausalLM, params: dict, pending: dict, key: str, tensor: torch.Tensor, file: Path,

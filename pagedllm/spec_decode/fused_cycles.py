@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.models.fused_decode import FusedDecoder, check_status
+from pagedllm.layers import kernels
+from pagedllm.models.fused_decode import FusedDecoder
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -100,9 +101,7 @@ class FusedCycles:
         seconds = (ctypes.c_double * (2 * num_cycles))()
         failed = self.library.speculate_greedy(ctypes.byref(self.target._struct), ctypes.byref(self.draft._struct),
                                                ctypes.byref(spec), num_cycles, threads, seconds)
-        if failed == 3:
-            raise ValueError("fused speculation: a request's history must reach from its draft position to its newest token")
-        check_status(failed)
+        kernels.check_status(failed, self.library, "fused speculation")
         proposed_rows = [proposed[s * num_cycles : (s + 1) * num_cycles] for s in range(S)]
         accepted_rows = [accepted[s * num_cycles : (s + 1) * num_cycles] for s in range(S)]
         ran = max(sum(p >= 0 for p in row) for row in proposed_rows)  # cycles run (by the longest-running sequence)

@@ -82,6 +82,9 @@ class StepPlanner:
     kv_offload: bool = False  # the pool in host memory, two layers on the device (worker/kv_offload.py)
     attention_backend: str = "sdpa"  # kernel | triton | sdpa
     fused_decode: bool = False  # small all-decode steps as one C call (models/fused_decode.py)
+    # Weights packed in panels for the small-M kernel: for the fused step, or as the only copy of a
+    # GGUF / q4 model's blocks (then every product reads them, layers/linear.py)
+    small_matmul_panels: bool = False
     cuda_graphs: bool = False  # all-decode steps replayed from CUDA graphs (worker/cuda_graphs.py)
     num_scheduler_steps: int = 1  # greedy steps per engine step for a burst of plain greedy decodes
     speculation: SpeculativeConfig | None = None
@@ -105,7 +108,8 @@ class StepPlanner:
                            "every engine step runs one step", config.num_scheduler_steps)
         graphs = (not config.enforce_eager and device.type == "cuda" and attention == "triton"
                   and config.tensor_parallel_size == 1 and not config.kv_offload and model_config.moe is None)
-        planner = cls(max_model_len, config.tensor_parallel_size, config.kv_offload, attention, fused, graphs,
+        panels = fused or (fused_possible and config.quantization in ("q4", "gguf"))
+        planner = cls(max_model_len, config.tensor_parallel_size, config.kv_offload, attention, fused, panels, graphs,
                       config.num_scheduler_steps if fused else 1, config.speculative_config)
         return planner._with_draft(dtype, device)
 

@@ -20,6 +20,7 @@ import llguidance.hf
 import llguidance.numpy as llg_numpy
 import numpy as np
 
+from pagedllm.library_errors import describe
 from pagedllm.sampling_params import StructuredOutputsParams
 
 
@@ -52,17 +53,20 @@ class StructuredOutputManager:
         return self._tokenizer
 
     def matcher(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
-        """A fresh matcher; ValueError naming the problem for a grammar that does not compile."""
+        """A fresh matcher; ValueError naming the problem for a grammar that does not compile, in a
+        few words (llguidance's panics come with a backtrace: library_errors.concise)."""
         try:
             grammar = grammar_text(params)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"structured_outputs: {exc}") from exc
-        problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if problem:
-            raise ValueError(f"structured_outputs: the constraint does not compile: {problem.strip()}")
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar)
-        if matcher.is_error():
-            raise ValueError(f"structured_outputs: {matcher.get_error()}")
+            problem = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+            if problem:
+                raise ValueError(f"the constraint does not compile: {problem}")
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+            if matcher.is_error():
+                raise ValueError(matcher.get_error())
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # a Rust panic is a BaseException (pyo3's PanicException)
+            raise ValueError(f"structured_outputs: {describe(exc)}") from None
         return matcher
 
     def bitmasks(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:

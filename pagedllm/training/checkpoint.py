@@ -18,15 +18,20 @@ stays, as a record).
 With async_save, DCP stages the state to memory and writes from a background thread over a separate
 gloo group; training goes on, and at each step boundary the ranks agree (one all-reduce) on whether
 every rank's write has finished, and only then hash and mark COMPLETE.
+
+Nothing a caller could place is unpickled: the manifest is JSON with the RNG states as plain numbers,
+and it is signed (provenance.py); a load checks the signature and the job before it re-hashes the
+files, and re-hashes them before DCP (whose `.metadata` is a pickle) reads any. A checkpoint folder
+this job's service did not write is refused with ProvenanceError, naming it.
 """
 from __future__ import annotations
 
 import base64
 import enum
 import hashlib
+import json
 import logging
 import os
-import pickle
 import random
 import re
 import shutil
@@ -40,7 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -52,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch import nn
 
 from pagedllm.training.config import CheckpointConfig
+from pagedllm.training.provenance import ProvenanceError, current_key, sign, signed_by
 
 log = logging.getLogger("pagedllm.training")
 
@@ -102,14 +108,33 @@ class OptimizerStateRecord(BaseModel):
     checksum: str
 
 
+class NumpyRngState(BaseModel):
+    """np.random.get_state(): the Mersenne Twister's 624 words and position, and the cached Gaussian."""
+
+    kind: str
+    keys: list[int] = Field(min_length=624, max_length=624)
+    pos: int
+    has_gauss: int
+    cached_gaussian: float
+
+
+class PythonRngState(BaseModel):
+    """random.getstate(): the version, the 625 ints of its state and the cached Gaussian."""
+
+    version: int
+    state: list[int] = Field(min_length=625, max_length=625)
+    gauss_next: float | None = None
+
+
 class RngStateRecord(BaseModel):
-    """Each generator's state, pickled where it is not already bytes, then base64."""
+    """Each generator's state as data: torch's (and each CUDA device's) byte state in base64, numpy's
+    and Python's as numbers. (Pickled once; a manifest anyone could write then ran code on resume.)"""
 
     rank: int
-    cuda_rng_state: str | None = None
+    cuda_rng_state: list[str] | None = None
     torch_rng_state: str
-    numpy_rng_state: str
-    python_rng_state: str
+    numpy_rng_state: NumpyRngState
+    python_rng_state: PythonRngState
 
 
 class Checkpoint(BaseModel):
@@ -126,6 +151,11 @@ class Checkpoint(BaseModel):
     rng_states: list[RngStateRecord] = Field(default_factory=list)
     world_size: int = 1
     status_reason: str | None = None
+    signature: str | None = None  # provenance.sign() of the rest, under the writer's key
+
+    def payload(self) -> bytes:
+        """What the signature covers: the whole record but the signature."""
+        return self.model_copy(update={"signature": None}).model_dump_json().encode()
 
 
 # ---- manifests on disk -------------------------------------------------------------------------
@@ -135,25 +165,70 @@ def step_dir_name(step: int) -> str:
 
 
 def read_manifest(step_dir: Path) -> Checkpoint | None:
+    """The manifest as written (JSON parsed into the record: data only); not yet checked to be ours.
+    ProvenanceError if it is not a manifest this version writes (one with pickled RNG states from an
+    older pagedllm, or anything else): refused, never half-read."""
     path = step_dir / "manifest.json"
     if not path.is_file():
         return None
-    return Checkpoint.model_validate_json(path.read_text())
+    try:
+        return Checkpoint.model_validate_json(path.read_text())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        raise ProvenanceError(f"refusing to use checkpoint {step_dir}: its manifest.json is not one this version of pagedllm "
+                              f"writes ({where}: {first.get('msg')}); older versions pickled the RNG states, which are "
+                              "never unpickled now. Remove the folder or choose another checkpoint_dir") from None
 
 
-def write_manifest(step_dir: Path, manifest: Checkpoint) -> None:
-    """Atomic replace, so a reader never sees half a manifest."""
+def write_manifest(step_dir: Path, manifest: Checkpoint, key: bytes | None = None) -> None:
+    """Signed with `key` (this process's, by default), atomically replaced, so a reader never sees
+    half a manifest."""
+    signed = manifest.model_copy(update={"signature": sign(manifest.payload(), key or current_key())})
     tmp = step_dir / "manifest.json.tmp"
-    tmp.write_text(manifest.model_dump_json(indent=2))
+    tmp.write_text(signed.model_dump_json(indent=2))
     os.replace(tmp, step_dir / "manifest.json")
 
 
-def list_checkpoints(checkpoint_dir: Path) -> list[tuple[Path, Checkpoint]]:
-    """Every checkpoint folder with a manifest, oldest step first."""
+def authentic(manifest: Checkpoint, key: bytes) -> bool:
+    """Whether `key` signed this manifest (the service, or the user, that holds it wrote it)."""
+    return signed_by(manifest.payload(), manifest.signature, key)
+
+
+def check_provenance(step_dir: Path, manifest: Checkpoint, key: bytes, job_id: uuid.UUID | str | None = None) -> None:
+    """ProvenanceError unless `key` signed the manifest (for job `job_id`, when given), and the
+    folder's job.json names the same job: the checks before anything else of it is read."""
+    refuse = (f"refusing to load checkpoint {step_dir}: it was not written by this job's service ({{}}); a checkpoint's "
+              "files include pickles that run code when loaded. Remove the folder or choose another checkpoint_dir")
+    if not authentic(manifest, key):
+        why = "its manifest is unsigned" if manifest.signature is None else "its manifest's signature is not this service's"
+        raise ProvenanceError(refuse.format(why))
+    if job_id is not None and str(manifest.job_id) != str(job_id):
+        raise ProvenanceError(refuse.format(f"it belongs to job {manifest.job_id}, not {job_id}"))
+    try:
+        named = json.loads((step_dir / "job.json").read_text()).get("job_id")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if str(named) != str(manifest.job_id):
+        raise ProvenanceError(refuse.format(f"its job.json names job {named}, its manifest job {manifest.job_id}"))
+
+
+def list_checkpoints(checkpoint_dir: Path, skip_unreadable: bool = False) -> list[tuple[Path, Checkpoint]]:
+    """Every checkpoint folder with a manifest, oldest step first; a manifest that is not one this
+    version writes raises ProvenanceError, or with `skip_unreadable` is left out (the service's
+    view: it lists what the job wrote)."""
     found = []
     if checkpoint_dir.is_dir():
         for child in sorted(checkpoint_dir.iterdir()):
-            if STEP_DIR.match(child.name) and (manifest := read_manifest(child)) is not None:
+            if not STEP_DIR.match(child.name):
+                continue
+            try:
+                manifest = read_manifest(child)
+            except ProvenanceError:
+                if skip_unreadable:
+                    continue
+                raise
+            if manifest is not None:
                 found.append((child, manifest))
     return sorted(found, key=lambda item: item[1].step)
 
@@ -199,11 +274,11 @@ def verify(step_dir: Path, manifest: Checkpoint, files: list[str] | None = None)
     return problems
 
 
-def mark(step_dir: Path, status: CheckpointStatus, reason: str | None = None) -> Checkpoint:
+def mark(step_dir: Path, status: CheckpointStatus, reason: str | None = None, key: bytes | None = None) -> Checkpoint:
     manifest = read_manifest(step_dir)
     assert manifest is not None
     manifest = manifest.model_copy(update={"status": status, "status_reason": reason})
-    write_manifest(step_dir, manifest)
+    write_manifest(step_dir, manifest, key)
     return manifest
 
 
@@ -213,23 +288,31 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def _bytes_state(encoded: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.uint8)
+
+
 def capture_rng(rank: int) -> RngStateRecord:
-    cuda = _b64(pickle.dumps(torch.cuda.get_rng_state_all())) if torch.cuda.is_available() else None
+    cuda = [_b64(state.numpy().tobytes()) for state in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else None
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, state, gauss_next = random.getstate()
     return RngStateRecord(
         rank=rank,
         cuda_rng_state=cuda,
         torch_rng_state=_b64(torch.get_rng_state().numpy().tobytes()),
-        numpy_rng_state=_b64(pickle.dumps(np.random.get_state())),
-        python_rng_state=_b64(pickle.dumps(random.getstate())),
+        numpy_rng_state=NumpyRngState(kind=kind, keys=keys.tolist(), pos=pos, has_gauss=has_gauss, cached_gaussian=cached),
+        python_rng_state=PythonRngState(version=version, state=list(state), gauss_next=gauss_next),
     )
 
 
 def restore_rng(record: RngStateRecord) -> None:
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(record.torch_rng_state)), dtype=torch.uint8))
-    np.random.set_state(pickle.loads(base64.b64decode(record.numpy_rng_state)))
-    random.setstate(pickle.loads(base64.b64decode(record.python_rng_state)))
+    torch.set_rng_state(_bytes_state(record.torch_rng_state))
+    state = record.numpy_rng_state
+    np.random.set_state((state.kind, np.array(state.keys, dtype=np.uint32), state.pos, state.has_gauss, state.cached_gaussian))
+    python = record.python_rng_state
+    random.setstate((python.version, tuple(python.state), python.gauss_next))
     if record.cuda_rng_state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(pickle.loads(base64.b64decode(record.cuda_rng_state)))
+        torch.cuda.set_rng_state_all([_bytes_state(encoded) for encoded in record.cuda_rng_state])
 
 
 # ---- state dicts of (possibly several) model parts -----------------------------------------------
@@ -274,6 +357,7 @@ class CheckpointManager:
         self.load_extra_state = load_extra_state or (lambda state: None)
         self.on_event = on_event or (lambda *args, **kwargs: None)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.key = current_key()  # signs this job's manifests; a manifest not signed with it is never loaded
         # Async writes run collectives from a background thread: give them their own group.
         self.async_group = dist.new_group(backend="gloo") if config.async_save else None
         self.pending: _Pending | None = None
@@ -301,7 +385,7 @@ class CheckpointManager:
                 shutil.rmtree(step_dir)
             step_dir.mkdir(parents=True)
             (step_dir / "job.json").write_text(self.job_json)
-            write_manifest(step_dir, manifest)
+            write_manifest(step_dir, manifest, self.key)
             self.on_event("checkpoint", status="SAVING", checkpoint_id=str(manifest.checkpoint_id), step=step, path=str(step_dir))
         dist.barrier()
         pending = _Pending(step_dir, manifest, rng=capture_rng(self.rank))
@@ -349,7 +433,7 @@ class CheckpointManager:
             for sub in ("model", "optim"):
                 shutil.rmtree(step_dir / sub, ignore_errors=True)
             try:
-                manifest = mark(step_dir, CheckpointStatus.CORRUPT, reason)
+                manifest = mark(step_dir, CheckpointStatus.CORRUPT, reason, self.key)
                 self.on_event("checkpoint", status="CORRUPT", checkpoint_id=str(manifest.checkpoint_id), step=step,
                               path=str(step_dir), reason=reason, during="save")
             except (OSError, ValueError, AssertionError):  # no manifest was written: nothing to mark
@@ -370,7 +454,7 @@ class CheckpointManager:
         self.pending = None
         if self.rank == 0:
             manifest = self._complete_manifest(pending, gathered)
-            write_manifest(pending.step_dir, manifest)
+            write_manifest(pending.step_dir, manifest, self.key)
             self.on_event("checkpoint", status="COMPLETE", checkpoint_id=str(manifest.checkpoint_id),
                           step=manifest.step, path=str(pending.step_dir))
             self._prune()
@@ -398,12 +482,14 @@ class CheckpointManager:
             "status": CheckpointStatus.COMPLETE, "shards": shards, "optimizer_states": optim, "rng_states": rng})
 
     def _prune(self) -> None:
-        """Keep the newest max_checkpoints_to_keep COMPLETE checkpoints; older ones become DELETED."""
-        complete = [(p, m) for p, m in list_checkpoints(self.dir) if m.status is CheckpointStatus.COMPLETE]
+        """Keep the newest max_checkpoints_to_keep COMPLETE checkpoints; older ones become DELETED
+        (only those signed with this job's key: a folder someone else wrote is left alone)."""
+        complete = [(p, m) for p, m in list_checkpoints(self.dir)
+                    if m.status is CheckpointStatus.COMPLETE and authentic(m, self.key)]
         for step_dir, manifest in complete[:-self.config.max_checkpoints_to_keep]:
             for sub in ("model", "optim"):
                 shutil.rmtree(step_dir / sub, ignore_errors=True)
-            mark(step_dir, CheckpointStatus.DELETED, "pruned: max_checkpoints_to_keep")
+            mark(step_dir, CheckpointStatus.DELETED, "pruned: max_checkpoints_to_keep", self.key)
             self.on_event("checkpoint", status="DELETED", checkpoint_id=str(manifest.checkpoint_id), step=manifest.step,
                           path=str(step_dir))
 
@@ -425,10 +511,13 @@ class CheckpointManager:
         return [problem for problems in gathered for problem in problems]
 
     def load(self, resume_from: str | None) -> Checkpoint | None:
-        """Restore the newest intact checkpoint (or `resume_from`); None if there is none to resume."""
+        """Restore the newest intact checkpoint (or `resume_from`); None if there is none to resume.
+        ProvenanceError if the one to try was not written by this job's service: a planted folder
+        stops the job with a message naming it, rather than being loaded or silently passed over."""
         for step_dir in self.candidates(resume_from):
             manifest = read_manifest(step_dir)
             assert manifest is not None
+            check_provenance(step_dir, manifest, self.key)
             if manifest.status is not CheckpointStatus.COMPLETE:
                 if resume_from:
                     raise ValueError(f"--resume-from: checkpoint {step_dir} is {manifest.status.value}, not COMPLETE")
@@ -448,7 +537,7 @@ class CheckpointManager:
         if self.rank == 0:
             log.error("checkpoint %s (step %d) failed verification: %s -- marked CORRUPT, trying the previous one",
                       step_dir, manifest.step, reason)
-            mark(step_dir, CheckpointStatus.CORRUPT, reason)
+            mark(step_dir, CheckpointStatus.CORRUPT, reason, self.key)
             self.on_event("checkpoint", status="CORRUPT", checkpoint_id=str(manifest.checkpoint_id),
                           step=manifest.step, path=str(step_dir), reason=reason, during="resume")
         dist.barrier()

@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+MAX_JOB_NAME_CHARS = 256
+
 ARCHITECTURES = ("llama", "mistral", "qwen3", "moe")
 
 
@@ -211,7 +213,7 @@ class TrainingJob(BaseModel):
     )
 
     job_id: uuid.UUID = Field(default_factory=uuid.uuid4)
-    job_name: str = "pagedllm-job"
+    job_name: str = Field("pagedllm-job", min_length=1, max_length=MAX_JOB_NAME_CHARS)
     status: JobStatus = JobStatus.PENDING
     created_at: datetime = Field(default_factory=_now)
     updated_at: datetime = Field(default_factory=_now)
@@ -225,6 +227,18 @@ class TrainingJob(BaseModel):
     # Not in the seed.
     seed: int = 0
     log_interval_steps: int = Field(10, ge=1)
+
+    @field_validator("job_name")
+    @classmethod
+    def _printable_name(cls, name: str) -> str:
+        """Names go to logs, the job store and the console: valid Unicode, no control characters."""
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("must be valid Unicode (it contains a lone surrogate)") from None
+        if any(ord(c) < 32 or ord(c) == 127 for c in name):
+            raise ValueError("must not contain control characters")
+        return name
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -93,13 +93,22 @@ def _copy_tokenizer(tokenizer_path: str | Path, out: Path) -> None:
 
 
 def load_checkpoint_state(checkpoint: str | Path) -> tuple[TrainingJob, dict[str, torch.Tensor]]:
-    """The job config and the full (unsharded) model state dict of a COMPLETE checkpoint, in this process."""
+    """The job config and the full (unsharded) model state dict of a COMPLETE checkpoint, in this
+    process. Its manifest must carry this process's signature (provenance.py) and its model files
+    their recorded checksums before DCP reads any (ProvenanceError / ValueError otherwise)."""
     import torch.distributed.checkpoint as dcp
 
-    from pagedllm.training.checkpoint import resolve_checkpoint
+    from pagedllm.training.checkpoint import check_provenance, read_manifest, resolve_checkpoint, verify
     from pagedllm.training.model import TrainingCausalLM
+    from pagedllm.training.provenance import current_key
 
     step_dir = resolve_checkpoint(checkpoint)
+    manifest = read_manifest(step_dir)
+    assert manifest is not None  # resolve_checkpoint found it
+    check_provenance(step_dir, manifest, current_key())
+    problems = verify(step_dir, manifest, [record.file_path for record in manifest.shards])
+    if problems or not manifest.shards:
+        raise ValueError(f"checkpoint {step_dir} cannot be exported: {'; '.join(problems) or 'it has no model files'}")
     job = TrainingJob.model_validate_json((step_dir / "job.json").read_text())
     model = TrainingCausalLM(job.model)
     state = model.state_dict()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from pagedllm.paths import TINY_MODEL
 from pagedllm.training.corpus import iter_documents
 
 EOS_TOKEN = "<|endoftext|>"
@@ -105,9 +106,17 @@ def tokenizer_config() -> dict:
     }
 
 
+# The tokenizer of the repository's own model (models/pagedllm-py-tiny), as a tokenizer_path: what
+# `pagedllm tokenizer train --input @stdlib --glob '**/*.py' --vocab-size 8192` made for it. Like
+# `@stdlib` for datasets, a job given to the job service may name it without an --allowed-path:
+# it is only read.
+BUNDLED_TOKENIZER_ALIAS = "@pagedllm-py-tiny"
+
+
 def tokenizer_files(tokenizer_path: str | Path) -> tuple[Path, Path | None]:
-    """(tokenizer.json, tokenizer_config.json or None) for a tokenizer.json path or its folder."""
-    path = Path(tokenizer_path).expanduser()
+    """(tokenizer.json, tokenizer_config.json or None) for a tokenizer.json path or its folder
+    (or the bundled tokenizer's alias)."""
+    path = TINY_MODEL if str(tokenizer_path) == BUNDLED_TOKENIZER_ALIAS else Path(tokenizer_path).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pagedllm.training.checkpoint import CheckpointManager, CheckpointMetadata
+from pagedllm.training.checkpoint import CheckpointManager, CheckpointMetadata, step_dir_name
 from pagedllm.training.config import Precision, TrainingJob, resolve
 from pagedllm.training.control import Controller, Decision
 from pagedllm.spec_decode import draft_vocab
@@ -352,7 +352,7 @@ class Trainer:
         self.ckpt.wait()
         if self.rank == 0:
             if self.options.export_hf:
-                out = export_checkpoint(self.dir, self.dir / "hf-final")
+                out = export_checkpoint(self.dir / step_dir_name(step), self.dir / "hf-final")
                 draft_vocab.write(out, draft_vocab.rank_tokens(self.data.train.tokens, self.job.model.vocab_size),
                                   len(self.data.train.tokens))  # for serving this model as a draft
                 reporter.info(f"exported Hugging Face folder {out}")

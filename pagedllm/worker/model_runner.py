@@ -63,9 +63,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         if self.device.type == "cpu":
             keep_freed_memory()
-        fused_library = kernels.load() if planner.fused_decode else None
+        panels_library = kernels.load() if planner.small_matmul_panels else None
         self.model = load_model(model_config, max_model_len, self.dtype, self.device, group, quantization=config.quantization,
-                                panel_width=fused_library.panel_width() if fused_library is not None else None)
+                                panel_width=panels_library.panel_width() if panels_library is not None else None)
         self.speculator = speculator
         self.states = SequenceStates()
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
@@ -81,8 +81,12 @@ class ModelRunner:
             attn.bind_cache(*(self.offload.buffer(0) if self.offload else self.kv_cache.layer(index)))
         if self.triton_attention and self.device.type == "cuda":  # (Triton's interpreter would only be slower)
             self.model.use_triton_ops()
-        if fused_library is not None:
-            self.model.fused = FusedDecoder(self.model, fused_library)
+        if planner.fused_decode:
+            self.model.fused = FusedDecoder(self.model, panels_library)
+        elif panels_library is not None:  # panels only for the blocks they keep (the fused step does not run)
+            for linear in self.model.linears():
+                if linear.library is None:  # kept blocks are the weight itself
+                    linear.small = None
         if self.speculator is not None:
             self.speculator.allocate(self.num_blocks, self.num_cpu_blocks, self.model.fused)
         self.graphs = self._capture_graphs()

@@ -231,6 +231,26 @@ def test_metrics_move_with_requests(page, server, artifacts):
     p.wait_for_function("document.querySelector(\"#chart-kv .legend [data-series='used'] b\").textContent === '0'")
 
 
+def test_requests_panel_shows_a_running_request(page, server, artifacts):
+    """The Requests tab lists a long streaming request with its state while it runs, then none."""
+    p = page.page
+    signed_in(p)
+    p.click("#tabs a[data-tab='requests']")
+    p.wait_for_selector("#requests-table tbody td.hint")
+    with httpx.Client(base_url=server.url, headers=server.http.headers, timeout=60) as client:
+        stream = client.stream("POST", "/v1/completions", json={
+            "model": MODEL, "prompt": "x", "max_tokens": LONG, "ignore_eos": True, "stream": True})
+        with stream as response:
+            lines = response.iter_lines()
+            next(lines)
+            p.wait_for_selector("#requests-table tr[data-status='decoding']")
+            assert MODEL in p.inner_text("#requests-table tbody")
+            p.screenshot(path=artifacts / "requests.png")
+            for _ in lines:
+                pass
+    p.wait_for_selector("#requests-table tbody td.hint")
+
+
 def test_stats_agree_with_prometheus(server):
     """/console/api/stats reads the same engine counters and histograms as /metrics (server idle)."""
     stats = server.stats(MODEL)

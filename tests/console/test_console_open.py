@@ -9,7 +9,7 @@ from .server import ConsoleServer
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ConsoleServer.start(["--train-slots", "1"], tmp_path_factory.mktemp("console-open"))
+    srv = ConsoleServer.start(["--no-model", "--train-slots", "1"], tmp_path_factory.mktemp("console-open"))
     yield srv
     srv.stop()
 

@@ -10,7 +10,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.detokenizer import Detokenizer
 from pagedllm.engine.llm_engine import load_tokenizer
-from pagedllm.paths import DEFAULT_MODEL
+from pagedllm.paths import TINY_MODEL
 
 
 def windows(tokenizer, count: int = 300) -> list[list[int]]:
@@ -27,7 +27,7 @@ def windows(tokenizer, count: int = 300) -> list[list[int]]:
 
 
 def test_the_direct_decode_is_transformers_text():
-    tokenizer = load_tokenizer(str(DEFAULT_MODEL))
+    tokenizer = load_tokenizer(str(TINY_MODEL))
     assert tokenizer.clean_up_tokenization_spaces is False
     reference = [(ids, skip, tokenizer.decode(ids, skip_special_tokens=skip)) for ids in windows(tokenizer) for skip in (True, False)]
     single = {t: tokenizer.decode([t]) for t in range(0, len(tokenizer), 97)}
@@ -42,7 +42,7 @@ def test_the_direct_decode_is_transformers_text():
 
 
 def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode():
-    tokenizer = copy.deepcopy(load_tokenizer(str(DEFAULT_MODEL)))
+    tokenizer = copy.deepcopy(load_tokenizer(str(TINY_MODEL)))
     tokenizer.clean_up_tokenization_spaces = True
     calls = []
     original = tokenizer.decode
@@ -61,8 +61,8 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode():
 def test_streamed_text_is_the_decoded_tokens(temperature):
     """The default model's completions: the text the engine built token by token equals
     transformers' decode of the prompt and completion, less the prompt's own text."""
-    llm = LLM(str(DEFAULT_MODEL))
-    tokenizer = load_tokenizer(str(DEFAULT_MODEL))
+    llm = LLM(str(TINY_MODEL))
+    tokenizer = load_tokenizer(str(TINY_MODEL))
     prompts = ["def parse(args):\n    ", "import os\nimport sys\n\n", "class Point:\n    def __init__(self, x, y):\n"]
     params = SamplingParams(temperature=temperature, seed=1, max_tokens=48, ignore_eos=True)
     for out in llm.generate(prompts, params, use_tqdm=False):

@@ -60,6 +60,11 @@ def test_prompt_larger_than_the_kv_pool(model_dir):
         (dict(stop=[""]), "stop"),
         (dict(logprobs=-1), "logprobs"),
         (dict(temperature=float("nan")), "temperature"),
+        # issue 28: float32 overflows and underflows that made every sampled token 0
+        (dict(temperature=1e308), "temperature must be <= 100"),
+        (dict(repetition_penalty=1e308), "repetition_penalty must be in"),
+        (dict(repetition_penalty=1e-300), "repetition_penalty must be in"),
+        (dict(top_p=1e-300), "top_p must be in"),
     ],
 )
 def test_invalid_sampling_values(kwargs, field):

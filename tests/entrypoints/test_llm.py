@@ -1,6 +1,8 @@
 """The offline `LLM` API: vLLM's shapes for prompts, params, outputs, metrics and stats."""
 from __future__ import annotations
 
+import pytest
+
 from pagedllm import LLM, CompletionOutput, RequestOutput, SamplingParams
 
 
@@ -27,3 +29,28 @@ def test_prompt_forms_params_and_output_shape(model_dir, capsys):
     for key in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_swapped"):
         assert key in stats
     assert len(ids) > 17 and stats["prefix_cache_hits"] > 0  # the same prompt, over a block long, again
+
+
+def test_chat_renders_the_template_like_the_server(model_dir):
+    """LLM.chat (vLLM's offline chat): the template's text, tokenized without special tokens,
+    then generated — one conversation or several, tools given to the template."""
+    from pagedllm.entrypoints.chat_template import ChatTemplateError, render_chat
+
+    llm = LLM(str(model_dir("llama")))
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = [{"role": "user", "content": "def add(a, b):"}]
+    second = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "import os"}]
+    outputs = llm.chat([first, second], params, use_tqdm=False)
+    for conversation, output in zip([first, second], outputs):
+        text = render_chat(tok, conversation)
+        assert output.prompt == text and output.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+        expected = llm.generate({"prompt_token_ids": output.prompt_token_ids}, params, use_tqdm=False)[0]
+        assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+    (single,) = llm.chat(first, params, use_tqdm=False)
+    assert single.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    tool = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}
+    (with_tools,) = llm.chat(first, params, tools=[tool], use_tqdm=False)
+    assert '"ls"' in with_tools.prompt
+    with pytest.raises(ChatTemplateError, match="tokenize"):
+        llm.chat(first, params, chat_template_kwargs={"tokenize": True})

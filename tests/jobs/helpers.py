@@ -44,9 +44,10 @@ def to_toml(body: dict) -> str:
 class JobServer:
     """`pagedllm serve` (no model) on 127.0.0.1 with a data dir and an API key; restartable."""
 
-    def __init__(self, data_dir: Path, slots: int, logs: Path, allowed: tuple[Path, ...] = ()) -> None:
+    def __init__(self, data_dir: Path, slots: int, logs: Path, allowed: tuple[Path, ...] = (), extra: tuple[str, ...] = ()) -> None:
         self.data_dir, self.slots, self.logs = data_dir, slots, logs
         self.allowed = allowed  # --allowed-path roots besides the data dir
+        self.extra = extra  # more `pagedllm serve` flags (e.g. --cluster ray)
         self.process: ServerProcess | None = None
         self.starts = 0
         self.client: httpx.Client | None = None
@@ -54,8 +55,8 @@ class JobServer:
     def start(self) -> JobServer:
         os.environ.pop("PAGEDLLM_API_KEY", None)
         self.starts += 1
-        args = ["--log-level", "warning", "--api-key", API_KEY, "--data-dir", str(self.data_dir),
-                "--train-slots", str(self.slots), *(arg for root in self.allowed for arg in ("--allowed-path", str(root)))]
+        args = ["--log-level", "warning", "--no-model", "--api-key", API_KEY, "--data-dir", str(self.data_dir),
+                "--train-slots", str(self.slots), *(arg for root in self.allowed for arg in ("--allowed-path", str(root))), *self.extra]
         self.process = launch(args, self.logs / f"server-{self.starts}.log", timeout=120)
         self.client = httpx.Client(base_url=self.process.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
         return self

@@ -95,12 +95,18 @@ def test_checkpoint_dir_never_holds_the_service_files(roots):
     assert confine_checkpoint_dir("runs/a", roots) == roots.data_dir / "runs" / "a"
 
 
-def test_a_symlink_swapped_in_after_submission_is_caught_at_launch(roots, outside):
+def submitted_corpus(roots: AllowedRoots) -> tuple[Path, dict]:
+    """An empty corpus folder under the data dir and a stored job config naming it, checked once."""
     corpus = roots.data_dir / "corpus"
     corpus.mkdir()
     config = {"checkpoint_config": {"checkpoint_dir": str(roots.data_dir / "ckpt")},
               "data_config": {"dataset_path": str(corpus), "tokenizer_path": str(roots.data_dir / "tok")}}
     check_confined(config, roots)
+    return corpus, config
+
+
+def test_a_symlink_swapped_in_after_submission_is_caught_at_launch(roots, outside):
+    corpus, config = submitted_corpus(roots)
     corpus.rmdir()
     corpus.symlink_to(outside)
     with pytest.raises(ConfigError) as info:
@@ -109,6 +115,66 @@ def test_a_symlink_swapped_in_after_submission_is_caught_at_launch(roots, outsid
     narrower = AllowedRoots(roots.roots[1])  # a server restarted without that root
     with pytest.raises(ConfigError):
         check_confined({**config, "data_config": {**config["data_config"], "dataset_path": "@stdlib"}}, narrower)
+
+
+def dataset_with_links(roots: AllowedRoots, outside: Path) -> Path:
+    """A dataset folder under the data dir: a real file, a file link and a folder link pointing
+    out, and a link to a file in the shared root (allowed)."""
+    (outside / "secret.txt").write_text("not for training")
+    (roots.roots[1] / "shared.txt").write_text("shared text")
+    corpus = roots.data_dir / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("text")
+    (corpus / "to-shared.txt").symlink_to(roots.roots[1] / "shared.txt")
+    (corpus / "leak.txt").symlink_to(outside / "secret.txt")
+    (corpus / "link_out").symlink_to(outside)
+    return corpus
+
+
+@pytest.mark.parametrize("file_glob", ["link_out/*", "**/*", "*.txt", "**/*.txt"])
+def test_dataset_files_are_confined_after_following_links(roots, outside, file_glob):
+    """Issue 28: the dataset folder was confined, its files were not: `link_out/*` (a folder link
+    pointing out), or the default `**/*` over a file link, read files outside every root."""
+    corpus = dataset_with_links(roots, outside)
+    data = {"dataset_path": str(corpus), "tokenizer_path": "tok", "file_glob": file_glob}
+    with pytest.raises(ConfigError) as info:
+        confine_data(data, roots)
+    assert info.value.field == "data_config.dataset_path" and "links pointing out are refused" in str(info.value)
+    assert str(outside) in str(info.value)
+    for link in ("leak.txt", "link_out"):
+        (corpus / link).unlink()
+    assert confine_data(data, roots)["dataset_path"] == str(corpus)  # a link to the shared root is fine
+
+
+def test_the_trainer_skips_links_planted_after_the_check(roots, outside):
+    """Between the check and the read a link can appear: the trainer, given the roots, skips it."""
+    from pagedllm.training.corpus import iter_documents, source_files
+
+    corpus = dataset_with_links(roots, outside)
+    names = lambda files: sorted(f.name for f in files)  # noqa: E731
+    assert names(source_files(str(corpus), "**/*", roots.roots)) == ["a.txt", "to-shared.txt"]
+    assert "leak.txt" in names(source_files(str(corpus), "**/*"))  # `pagedllm train` by hand: no roots
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAGEDLLM_ALLOWED_ROOTS", ":".join(str(r) for r in roots.roots))
+        assert all(doc.text != "not for training" for doc in iter_documents(str(corpus)))
+
+
+def test_a_link_planted_in_the_dataset_after_submission_is_caught_at_launch(roots, outside):
+    corpus, config = submitted_corpus(roots)
+    (outside / "secret.txt").write_text("not for training")
+    (corpus / "leak.txt").symlink_to(outside / "secret.txt")
+    with pytest.raises(ConfigError, match="links pointing out are refused"):
+        check_confined(config, roots)
+
+
+def test_the_service_files_are_never_data(roots):
+    (roots.data_dir / "jobs.db").write_text("")
+    (roots.data_dir / ".checkpoint-key").write_text("00")
+    for value in ("jobs.db", ".checkpoint-key"):
+        with pytest.raises(ConfigError, match="job service's own files"):
+            confine_data({"dataset_path": value, "tokenizer_path": "tok"}, roots)
+    with pytest.raises(ConfigError, match="job service's own files"):
+        confine_data({"dataset_path": str(roots.data_dir), "tokenizer_path": "tok", "file_glob": "*.db"}, roots)
 
 
 # ---- over HTTP, on the real server (its roots: its data dir and pytest's base temp folder) -------------------------
@@ -144,6 +210,15 @@ def test_symlinks_pointing_out_are_400(server, tiny_paths, tmp_path, outside):
     body = job_body(tiny_paths, checkpoint_config={"checkpoint_dir": str(tmp_path / "ckpt" / "run")})
     assert_error(server.client.post("/v1/training/jobs", json=body), 400, "checkpoint_config.checkpoint_dir")
     assert list(outside.iterdir()) == [outside / "tokenizer"]
+    corpus = tmp_path / "corpus"  # a dataset folder with a file link leading out: the default glob takes it
+    corpus.mkdir()
+    for file in tiny_paths["corpus"].iterdir():
+        (corpus / file.name).write_bytes(file.read_bytes())
+    (corpus / "leak.txt").symlink_to(outside / "tokenizer" / "tokenizer.json")
+    body = job_body(tiny_paths)
+    body["data_config"]["dataset_path"] = str(corpus)
+    error = assert_error(server.client.post("/v1/training/jobs", json=body), 400, "data_config.dataset_path")
+    assert "links pointing out are refused" in error["message"]
 
 
 @pytest.mark.parametrize("path", ["..%2F..%2Fjobs.db", "%2e%2e", "..%2f..%2f..%2fetc%2fpasswd", "%2E%2E%2Fservice.lock"])

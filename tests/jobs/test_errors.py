@@ -36,6 +36,8 @@ def nested(body: dict, path: str, value) -> dict:
     ("data_config.dataset_path", "/nonexistent/corpus", "data_config.dataset_path"),
     ("data_config.tokenizer_path", "/nonexistent/tokenizer", "data_config.tokenizer_path"),
     ("parallelism_config.expert_parallel_size", 2, "parallelism_config.expert_parallel_size"),
+    ("job_name", "j" * 10_000, "job_name"),  # issue 28: names had no bound
+    ("job_name", "a\nb", "job_name"),
 ])
 def test_invalid_config_is_400_naming_the_field(server, tiny_paths, path, value, param):
     before = len(server.client.get("/v1/training/jobs").json()["data"])
@@ -48,6 +50,28 @@ def test_a_checkpoint_dir_of_another_job_is_refused(server, tiny_paths, tmp_path
     (tmp_path / "job.json").write_text(json.dumps({"job_id": "someone-else"}))
     body = job_body(tiny_paths, checkpoint_config={"checkpoint_dir": str(tmp_path)})
     assert_error(server.client.post("/v1/training/jobs", json=body), 400, "checkpoint_config.checkpoint_dir", "someone-else")
+
+
+def test_a_planted_pickle_checkpoint_is_refused_and_never_runs(server, tiny_paths, tmp_path):
+    """Issue 28: a job resumed from the newest COMPLETE checkpoint in its checkpoint_dir, whoever
+    wrote it, and DCP unpickled its .metadata as the server's user. A folder planted there (checksums
+    made consistent, a pickle payload that would create a marker file) fails the job with a message
+    naming it; the payload never runs."""
+    from pagedllm.training.config import parse_job
+    from pagedllm.training.trainer import RunOptions, run_training
+    from training.helpers import plant, tiny_job
+
+    made, marker = tmp_path / "made", tmp_path / "payload-ran"
+    run_training(parse_job(tiny_job(tiny_paths, made)), RunOptions(peak_flops=1e10, export_hf=False))
+    checkpoint_dir = tmp_path / "planted"
+    checkpoint_dir.mkdir()
+    plant(made / "step-00000006", checkpoint_dir / "step-00000099", marker, pickled_rng=False)
+    job_id = server.submit(job_body(tiny_paths, ranks=1, steps=8, checkpoint_config={"checkpoint_dir": str(checkpoint_dir)}))
+    view = server.wait(job_id, lambda v: v["status"] in ("FAILED", "COMPLETED"), what="the job to end")
+    assert view["status"] == "FAILED" and "refusing to load checkpoint" in view["failure_reason"], view["failure_reason"]
+    assert "step-00000099" in view["failure_reason"]
+    assert not marker.exists(), "the planted pickle ran"
+    assert server.client.get(f"/v1/training/jobs/{job_id}/checkpoints").json() == []  # not listed as the job's
 
 
 def test_bodies_that_are_not_a_job(server):

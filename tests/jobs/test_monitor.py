@@ -12,6 +12,7 @@ from pagedllm.jobs.monitor import EventFollower, JobMonitor, abandon_unfinished_
 from pagedllm.jobs.records import JobRecord, JobState, RunRecord
 from pagedllm.jobs.store import SQLiteJobStore
 from pagedllm.training.checkpoint import Checkpoint, CheckpointMetadata, CheckpointStatus, step_dir_name, write_manifest
+from pagedllm.training.provenance import current_key
 
 
 def append(path, *events, end="\n") -> None:
@@ -54,7 +55,7 @@ def test_events_become_metrics_checkpoints_and_states(tmp_path):
     store.add(job)
     run = RunRecord(run=1, started_at=1.0)
     events = tmp_path / "events.jsonl"
-    monitor = JobMonitor(store, job, run, events)
+    monitor = JobMonitor(store, job, run, events, current_key())
     ckpt = uuid.uuid4()
     job.requested_checkpoint_id = str(ckpt)
     path = manifest(tmp_path, job_id, 2, CheckpointStatus.SAVING, ckpt)
@@ -82,7 +83,7 @@ def test_events_become_metrics_checkpoints_and_states(tmp_path):
     assert [t.status for t in store.history(job_id)][-2:] == [JobState.CHECKPOINTING, JobState.RUNNING]
 
     manifest(tmp_path, job_id, 3, CheckpointStatus.SAVING, uuid.uuid4())
-    sync_checkpoints(store, job)
+    sync_checkpoints(store, job, current_key())
     abandon_unfinished_saves(store, job)  # the job died mid-save
     assert [c["status"] for c in store.checkpoints(job_id)] == ["COMPLETE", "CORRUPT"]
 

@@ -119,7 +119,9 @@ def test_the_greedy_kernel_matches_torch_argmax_and_logsumexp(vocab):
     torch_rows = Sampler(0, CPU).greedy(logits)
     assert kernel.token_ids.tolist() == torch_rows.token_ids.tolist() == logits.argmax(dim=-1).tolist()
     exact = logits.double().max(dim=-1).values - torch.logsumexp(logits.double(), dim=-1)
-    torch.testing.assert_close(kernel.logprobs.double(), exact, rtol=0, atol=1e-6, equal_nan=True)
+    # the sanitizer build (test_sanitizers.py) vectorises the instrumented sum differently: 1.1e-6 seen
+    tolerance = 2e-6 if kernels.sanitizing() else 1e-6
+    torch.testing.assert_close(kernel.logprobs.double(), exact, rtol=0, atol=tolerance, equal_nan=True)
     assert torch.equal(kernel.logprobs.isnan(), torch_rows.logprobs.isnan())
     assert float(kernel.logprobs[5]) == 0.0
     big = torch.randn(KERNEL_GREEDY_ROWS + 1, vocab)  # past the kernel's rows: torch's path, same answer

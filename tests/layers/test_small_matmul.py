@@ -1,4 +1,4 @@
-"""The small-M matmul kernel (fp32 and int8 panels) against `x @ W^T`, on the AVX-512 build where
+"""The small-M matmul kernel (fp32, int8 and GGUF-block panels) against `x @ W^T`, on the AVX-512 build where
 the machine has it and on the AVX2 build everywhere (-mno-avx512f), so CI machines without
 AVX-512 run the same code paths as this one."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers import kernels
-from pagedllm.layers.quantization import dequantize_int8, quantize_int8
-from pagedllm.layers.small_matmul import MAX_ROWS, matmul, pack, pack_swiglu
+from pagedllm.layers.quantization import dequantize_int8, quantize_blocks, quantize_int8
+from pagedllm.layers.small_matmul import MAX_ROWS, matmul, pack, pack_blocks, pack_swiglu
 
 pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C compiler on this machine")
 
@@ -139,3 +139,50 @@ def test_an_int8_weight_needs_its_scales(library):
         pack(torch.zeros(4, 4, dtype=torch.int8), library.panel_width())
     with pytest.raises(ValueError, match="float32"):
         matmul(library, torch.zeros(2, 5), pack(torch.zeros(4, 4), library.panel_width()))
+
+
+BLOCK_SHAPES = [(3, 32), (37, 64), (17, 96), (960, 576), (576, 1536)]
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n, k", BLOCK_SHAPES)
+def test_gguf_blocks_match_the_dequantized_reference(library, kind, n, k):
+    """GGUF blocks kept bit for bit in panels: every batch size (and prefill-sized ones, past a
+    tile of 64 rows) gives
+    x @ W^T of the weights gguf dequantizes them to, within fp32 summation error; a row does not
+    depend on the rest of the batch."""
+    gen = torch.Generator().manual_seed(n + k)
+    blocks = quantize_blocks(torch.randn(n, k, generator=gen), kind)
+    w, b = blocks.dequantize(), torch.randn(n, generator=gen)
+    packed = pack_blocks(blocks, library.panel_width(), b)
+    width = library.panel_width()  # a block's bytes as GGUF's Q8_0 / Q4_1 (Q4_0 gains its min): 34 or 20 per 32 weights
+    assert packed.panels.numel() == -(-n // width) * width * (k // 32) * (34 if kind == "Q8_0" else 20)
+    x = torch.randn(130, k, generator=gen)  # 130 rows: a prefill in tiles of 64 (ROW_TILE), 2 left over
+    alone = torch.cat([matmul(library, x[i : i + 1], packed) for i in range(x.shape[0])])
+    for m in [*range(1, MAX_ROWS + 1), 40, 130]:
+        ours = matmul(library, x[:m], packed)
+        exact = x[:m].double() @ w.double().T + b.double()
+        assert ((ours.double() - exact).abs() <= bound(x[:m], w) + 1e-6).all(), f"m={m}"
+        assert torch.equal(ours, alone[:m]), f"m={m}"
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_gguf_blocks_swiglu(library, kind):
+    gen = torch.Generator().manual_seed(7)
+    n, k = 2 * (3 * library.panel_width() + 5), 64
+    blocks = quantize_blocks(torch.randn(n, k, generator=gen) * 0.2, kind)
+    packed = pack_swiglu(blocks, library.panel_width())
+    x = torch.randn(5, k, generator=gen)
+    gate, up = (x.double() @ blocks.dequantize().double().T).chunk(2, dim=-1)
+    torch.testing.assert_close(matmul(library, x, packed).double(), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    fp32 = pack_swiglu(blocks.dequantize(), library.panel_width())
+    torch.testing.assert_close(matmul(library, x, packed), matmul(library, x, fp32), rtol=1e-5, atol=1e-5)
+
+
+def test_q4_0_blocks_are_kept_as_q4_1_with_the_same_values(library):
+    """Q4_0 (w = d (q - 8)) is packed as Q4_1 with m = -8 d: the same weights, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    blocks = quantize_blocks(torch.randn(16, 64, generator=gen), "Q4_0")
+    eye = torch.eye(64)
+    packed = pack_blocks(blocks, library.panel_width())
+    assert torch.equal(matmul(library, eye, packed).T, blocks.dequantize())  # x = I reads the weights back exactly

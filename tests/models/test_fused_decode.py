@@ -74,6 +74,17 @@ def test_int8_fused_step_matches_the_int8_modules(model_dir, run):
     assert_same(fused, reference)
 
 
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_q4_fused_step_matches_the_q4_modules(arch, model_dir, run):
+    """Kept blocks (Q4_1 projections, a Q8_0 LM head; qwen2's biases) in the fused step against
+    the modules computing with their dequantized values: the fused step's block kernels and its
+    checks of block-quantized matrices, every batch size from 16 rows down."""
+    fused, calls = run(model_dir(arch), decode_backend="fused", quantization="q4")
+    reference, _ = run(model_dir(arch), decode_backend="torch", quantization="q4")
+    assert set(calls) == set(range(1, MAX_ROWS + 1))
+    assert_same(fused, reference)
+
+
 def test_speculative_verification_rows_go_through_the_fused_step(model_dir):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]] * 2
@@ -167,7 +178,7 @@ def test_a_verification_row_gets_the_bits_of_a_1_row_step(model_dir, monkeypatch
         tables, which = table.repeat(rows, 1).contiguous(), torch.arange(rows, dtype=torch.int64)
         logits = torch.empty(rows, decoder.vocab_size)
         st = StepStruct(rows, ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), lens.data_ptr(), tables.data_ptr(), len(table),
-                        which.data_ptr(), rows, logits.data_ptr())
+                        which.data_ptr(), rows, logits.data_ptr(), logits.numel())
         assert library.decode_step(ctypes.byref(decoder._struct), ctypes.byref(st), 2) == 0
         return logits
 
@@ -198,3 +209,54 @@ def test_a_short_prompt_chunk_runs_as_one_fused_step(model_dir, run):
     assert len(mine) == len(short) and mine[0] is None
     for a, b in zip(mine[1:], theirs[1:]):
         assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+ONE_TOKEN_SAMPLES = """
+import json, sys
+from pagedllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], decode_backend=sys.argv[2])
+outs = [llm.generate(["a"], SamplingParams(n=n, max_tokens=4, seed=7), use_tqdm=False)[0] for n in (8, 12, 16)]
+print(json.dumps([[c.token_ids for c in out.outputs] for out in outs]))
+"""
+
+
+def test_many_samples_of_a_one_token_prompt_on_the_default_model():
+    """Issue 28: n = 8 of the one-token prompt "a" aborted the interpreter (glibc `free(): invalid
+    next size`) and n = 12 hung. The prompt is laid out as one fused row, and each of the n
+    samples takes that row's logits: 8 logit rows in a 1-row step, whose final norms were
+    written into per-thread scratch sized for the rows (decode_step.c), over the heap. Run in a
+    child with a deadline, as the crash and the hang were; the tokens are the torch path's."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = str(Path(__file__).resolve().parents[2] / "models" / "pagedllm-py-tiny")
+    runs = {}
+    for backend in ("fused", "torch"):
+        done = subprocess.run([sys.executable, "-c", ONE_TOKEN_SAMPLES, folder, backend], capture_output=True, text=True,
+                              timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[backend] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [len(samples) for samples in runs["fused"]] == [8, 12, 16]
+    assert all(len(tokens) == 4 for samples in runs["fused"] for tokens in samples)
+    assert runs["fused"] == runs["torch"]
+
+
+@pytest.mark.parametrize("prompt_len", [1, 2, 15, 16])
+def test_more_logit_rows_than_rows_in_a_fused_step(model_dir, run, prompt_len):
+    """n and best_of up to 16 samples of prompts that fit one fused step (their logits taken
+    from the prompt's last row 16 times), greedy and sampled, as the modules compute them."""
+    prompt = [3 + j for j in range(prompt_len)]
+    params = [SamplingParams(n=16, max_tokens=3, seed=1, ignore_eos=True, logprobs=2),
+              SamplingParams(n=2, best_of=16, max_tokens=3, seed=2, ignore_eos=True),
+              SamplingParams(n=16, temperature=0, max_tokens=3, ignore_eos=True)]
+    outputs, calls = {}, {}
+    for backend in ("fused", "torch"):
+        llm = LLM(str(model_dir("llama")), decode_backend=backend)
+        run.calls.clear()
+        outputs[backend] = [llm.generate([prompt], p, use_tqdm=False)[0] for p in params]
+        calls[backend] = list(run.calls)
+    assert prompt_len in calls["fused"] and not calls["torch"]  # the prompt ran as one fused step
+    for mine, theirs in zip(outputs["fused"], outputs["torch"]):
+        assert [c.token_ids for c in mine.outputs] == [c.token_ids for c in theirs.outputs]

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams as Constraint
-from pagedllm.paths import DEFAULT_MODEL
+from pagedllm.paths import TINY_MODEL
 
 PROMPTS = ["def parse(args):\n    ", "import os\n", "class Shape:\n"]
 SCHEMAS = [
@@ -82,7 +82,7 @@ def is_json_prefix(text: str) -> bool:
 def test_any_json_object():
     """The trained default model at several temperatures: an answer that stops is one JSON object;
     one cut by max_tokens is a prefix of one. Both kinds occur, so both checks run."""
-    llm = LLM(str(DEFAULT_MODEL))
+    llm = LLM(str(TINY_MODEL))
     prompts = PROMPTS + ["config = ", "x = "]
     params = [SamplingParams(temperature=t, seed=i, max_tokens=60, structured_outputs=Constraint(json_object=True))
               for t in (0.0, 0.7, 1.0) for i in range(len(prompts))]

@@ -1,9 +1,14 @@
 """Tiny jobs shared by the training tests and by dist_scenarios.py (which torchrun runs as a script)."""
 from __future__ import annotations
 
+import base64
 import copy
+import hashlib
+import json
+import pickle
 import shutil
 import sysconfig
+import uuid
 from pathlib import Path
 
 # Python standard-library sources: present on every machine, real text for the tokenizer and the model.
@@ -47,3 +52,35 @@ def tiny_job(paths: dict, checkpoint_dir: str | Path, **sections) -> dict:
         else:
             job[section] = values
     return job
+
+
+class _Payload:
+    """What a planted pickle would run: here, only the creation of a marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def plant(source: Path, planted: Path, marker: Path, pickled_rng: bool) -> None:
+    """Copy a real checkpoint folder `source` to `planted` (a step folder, as step 99) as someone
+    with write access to a checkpoint_dir would: its model/.metadata replaced by a pickle that
+    creates `marker`, the manifest's checksums fixed up to match, COMPLETE, unsigned; with
+    `pickled_rng`, RNG states pickled as older versions wrote them."""
+    shutil.copytree(source, planted)
+    metadata = planted / "model" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_Payload(marker)))
+    manifest = json.loads((planted / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        if shard["file_path"] == "model/.metadata":
+            shard["file_size_bytes"] = metadata.stat().st_size
+            shard["checksum"] = "sha256:" + hashlib.sha256(metadata.read_bytes()).hexdigest()
+    manifest.update(step=99, status="COMPLETE", checkpoint_id=str(uuid.uuid4()))
+    manifest.pop("signature", None)
+    if pickled_rng:
+        payload = base64.b64encode(pickle.dumps(_Payload(marker))).decode()
+        for record in manifest["rng_states"]:
+            record.update(numpy_rng_state=payload, python_rng_state=payload)
+    (planted / "manifest.json").write_text(json.dumps(manifest))

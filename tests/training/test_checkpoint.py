@@ -11,7 +11,7 @@ from pagedllm.training.checkpoint import CheckpointStatus, list_checkpoints, res
 from pagedllm.training.config import parse_job
 from pagedllm.training.trainer import RunOptions, run_training
 
-from .helpers import tiny_job
+from .helpers import plant, tiny_job
 
 FAST = RunOptions(peak_flops=1e10, export_hf=False)
 
@@ -130,3 +130,31 @@ def test_a_full_disk_during_save_keeps_the_previous_checkpoint(tiny_paths, tmp_p
         assert verify(step_dir, manifest) == []
     resumed = run(tiny_paths, ckpt, checkpoint_config={"checkpoint_interval_steps": 2})
     assert resumed.start_step == 4 and resumed.losses == {5: whole.losses[5], 6: whole.losses[6]}
+
+
+@pytest.mark.parametrize("pickled_rng", [False, True], ids=["unsigned", "pickled_rng_states"])
+def test_a_planted_pickle_checkpoint_is_refused_and_never_runs(tiny_paths, tmp_path, pickled_rng):
+    """Issue 28: every launch resumed from the newest COMPLETE checkpoint in checkpoint_dir, and
+    unpickled its manifest's RNG states and DCP's .metadata. A folder planted there (checksums
+    consistent, as anyone writing it can make them) is refused before any of it is read."""
+    ckpt, marker = tmp_path / "run", tmp_path / "payload-ran"
+    run(tiny_paths, ckpt, checkpoint_config={"checkpoint_interval_steps": 2})
+    plant(ckpt / "step-00000006", ckpt / "step-00000099", marker, pickled_rng)
+    with pytest.raises(Exception, match="refusing to (load|use) checkpoint .*step-00000099") as info:
+        run(tiny_paths, ckpt, optimization_config={"total_steps": 8, "warmup_steps": 2})
+    assert "choose another checkpoint_dir" in str(info.value)
+    assert not marker.exists(), "the planted pickle ran"
+    assert statuses(ckpt)[6] == "COMPLETE" if not pickled_rng else True  # the job's own checkpoints untouched
+
+
+def test_the_rng_states_are_plain_data_and_restore_exactly(tiny_paths, tmp_path):
+    """The manifest's RNG states are JSON numbers (no pickle), and a resume from them reproduces
+    the interrupted run's losses bit for bit."""
+    ckpt = tmp_path / "run"
+    whole = run(tiny_paths, ckpt, checkpoint_config={"checkpoint_interval_steps": 2})
+    rng = json.loads((ckpt / "step-00000004" / "manifest.json").read_text())["rng_states"][0]
+    assert len(rng["numpy_rng_state"]["keys"]) == 624 and len(rng["python_rng_state"]["state"]) == 625
+    for step in (6,):
+        (ckpt / f"step-{step:08d}" / "manifest.json").unlink()
+    again = run(tiny_paths, ckpt)
+    assert again.start_step == 4 and again.losses == {5: whole.losses[5], 6: whole.losses[6]}

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from pagedllm.console.routes import ASSET_PREFIXES, PAGE_PATHS, install_console
 from pagedllm.entrypoints.openai.auth import OPEN_PATHS, APIKeyMiddleware
 from pagedllm.entrypoints.openai.errors import install_error_handlers
+from pagedllm.entrypoints.openai.limits import BodyLimitMiddleware
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.models import ModelRegistry
 from pagedllm.entrypoints.openai.openapi import install_openapi
@@ -40,7 +41,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics()
     registry = ModelRegistry(settings, metrics)
     metrics.collect_engine_stats(registry.snapshots)
-    jobs = JobService.from_settings(settings.data_dir, settings.train_slots, settings.allowed_paths)
+    metrics.collect_replica_stats(registry.replica_snapshots)
+    jobs = JobService.from_settings(settings.data_dir, settings.train_slots, settings.allowed_paths, settings.cluster)
     services: list[Service] = [registry, jobs]
 
     @asynccontextmanager
@@ -64,6 +66,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app.state.services = services
     install_error_handlers(app)
     open_paths = (OPEN_PATHS - {"/metrics"} if settings.protect_metrics else OPEN_PATHS) | PAGE_PATHS
+    # The last middleware added runs first: the key is checked from the headers, then the body's size.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths,
                            open_prefixes=ASSET_PREFIXES)

@@ -63,6 +63,13 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclass
+class _Query:
+    """Asks the engine thread for its live requests' states (the only thread that may read them)."""
+
+    answer: asyncio.Future
+
+
 _STOP = object()
 
 
@@ -208,6 +215,16 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         self._send(_Abort(request_ids))
 
+    async def request_states(self) -> list[dict[str, Any]]:
+        """Each live request's state, timings and counts (LLMEngine.request_states), read on the
+        engine thread between steps; none once the engine has ended."""
+        if self._ended.is_set():
+            return []
+        assert self._loop is not None, "AsyncEngine.start() was not called"
+        answer = self._loop.create_future()
+        self._send(_Query(answer))
+        return await answer
+
     async def shutdown(self) -> None:
         """Abort every request (each ends with finish_reason "abort") and stop the thread."""
         self._closing = True
@@ -230,6 +247,8 @@ class AsyncEngine:
     def _reject(command: Any, exc: Exception) -> None:
         if isinstance(command, _Add):
             command.group._fail(exc)
+        elif isinstance(command, _Query):
+            _answer(command.answer, [])
 
     # ---- engine-thread side -------------------------------------------------------------------
     def _run(self) -> None:
@@ -246,13 +265,27 @@ class AsyncEngine:
         except BaseException as exc:  # a bug in the engine: fail its requests, report unhealthy
             logger.exception("engine loop of model %r died", self.name)
             self.error = exc
-            dead = EngineDeadError(f"the engine of model {self.name!r} stopped: {exc!r}")
-            self._post(_fail_groups, set(self._groups.values()), dead)
-            self._groups.clear()
+            self._fail_all(exc)
         finally:
             self._shutdown_engine()
             self._ended.set()
             self._drain_rejecting()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """Each unfinished request gets its final output, finished with reason "error" (the
+        metrics count them), and then, in the same callback on the event loop, its group gets
+        the engine's error: a client never sees its request end without it."""
+        outputs: list[RequestOutput] = []
+        try:
+            outputs = self.engine.fail_unfinished(f"the engine failed: {exc!r}")
+            if self._on_step is not None:
+                self._on_step(outputs)
+        except Exception:
+            logger.exception("reporting the failed requests of model %r failed", self.name)
+        deliveries = [(self._groups[o.request_id], o) for o in outputs if o.request_id in self._groups]
+        dead = EngineDeadError(f"the engine of model {self.name!r} stopped: {exc!r}")
+        self._post(_deliver_and_fail, deliveries, set(self._groups.values()), dead)
+        self._groups.clear()
 
     def _shutdown_engine(self) -> None:
         try:
@@ -273,6 +306,8 @@ class AsyncEngine:
     def _apply(self, command: Any) -> None:
         if command is _STOP:
             self._stopping = True
+        elif isinstance(command, _Query):
+            self._post(_answer, command.answer, self.engine.request_states())
         elif isinstance(command, _Abort):
             for request_id in command.request_ids:
                 if request_id in self._groups:
@@ -341,6 +376,8 @@ class AsyncEngine:
                 return
             if isinstance(command, _Add):
                 self._post(command.group._fail, exc)
+            elif isinstance(command, _Query):
+                self._post(_answer, command.answer, [])
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
@@ -355,6 +392,13 @@ def _deliver(deliveries: list[tuple[RequestGroup, RequestOutput]]) -> None:
         group._update(output)
 
 
-def _fail_groups(groups: set[RequestGroup], exc: BaseException) -> None:
+def _answer(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _deliver_and_fail(deliveries: list[tuple[RequestGroup, RequestOutput]], groups: set[RequestGroup],
+                      exc: BaseException) -> None:
+    _deliver(deliveries)
     for group in groups:
         group._fail(exc)

@@ -54,15 +54,25 @@ def validation_message(errors: Sequence[dict[str, Any]]) -> tuple[str, str | Non
         return f"the request body is not valid JSON: {ctx.get('error', 'parse error')}", None
     if tuple(first.get("loc", ())) == ("body",) and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
         return "the request body must be a JSON object", None
+    errors = _most_specific(errors)
+    first = errors[0]
     pieces = []
     for err in errors[:5]:
         param = _loc_to_param(err.get("loc", ()))
-        msg = err.get("msg", "invalid value")
+        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
             msg = "unrecognized request argument"
         pieces.append(f"{param}: {msg}" if param else msg)
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-    return "; ".join(pieces) + more, _loc_to_param(first.get("loc", ()))
+    return "; ".join(dict.fromkeys(pieces)) + more, _loc_to_param(first.get("loc", ()))
+
+
+def _most_specific(errors: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A field of several shapes (a prompt: text, texts, ids, id lists) fails once per shape; when
+    one shape failed on its value (too long, not valid Unicode), the others' "should be a valid
+    list" are noise: keep the errors about values where there are any."""
+    about_values = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
+    return about_values or list(errors)
 
 
 async def _api_error_handler(request: Request, exc: Exception) -> JSONResponse:

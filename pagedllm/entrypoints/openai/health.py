@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from pagedllm.entrypoints.openai.models import ServedModel
-from pagedllm.entrypoints.openai.protocol import HealthResponse, ModelHealth
+from pagedllm.entrypoints.openai.protocol import HealthResponse, ModelHealth, ReplicaHealth
 from pagedllm.entrypoints.openai.settings import ServerSettings
 
 _RANK = {"healthy": 0, "degraded": 1, "unhealthy": 2}
@@ -31,9 +31,16 @@ def model_health(served: ServedModel, settings: ServerSettings) -> ModelHealth:
         num_waiting=stats["num_waiting"],
         kv_cache_usage=stats["kv_cache_usage"],
     )
+    replicas = served.engine.replica_views() if hasattr(served.engine, "replica_views") else None
+    if replicas is not None:
+        health.replicas = [ReplicaHealth(**{k: r[k] for k in ("replica", "alive", "pid", "node_id", "restarts")})
+                           for r in replicas]
+    down = [r["replica"] for r in replicas or [] if not r["alive"]]
     if not served.engine.alive:
         health.status, health.reason = "unhealthy", f"engine loop stopped: {served.engine.error!r}"
-    elif health.num_waiting >= waiting_threshold(settings, served.engine.engine.config.max_num_seqs):
+    elif down:
+        health.status, health.reason = "degraded", f"replica {', '.join(map(str, down))} down (restarting)"
+    elif health.num_waiting >= waiting_threshold(settings, served.max_num_seqs):
         health.status, health.reason = "degraded", f"{health.num_waiting} requests waiting"
     elif health.kv_cache_usage >= settings.degraded_kv_cache_usage:
         health.status, health.reason = "degraded", f"KV cache {health.kv_cache_usage:.0%} used"

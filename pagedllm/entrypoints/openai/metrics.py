@@ -85,6 +85,40 @@ class EngineStatsCollector(Collector):
         yield per_position
 
 
+class ReplicaStatsCollector(Collector):
+    """The same gauges and engine counters per replica of the data-parallel models (`pagedllm_replica_*`,
+    labelled model_name and replica; the model's own series are their sums), requests routed to each
+    replica by reason (prefix: its cache should hold the prompt's first blocks; load: the least loaded),
+    restarts, and whether it is up."""
+
+    def __init__(self, snapshots: Callable[[], Iterable[dict]]):
+        self._snapshots = snapshots
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        replicas = list(self._snapshots())
+        labels = [LABEL, "replica"]
+        for kind, table in ((GaugeMetricFamily, GAUGES), (CounterMetricFamily, COUNTERS)):
+            for name, key, doc in table:
+                family = kind(PREFIX + "replica_" + name, doc, labels=labels)
+                for r in replicas:
+                    if r["stats"]:
+                        family.add_metric([r["model"], str(r["replica"])], float(r["stats"].get(key, 0)))
+                yield family
+        routed = CounterMetricFamily(PREFIX + "router_requests", "Request groups sent to each replica, by the reason "
+                                     "it was chosen (prefix or load).", labels=[*labels, "reason"])
+        restarts = CounterMetricFamily(PREFIX + "replica_restarts", "Times a replica was started again after it died.", labels=labels)
+        up = GaugeMetricFamily(PREFIX + "replica_up", "1 while the replica serves, 0 while it is down.", labels=labels)
+        for r in replicas:
+            for reason, count in r["routed"].items():
+                routed.add_metric([r["model"], str(r["replica"]), reason], float(count))
+            restarts.add_metric([r["model"], str(r["replica"])], float(r["restarts"]))
+            up.add_metric([r["model"], str(r["replica"])], 1.0 if r["alive"] else 0.0)
+        yield from (routed, restarts, up)
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -93,11 +127,17 @@ class ServerMetrics:
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between a request's consecutive engine steps that produced tokens.", [LABEL], registry=r, buckets=_ITL_BUCKETS)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish.", [LABEL], registry=r, buckets=_E2E_BUCKETS)
         self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled.", [LABEL], registry=r, buckets=_LATENCY_BUCKETS)
+        self.prefill = Histogram(PREFIX + "request_prefill_time_seconds", "First scheduled to first token.", [LABEL], registry=r, buckets=_LATENCY_BUCKETS)
+        self.decode = Histogram(PREFIX + "request_decode_time_seconds", "First token to finish.", [LABEL], registry=r, buckets=_E2E_BUCKETS)
+        self.preemptions = Counter(PREFIX + "request_preemptions", "Preemptions of finished requests' samples.", [LABEL], registry=r)
         self.success = Counter(PREFIX + "request_success", "Finished completions (one per returned choice) by finish reason.", [LABEL, "finished_reason"], registry=r)
 
     def collect_engine_stats(self, snapshots: Callable[[], Iterable[tuple[str, dict]]]) -> None:
         """Expose the gauges and engine counters of whatever `snapshots()` returns at scrape time."""
         self.registry.register(EngineStatsCollector(snapshots))
+
+    def collect_replica_stats(self, snapshots: Callable[[], Iterable[dict]]) -> None:
+        self.registry.register(ReplicaStatsCollector(snapshots))
 
     def observer(self, model_name: str) -> "RequestObserver":
         return RequestObserver(self, model_name)
@@ -153,5 +193,11 @@ class RequestObserver:
                 self.m.e2e.labels(self.model).observe(metrics.finished_time - metrics.arrival_time)
             if metrics.first_scheduled_time is not None:
                 self.m.queue.labels(self.model).observe(metrics.first_scheduled_time - metrics.arrival_time)
+                if metrics.first_token_time is not None:
+                    self.m.prefill.labels(self.model).observe(metrics.first_token_time - metrics.first_scheduled_time)
+            if metrics.first_token_time is not None and metrics.finished_time is not None:
+                self.m.decode.labels(self.model).observe(metrics.finished_time - metrics.first_token_time)
+        if output.num_preemptions:
+            self.m.preemptions.labels(self.model).inc(output.num_preemptions)
         for completion in output.outputs:
             self.m.success.labels(self.model, completion.finish_reason or "abort").inc()

@@ -2,22 +2,28 @@
 
 Each loaded model has its own `LLMEngine` (so its own KV budget, from the shared engine args)
 on its own engine thread. Models named at start-up are loaded before the server accepts
-connections; sub-folders of `--model-dir` are loaded on demand, by folder name. Loading runs on
+connections; sub-folders and .gguf files of `--model-dir` are loaded on demand, by name. Loading runs on
 a worker thread, so the models already loaded keep serving meanwhile.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from pagedllm.engine.llm_engine import LLMEngine, load_tokenizer
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
+from pagedllm.entrypoints.openai.data_parallel import DataParallelEngine
+from pagedllm.entrypoints.openai.limits import max_token_chars, prompt_char_limit
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import ModelCard
+from pagedllm.entrypoints.openai.replica import EngineInfo, ReplicaSpec
 from pagedllm.entrypoints.openai.settings import ServerSettings
 from pagedllm.http_errors import (
     BadRequestError,
@@ -27,27 +33,49 @@ from pagedllm.http_errors import (
 )
 
 logger = logging.getLogger("pagedllm.server")
+T = TypeVar("T")
 
 
 @dataclass
 class ServedModel:
     name: str
     path: str
-    engine: AsyncEngine
+    engine: AsyncEngine | DataParallelEngine
     # The server's own tokenizer copy (chat templates, echo, /tokenize): the engine's tokenizer
     # belongs to the engine thread, and a fast tokenizer is not safe to share across threads.
     tokenizer: Any | None
     created: int
+    info: EngineInfo  # the engine's limits, read once at load (the engine may live in another process)
+    # Where prompts are rendered and tokenized: one thread per model, so the tokenizer is used by
+    # one thread at a time and a long prompt never holds the event loop (limits.py).
+    tokenizer_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "pagedllm-tokenizer"))
+    max_token_chars: int = 1  # the longest vocabulary entry (limits.prompt_char_limit)
+
+    async def on_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on this model's tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, partial(fn, *args, **kwargs))
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A prompt with more characters cannot fit max_model_len tokens: refused untokenized."""
+        return prompt_char_limit(self.max_model_len, self.max_token_chars)
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.info.max_model_len
 
     @property
     def kv_cache_tokens(self) -> int:
-        """Tokens the whole KV pool holds (fixed at load; read-only here, so safe off the engine thread)."""
-        manager = self.engine.engine.block_manager
-        return manager.num_blocks * manager.block_size
+        """Tokens the whole KV pool holds (of one replica, with data parallelism)."""
+        return self.info.kv_cache_tokens
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.info.max_num_seqs
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
 
     def card(self) -> ModelCard:
         return ModelCard(id=self.name, created=self.created, max_model_len=self.max_model_len)
@@ -61,6 +89,13 @@ class CatalogEntry:
     status: str
     max_model_len: int | None = None
     error: str | None = None
+
+
+def _loadable_name(path: Path) -> str | None:
+    """The name a --model-dir entry loads by: a model folder's name, a GGUF file's name without .gguf."""
+    if (path / "config.json").is_file():
+        return path.name
+    return path.stem if path.suffix == ".gguf" and path.is_file() else None
 
 
 class ModelRegistry:
@@ -81,6 +116,8 @@ class ModelRegistry:
         for task in list(self._loading.values()):
             task.cancel()
         await asyncio.gather(*(m.engine.shutdown() for m in self._ready.values()), return_exceptions=True)
+        for served in self._ready.values():
+            served.tokenizer_thread.shutdown(wait=False)
         self._ready.clear()
 
     # ---- lookup ------------------------------------------------------------------------------
@@ -88,8 +125,14 @@ class ModelRegistry:
         return list(self._ready.values())
 
     def snapshots(self) -> list[tuple[str, dict[str, Any]]]:
-        """(name, engine stats) of every loaded model, for the metrics collector."""
+        """(name, engine stats) of every loaded model, for the metrics collector (replicas summed)."""
         return [(served.name, served.engine.stats) for served in self._ready.values()]
+
+    def replica_snapshots(self) -> list[dict[str, Any]]:
+        """Every replica of the data-parallel models: its stats, requests routed to it (by reason),
+        restarts and whether it is up, for the metrics collector."""
+        return [{"model": served.name, **replica} for served in self._ready.values()
+                if isinstance(served.engine, DataParallelEngine) for replica in served.engine.replica_views()]
 
     def get(self, name: str | None) -> ServedModel:
         """The loaded model a request names; with no name, the only loaded model."""
@@ -121,7 +164,7 @@ class ModelRegistry:
         by name; what the web console lists with load/unload buttons."""
         names = set(self._startup_paths) | set(self._ready) | set(self._loading) | set(self._failed)
         if self.settings.model_dir and Path(self.settings.model_dir).is_dir():
-            names |= {d.name for d in Path(self.settings.model_dir).iterdir() if (d / "config.json").is_file()}
+            names |= {_loadable_name(p) for p in Path(self.settings.model_dir).iterdir() if _loadable_name(p)}
         return [self._entry(name) for name in sorted(names)]
 
     def _entry(self, name: str) -> CatalogEntry:
@@ -134,13 +177,16 @@ class ModelRegistry:
         return CatalogEntry(name, "available")
 
     def path_for(self, name: str) -> str | None:
-        """Where `name` loads from: a start-up model, or a model folder directly in model_dir."""
+        """Where `name` loads from: a start-up model, or a model folder or NAME.gguf file directly in model_dir."""
         if name in self._startup_paths:
             return self._startup_paths[name]
         if not self.settings.model_dir or name in ("", ".", "..") or "/" in name or "\\" in name:
             return None
         folder = Path(self.settings.model_dir) / name
-        return str(folder) if (folder / "config.json").is_file() else None
+        if (folder / "config.json").is_file():
+            return str(folder)
+        file = Path(self.settings.model_dir) / f"{name}.gguf"
+        return str(file) if file.is_file() else None
 
     # ---- load / unload -----------------------------------------------------------------------
     async def load(self, name: str, wait: bool = False) -> str:
@@ -171,21 +217,50 @@ class ModelRegistry:
     async def _load(self, name: str, path: str) -> ServedModel:
         self._failed.pop(name, None)
         try:
-            engine = await asyncio.to_thread(LLMEngine.from_engine_args, path, **self.settings.engine_args)
-            tokenizer = await asyncio.to_thread(load_tokenizer, engine.config.tokenizer or path)
+            if self.settings.data_parallel_size > 1:
+                async_engine, info = await self._start_replicas(name, path)
+                tokenizer_path = self.settings.engine_args.get("tokenizer") or path
+            else:
+                engine = await asyncio.to_thread(LLMEngine.from_engine_args, path, **self.settings.engine_args)
+                async_engine = AsyncEngine(engine, name, self.settings.max_waiting_requests, self.metrics.observer(name),
+                                           request_timeout_s=self.settings.request_timeout_s)
+                info, tokenizer_path = EngineInfo.of(engine), engine.config.tokenizer or path
+            tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_path)
+            token_chars = await asyncio.to_thread(max_token_chars, tokenizer) if tokenizer is not None else 1
         except Exception as exc:
             logger.error("model %r failed to load from %s: %s", name, path, exc)
             self._failed[name] = str(exc)
             raise
         finally:
             self._loading.pop(name, None)
-        async_engine = AsyncEngine(engine, name, self.settings.max_waiting_requests, self.metrics.observer(name),
-                                   request_timeout_s=self.settings.request_timeout_s)
-        async_engine.start()
-        served = ServedModel(name, path, async_engine, tokenizer, int(time.time()))
+        if isinstance(async_engine, AsyncEngine):
+            async_engine.start()
+        served = ServedModel(name, path, async_engine, tokenizer, int(time.time()), info,
+                             ThreadPoolExecutor(1, f"pagedllm-tokenizer-{name}"), token_chars)
         self._ready[name] = served
         logger.info("model %r ready (%s, max_model_len=%d)", name, path, served.max_model_len)
         return served
+
+    async def _start_replicas(self, name: str, path: str) -> tuple[DataParallelEngine, EngineInfo]:
+        """--data-parallel-size N: N replicas (processes, or Ray actors with --cluster), each with this
+        machine's CPU threads split between the local ones."""
+        settings, size = self.settings, self.settings.data_parallel_size
+        on_ray = settings.cluster is not None
+        threads = None
+        if not on_ray and settings.engine_args.get("device", "cpu") == "cpu":
+            threads = max(1, (os.cpu_count() or 1) // size)
+        spec = ReplicaSpec(name, path, dict(settings.engine_args), settings.max_waiting_requests, threads)
+        gpu = False
+        if on_ray:
+            import ray
+
+            from pagedllm.jobs.ray_cluster import connect, ray_address
+
+            connect(ray_address(settings.cluster))  # on this thread: ray.init touches signal handlers
+            gpu = ray.cluster_resources().get("GPU", 0) > 0
+        engine = DataParallelEngine(spec, size, self.metrics.observer(name), settings.request_timeout_s, on_ray, gpu)
+        info = await engine.start()
+        return engine, info
 
     async def unload(self, name: str) -> None:
         """Unload `name`; its in-flight requests end with finish_reason "abort"."""
@@ -198,4 +273,5 @@ class ModelRegistry:
             self.get(name)  # raises the precise 404
             raise ModelNotFoundError(f"model {name!r} is not loaded")
         await served.engine.shutdown()
+        served.tokenizer_thread.shutdown(wait=False)
         logger.info("model %r unloaded", name)

@@ -2,13 +2,32 @@
 
 Requests forbid unknown fields, as OpenAI does ("unrecognized request argument"): a typo such
 as `max_token` must not be silently ignored. Ranges are checked once, by `SamplingParams`; the
-models here only fix the types and the few bounds the engine cannot know about.
+models here fix the types, the few bounds the engine cannot know about, and how much one request
+may carry (limits.py): list lengths, string sizes, valid Unicode — each a 400 naming the field.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from pagedllm.entrypoints.openai import compat
+from pagedllm.entrypoints.openai.limits import (
+    MAX_CHOICES,
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_PRIORITY,
+    MAX_PROMPTS,
+    MAX_STOP,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
+    Choice,
+    Grammar,
+    JsonSchema,
+    Name,
+    StopString,
+    Text,
+)
 
 # torch.Generator seeds are 64-bit; larger JSON integers are a client error, not a crash.
 Seed = Field(default=None, ge=-(2**63), le=2**64 - 1)
@@ -22,6 +41,8 @@ class RequestModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk, not only after the last
+    include_obfuscation: Optional[bool] = None  # OpenAI's; streams here are not obfuscated (compat.py)
 
 
 def _reject_set(values: dict[str, Any], allowed: dict[str, tuple[Any, ...]]) -> None:
@@ -35,27 +56,27 @@ def _reject_set(values: dict[str, Any], allowed: dict[str, tuple[Any, ...]]) -> 
 class StructuredOutputs(RequestModel):
     """vLLM's `structured_outputs`: exactly one constraint."""
 
-    json_: Union[str, dict[str, Any], None] = Field(default=None, alias="json")  # `json` would shadow BaseModel.json
-    regex: Optional[str] = None
-    choice: Optional[list[str]] = None
-    grammar: Optional[str] = None
+    json_: Annotated[Union[str, dict[str, Any], None], JsonSchema] = Field(default=None, alias="json")  # `json` would shadow BaseModel.json
+    regex: Optional[Grammar] = None
+    choice: Optional[Annotated[list[Choice], Field(max_length=MAX_CHOICES)]] = None
+    grammar: Optional[Grammar] = None
     json_object: Optional[bool] = None
 
 
 class SamplingFields(RequestModel):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extensions)."""
 
-    model: Optional[str] = Field(default=None, description="served model name; optional when one model is loaded")
+    model: Optional[Name] = Field(default=None, description="served model name; optional when one model is loaded")
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     n: int = 1
-    stop: Union[str, list[str], None] = None
+    stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP)], None] = None
     seed: Optional[int] = Seed
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    user: Optional[Name] = None
     logit_bias: Optional[dict[str, float]] = None
     # vLLM extensions
     top_k: Optional[int] = None
@@ -63,27 +84,58 @@ class SamplingFields(RequestModel):
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: Optional[list[int]] = None
-    priority: int = 0
+    stop_token_ids: Optional[Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputs] = None
     # vLLM's older spellings of the same constraints
-    guided_json: Union[str, dict[str, Any], None] = None
-    guided_regex: Optional[str] = None
-    guided_choice: Optional[list[str]] = None
-    guided_grammar: Optional[str] = None
+    guided_json: Annotated[Union[str, dict[str, Any], None], JsonSchema] = None
+    guided_regex: Optional[Grammar] = None
+    guided_choice: Optional[Annotated[list[Choice], Field(max_length=MAX_CHOICES)]] = None
+    guided_grammar: Optional[Grammar] = None
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)  # keep the prompt's last k tokens (-1: max_model_len)
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
+    request_id: Optional[Name] = None  # the response's id is built from it
+    # Accepted and ignored (OpenAI's and vLLM's fields that mean nothing here, compat.py) ...
+    store: Optional[bool] = None
+    metadata: Optional[Annotated[dict[Name, Text], Field(max_length=16)]] = None
+    service_tier: Optional[Name] = None
+    prompt_cache_key: Optional[Name] = None
+    safety_identifier: Optional[Name] = None
+    guided_decoding_backend: Optional[Name] = None
+    guided_whitespace_pattern: Optional[Grammar] = None
+    cache_salt: Optional[Name] = None
+    kv_transfer_params: Optional[dict[Name, Any]] = None
+    vllm_xargs: Optional[dict[Name, Any]] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    # ... and refused when set, as ignoring them would give a wrong answer
+    logits_processors: Optional[list[Any]] = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> "SamplingFields":
         _reject_set(self.__dict__, {"logit_bias": ({},)})
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or a positive integer")
+        refused = compat.unsupported(self.__dict__)
+        if refused is not None:
+            raise ValueError(refused)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    @property
+    def final_usage(self) -> bool:
+        return self.stream_options is not None and (self.stream_options.include_usage or self.continuous_usage)
+
 
 # ---- completions -------------------------------------------------------------------------------
-PromptInput = Union[str, list[str], list[int], list[list[int]]]
+PromptInput = Union[Text, Annotated[list[Text], Field(max_length=MAX_PROMPTS)], list[int],
+                    Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)]]
 
 
 class CompletionRequest(SamplingFields):
@@ -136,26 +188,26 @@ class CompletionResponse(BaseModel):
 # ---- chat --------------------------------------------------------------------------------------
 class TextContentPart(RequestModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class FunctionCallParam(RequestModel):
-    name: str
-    arguments: str  # JSON text, as the API returned it
+    name: Name
+    arguments: Text  # JSON text, as the API returned it
 
 
 class ToolCallParam(RequestModel):
-    id: str
+    id: Name
     type: Literal["function"] = "function"
     function: FunctionCallParam
 
 
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextContentPart], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[ToolCallParam]] = None  # an assistant's earlier calls
-    tool_call_id: Optional[str] = None  # which call a tool message answers
+    content: Union[Text, Annotated[list[TextContentPart], Field(max_length=MAX_CONTENT_PARTS)], None] = None
+    name: Optional[Name] = None
+    tool_calls: Optional[Annotated[list[ToolCallParam], Field(max_length=MAX_TOOLS)]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[Name] = None  # which call a tool message answers
 
     @model_validator(mode="after")
     def _roles(self) -> "ChatMessage":
@@ -175,8 +227,8 @@ class ChatMessage(RequestModel):
 
 class FunctionDefinition(RequestModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
+    description: Optional[Text] = None
+    parameters: Annotated[Optional[dict[str, Any]], JsonSchema] = None
     strict: Optional[bool] = None
 
 
@@ -186,7 +238,7 @@ class ChatTool(RequestModel):
 
 
 class NamedFunction(RequestModel):
-    name: str
+    name: Name
 
 
 class NamedToolChoice(RequestModel):
@@ -195,9 +247,9 @@ class NamedToolChoice(RequestModel):
 
 
 class JsonSchemaFormat(RequestModel):
-    name: str
-    description: Optional[str] = None
-    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    name: Name
+    description: Optional[Text] = None
+    schema_: Annotated[Optional[dict[str, Any]], JsonSchema] = Field(default=None, alias="schema")
     strict: Optional[bool] = None
 
 
@@ -215,16 +267,47 @@ class ResponseFormat(RequestModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: Optional[int] = Field(default=None, ge=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0)
     response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[ChatTool]] = None
+    tools: Optional[Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM: the template leaves the last (assistant) message open
+    add_special_tokens: bool = False  # vLLM: the template places BOS itself
+    chat_template_kwargs: Optional[dict[Name, Any]] = None  # extra variables for the template
+    chat_template: Optional[Grammar] = None  # refused (compat.py): a template is code
+    documents: Optional[Annotated[list[dict[Name, Text]], Field(max_length=MAX_MESSAGES)]] = None  # for RAG templates
+    # OpenAI's deprecated function calling, converted to tools / tool_choice
+    functions: Optional[Annotated[list[FunctionDefinition], Field(max_length=MAX_TOOLS)]] = None
+    function_call: Union[Literal["none", "auto"], NamedFunction, None] = None
+    # accepted and ignored (compat.py) ...
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+    prediction: Optional[dict[Name, Any]] = None
+    # ... and refused when they ask for what this server cannot do
+    modalities: Optional[list[Literal["text", "audio"]]] = None
+    audio: Optional[dict[Name, Any]] = None
+    web_search_options: Optional[dict[Name, Any]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_as_tools(cls, data: Any) -> Any:
+        """OpenAI's deprecated `functions` / `function_call` become `tools` / `tool_choice`."""
+        if not isinstance(data, dict) or (data.get("functions") is None and data.get("function_call") is None):
+            return data
+        if data.get("tools") is not None or data.get("tool_choice") is not None:
+            raise ValueError("give either functions / function_call or tools / tool_choice, not both")
+        data = dict(data)
+        if data.get("functions") is not None:
+            data["tools"] = compat.tools_from_functions(data["functions"])
+        if data.get("function_call") is not None:
+            data["tool_choice"] = compat.tool_choice_from_function_call(data["function_call"])
+        return data
 
     @model_validator(mode="after")
     def _chat_rules(self) -> "ChatCompletionRequest":
@@ -232,6 +315,8 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tool_choice is only allowed when tools are specified")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
 
 
@@ -335,8 +420,8 @@ class ModelStatus(BaseModel):
 
 
 class TokenizeRequest(RequestModel):
-    model: Optional[str] = None
-    prompt: str
+    model: Optional[Name] = None
+    prompt: Text
     add_special_tokens: bool = True
 
 
@@ -347,7 +432,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(RequestModel):
-    model: Optional[str] = None
+    model: Optional[Name] = None
     tokens: list[int]
 
 
@@ -367,12 +452,43 @@ class TokenizerInfo(BaseModel):
     vocab_size: int  # the tokenizer's, special tokens included
 
 
+class ReplicaHealth(BaseModel):
+    replica: int
+    alive: bool
+    pid: Optional[int] = None
+    node_id: Optional[str] = None  # the Ray node (--cluster ray)
+    restarts: int = 0
+
+
 class ModelHealth(BaseModel):
     status: Literal["healthy", "degraded", "unhealthy"]
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     reason: Optional[str] = None
+    replicas: Optional[list[ReplicaHealth]] = None  # --data-parallel-size > 1
+
+
+class LiveRequest(BaseModel):
+    """An engine request's state, timings and counts (the platform's InferenceRequest fields)."""
+
+    id: str  # the response's id, then "-{prompt index}"
+    model: str
+    status: Literal["queued", "prefilling", "decoding", "preempted", "completed", "failed"]
+    priority: int
+    arrival_time: float  # seconds since the epoch, as every time here
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    queue_time_s: float  # arrival to first scheduled (to now, while still queued)
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_samples: int
+    num_preemptions: int
+
+
+class LiveRequestList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[LiveRequest]
 
 
 class HealthResponse(BaseModel):

@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 from starlette.responses import Response
@@ -20,6 +22,8 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     HealthResponse,
+    LiveRequest,
+    LiveRequestList,
     ModelCard,
     ModelList,
     ModelStatus,
@@ -94,15 +98,28 @@ async def unload_model(model_id: str, request: Request) -> Response:
     return json_response(ModelStatus(status="unloaded"))
 
 
+@inference_router.get("/v1/requests", response_model=LiveRequestList)
+async def live_requests(request: Request) -> Response:
+    """Every unfinished request of every loaded model with its state (behind the API key: ids and
+    timings of other clients' requests are the operator's to see)."""
+    now = time.time()
+    rows = []
+    for served in models(request).ready():
+        for row in await served.engine.request_states():
+            scheduled = row["first_scheduled_time"]
+            rows.append(LiveRequest(model=served.name, queue_time_s=(scheduled or now) - row["arrival_time"], **row))
+    return json_response(LiveRequestList(data=sorted(rows, key=lambda r: r.arrival_time)))
+
+
 # ---- tokenization --------------------------------------------------------------------------
 @inference_router.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize_route(body: TokenizeRequest, request: Request) -> Response:
-    return json_response(tokenize(body, models(request).get(body.model)))
+    return json_response(await tokenize(body, models(request).get(body.model)))
 
 
 @inference_router.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize_route(body: DetokenizeRequest, request: Request) -> Response:
-    return json_response(detokenize(body, models(request).get(body.model)))
+    return json_response(await detokenize(body, models(request).get(body.model)))
 
 
 @inference_router.get("/tokenizer_info", response_model=TokenizerInfo)

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagedllm.entrypoints.openai import compat
 from pagedllm.entrypoints.openai.async_engine import (
     Disconnected,
     EngineDeadError,
@@ -29,8 +30,10 @@ from pagedllm.entrypoints.openai.async_engine import (
     RequestTimeout,
 )
 from pagedllm.entrypoints.openai.errors import param_from_message
+from pagedllm.entrypoints.openai.limits import PROBE_MARGIN, probe_prefix, valid_unicode
 from pagedllm.entrypoints.openai.models import ServedModel
 from pagedllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from pagedllm.entrypoints.openai.replicas import ReplicaDiedError
 from pagedllm.http_errors import (
     APIError,
     BadRequestError,
@@ -39,6 +42,7 @@ from pagedllm.http_errors import (
     ServiceUnavailableError,
     error_body,
 )
+from pagedllm.library_errors import describe
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -58,8 +62,23 @@ class EnginePrompt:
         return {"prompt": self.text, "prompt_token_ids": self.token_ids}
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, request_id: str | None = None) -> str:
+    """A response id; built from the client's `request_id` (vLLM's field) when it gave one."""
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
+
+
+def accept(req: SamplingFields) -> None:
+    """The request's accepted-but-ignored fields, named in the log (compat.py)."""
+    compat.note_ignored(req.__dict__)
+
+
+def truncate(token_ids: list[int], req: SamplingFields, served: ServedModel) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: keep the prompt's last k tokens (-1: max_model_len)."""
+    keep = req.truncate_prompt_tokens
+    if keep is None:
+        return token_ids
+    keep = served.max_model_len if keep == -1 else keep
+    return token_ids[-keep:] if keep else []
 
 
 def now() -> int:
@@ -119,7 +138,7 @@ def sampling_params(req: SamplingFields, served: ServedModel, **fields: Any) -> 
         params = SamplingParams(**kwargs)
     except ValueError as exc:
         raise BadRequestError(str(exc), param_from_message(str(exc), list(kwargs))) from exc
-    limit = served.engine.engine.config.max_num_seqs
+    limit = served.max_num_seqs
     if params.best_of > limit:
         param = "best_of" if params.best_of != params.n else "n"
         raise BadRequestError(f"{param}={params.best_of} exceeds max_num_seqs={limit} of model {served.name!r}", param)
@@ -149,6 +168,48 @@ def check_context_length(prompt_len: int, max_tokens: int | None, served: Served
         )
 
 
+def check_prompt_chars(served: ServedModel, chars: int, param: str) -> None:
+    """A text longer than the model's prompt character limit cannot fit its context, whatever it
+    tokenizes to: a 400 before the tokenizer spends time (and memory) on it (limits.py)."""
+    limit = served.max_prompt_chars
+    if chars > limit:
+        raise BadRequestError(
+            f"the {param} has {chars} characters, but max_model_len is {served.max_model_len} tokens and no text of more than "
+            f"{limit} characters fits them (model {served.name!r}'s longest token has {served.max_token_chars})", param)
+
+
+async def encode(served: ServedModel, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """`text` as token ids, tokenized on the model's tokenizer thread (never on the event loop),
+    after the length check, and for a long text after its head showed it may fit (limits.py);
+    a tokenizer's error is a 400 naming `param`."""
+    check_prompt_chars(served, len(text), param)
+    valid_unicode_or_400(text, param)
+    head = probe_prefix(text, served.max_model_len)
+    if head is not None:
+        counted = len(await _tokenize(served, head, param, add_special_tokens))
+        if counted > served.max_model_len + PROBE_MARGIN:
+            raise BadRequestError(
+                f"the {param} has more than {served.max_model_len} tokens (its first {len(head)} of {len(text)} characters "
+                f"alone are {counted}), but max_model_len is {served.max_model_len}", param)
+    return await _tokenize(served, text, param, add_special_tokens)
+
+
+async def _tokenize(served: ServedModel, text: str, param: str, add_special_tokens: bool) -> list[int]:
+    try:
+        return await served.on_tokenizer_thread(served.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    except Exception as exc:
+        raise BadRequestError(f"{param} could not be tokenized: {describe(exc)}", param) from exc
+
+
+def valid_unicode_or_400(text: str, param: str) -> None:
+    """The request models check their strings; text put together from them (a rendered chat
+    template) is checked again, so a tokenizer never meets a lone surrogate."""
+    try:
+        valid_unicode(text)
+    except ValueError as exc:
+        raise BadRequestError(f"{param} {exc}", param) from None
+
+
 _PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
@@ -162,6 +223,8 @@ def api_error(exc: Exception, prompt_param: str, constraint_param: str | None = 
         return RequestTimeoutError(str(exc))
     if isinstance(exc, EngineStoppedError):
         return ModelNotFoundError(str(exc))
+    if isinstance(exc, ReplicaDiedError):
+        return ServiceUnavailableError(str(exc), code="replica_died", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
         return ServiceUnavailableError(str(exc), code="engine_dead")
     if isinstance(exc, ValueError):
@@ -261,9 +324,10 @@ async def stream_response(
 
 
 # ---- outputs → response pieces -----------------------------------------------------------------
-def token_text(served: ServedModel, token_id: int, logprob: Logprob | None = None) -> str:
-    """A token as a string; "token_id:N" (vLLM's convention) when the model has no tokenizer."""
-    if served.tokenizer is None:
+def token_text(served: ServedModel, token_id: int, logprob: Logprob | None = None, as_ids: bool = False) -> str:
+    """A token as a string; "token_id:N" (vLLM's convention) when the model has no tokenizer or
+    the request asked for ids (`return_tokens_as_token_ids`)."""
+    if served.tokenizer is None or as_ids:
         return f"token_id:{token_id}"
     if logprob is not None and logprob.decoded_token is not None:
         return logprob.decoded_token
@@ -272,6 +336,11 @@ def token_text(served: ServedModel, token_id: int, logprob: Logprob | None = Non
 
 def clamp(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
+
+
+def running_usage(prompts: list[EnginePrompt], outputs: dict[str, RequestOutput], generated=lambda c: c.token_ids) -> UsageInfo:
+    """Usage so far: the prompts and every token generated until now (continuous_usage_stats)."""
+    return usage(prompts, sum(len(generated(c)) for o in outputs.values() for c in o.outputs))
 
 
 def usage(prompts: list[EnginePrompt], completion_tokens: int) -> UsageInfo:

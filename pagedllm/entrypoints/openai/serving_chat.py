@@ -15,6 +15,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from starlette.responses import Response
 
+from pagedllm.entrypoints import chat_template
 from pagedllm.entrypoints.openai.async_engine import RequestGroup
 from pagedllm.entrypoints.openai.models import ServedModel
 from pagedllm.entrypoints.openai.protocol import (
@@ -32,16 +33,21 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import (
     EnginePrompt,
+    accept,
     check_context_length,
+    check_prompt_chars,
     clamp,
+    encode,
     final_outputs,
     new_id,
     now,
+    running_usage,
     sampling_params,
     stream_response,
     structured_outputs,
     submitted,
     token_text,
+    truncate,
     usage,
 )
 from pagedllm.entrypoints.openai.tool_calls import (
@@ -59,26 +65,30 @@ from pagedllm.sampling_params import StructuredOutputsParams
 MESSAGES = "messages"
 
 
-def render_chat(req: ChatCompletionRequest, served: ServedModel) -> EnginePrompt:
-    tok = served.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise BadRequestError(
-            f"model {served.name!r} has no chat template (tokenizer_config.json 'chat_template' or "
-            "chat_template.jinja); use /v1/completions instead",
-            MESSAGES,
-        )
-    if req.tools and "tools" not in tok.chat_template:
-        raise BadRequestError(f"the chat template of model {served.name!r} does not support tools", "tools")
+async def render_chat(req: ChatCompletionRequest, served: ServedModel) -> EnginePrompt:
+    """The messages through the model's chat template (or the request's), tokenized; both on the
+    model's tokenizer thread, after the messages' length is checked (what the template adds is
+    not counted)."""
+    if served.tokenizer is None:
+        raise BadRequestError(f"model {served.name!r} has no tokenizer; use /v1/completions with token ids", MESSAGES)
+    check_prompt_chars(served, sum(len(message.text() or "") for message in req.messages), MESSAGES)
     messages = [template_message(message) for message in req.messages]
     try:
-        text = tok.apply_chat_template(messages, tools=template_tools(req), tokenize=False, add_generation_prompt=req.add_generation_prompt)
-    except Exception as exc:  # jinja2 errors, e.g. a template that enforces role alternation
-        raise BadRequestError(f"the chat template of model {served.name!r} rejected the messages: {exc}", MESSAGES) from exc
-    return EnginePrompt(text, tok.encode(text, add_special_tokens=False))
+        text = await served.on_tokenizer_thread(
+            chat_template.render_chat, served.tokenizer, messages, tools=template_tools(req),
+            add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+            documents=req.documents, chat_template_kwargs=req.chat_template_kwargs)
+    except chat_template.ChatTemplateError as exc:
+        param = "tools" if "tools" in str(exc) else "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else MESSAGES
+        raise BadRequestError(f"model {served.name!r}: {exc}", param) from exc
+    token_ids = await encode(served, text, MESSAGES, add_special_tokens=req.add_special_tokens)
+    ids = truncate(token_ids, req, served)
+    return EnginePrompt(text if ids is token_ids else served.tokenizer.decode(ids), ids)
 
 
 async def create_chat_completion(req: ChatCompletionRequest, served: ServedModel, raw: Request) -> Response | ChatCompletionResponse:
-    prompt = render_chat(req, served)
+    accept(req)
+    prompt = await render_chat(req, served)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_context_length(len(prompt.token_ids), max_tokens, served, param)
@@ -87,7 +97,7 @@ async def create_chat_completion(req: ChatCompletionRequest, served: ServedModel
         req, served, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         structured_outputs=constraint,
     )
-    builder = ChatBuilder(req, served, raw, new_id("chatcmpl"), prompt)
+    builder = ChatBuilder(req, served, raw, new_id("chatcmpl", req.request_id), prompt)
     if req.stream:
         return await stream_response(served, builder.id, [prompt], params, req.priority, MESSAGES, builder.chunks, constraint_param)
     async with submitted(served, builder.id, [prompt], params, req.priority, MESSAGES, constraint_param) as group:
@@ -140,16 +150,18 @@ class ChatBuilder:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.served.name, choices=choices, **extra)
 
     async def chunks(self, group: RequestGroup) -> AsyncIterator[ChatCompletionChunk]:
+        opening = usage([self.prompt], 0) if self.req.continuous_usage else None
         for index in range(self.req.n):
-            yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+            yield self._chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))], usage=opening)
         sent: dict[int, tuple[int, int]] = {}  # choice -> (characters, tokens) sent
         done: set[int] = set()
         async for changed in group.updates(self.raw.is_disconnected):
             for completion in changed[0].outputs:
                 choice = self._delta(completion, sent, done)
                 if choice is not None:
-                    yield self._chunk([choice])
-        if self.req.stream_options and self.req.stream_options.include_usage:
+                    so_far = running_usage([self.prompt], group.outputs) if self.req.continuous_usage else None
+                    yield self._chunk([choice], usage=so_far)
+        if self.req.final_usage:
             (final,) = group.outputs.values()
             tokens = sum(len(c.token_ids) for c in final.outputs)
             yield self._chunk([], usage=usage([self.prompt], tokens))
@@ -206,5 +218,5 @@ class ChatBuilder:
         return ChoiceLogprobs(content=content)
 
     def _top(self, token_id: int, logprob: Logprob) -> dict:
-        token = token_text(self.served, token_id, logprob)
+        token = token_text(self.served, token_id, logprob, self.req.return_tokens_as_token_ids)
         return {"token": token, "logprob": clamp(logprob.logprob), "bytes": list(token.encode("utf-8"))}

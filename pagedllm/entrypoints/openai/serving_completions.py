@@ -24,16 +24,20 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import (
     EnginePrompt,
+    accept,
     check_context_length,
     clamp,
+    encode,
     final_outputs,
     new_id,
     now,
+    running_usage,
     sampling_params,
     stream_response,
     structured_outputs,
     submitted,
     token_text,
+    truncate,
     usage,
 )
 from pagedllm.http_errors import BadRequestError
@@ -42,8 +46,9 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 PROMPT = "prompt"
 
 
-def to_prompts(req: CompletionRequest, served: ServedModel) -> list[EnginePrompt]:
-    """The prompt field's four shapes as token ids, tokenized as the engine would (`encode`)."""
+async def to_prompts(req: CompletionRequest, served: ServedModel) -> list[EnginePrompt]:
+    """The prompt field's four shapes as token ids, tokenized as the engine would (`encode`), on
+    the model's tokenizer thread."""
     raw = req.prompt
     if isinstance(raw, str) or (raw and all(isinstance(t, int) for t in raw)):
         raw = [raw]  # type: ignore[list-item]
@@ -55,20 +60,23 @@ def to_prompts(req: CompletionRequest, served: ServedModel) -> list[EnginePrompt
         if isinstance(item, str):
             if tok is None:
                 raise BadRequestError(f"model {served.name!r} has no tokenizer; send the prompt as token ids", PROMPT)
-            prompts.append(EnginePrompt(item, tok.encode(item, add_special_tokens=req.add_special_tokens)))
-        else:
-            ids = list(item)  # type: ignore[arg-type]
-            text = tok.decode(ids) if (tok is not None and req.echo and _in_vocab(ids, served)) else ""
+            ids = truncate(await encode(served, item, PROMPT, req.add_special_tokens), req, served)
+            text = item if req.truncate_prompt_tokens is None else await served.on_tokenizer_thread(tok.decode, ids)
             prompts.append(EnginePrompt(text, ids))
+        else:
+            ids = truncate(list(item), req, served)  # type: ignore[arg-type]
+            echoed = tok is not None and req.echo and _in_vocab(ids, served)
+            prompts.append(EnginePrompt(await served.on_tokenizer_thread(tok.decode, ids) if echoed else "", ids))
     return prompts
 
 
 def _in_vocab(ids: list[int], served: ServedModel) -> bool:
-    return all(0 <= t < served.engine.engine.model_config.vocab_size for t in ids)
+    return all(0 <= t < served.vocab_size for t in ids)
 
 
 async def create_completion(req: CompletionRequest, served: ServedModel, raw: Request) -> Response | CompletionResponse:
-    prompts = to_prompts(req, served)
+    accept(req)
+    prompts = await to_prompts(req, served)
     for prompt in prompts:
         check_context_length(len(prompt.token_ids), req.max_tokens, served)
     score_only = req.max_tokens == 0
@@ -82,7 +90,7 @@ async def create_completion(req: CompletionRequest, served: ServedModel, raw: Re
         prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
         structured_outputs=constraint,
     )
-    builder = CompletionBuilder(req, served, raw, new_id("cmpl"), prompts)
+    builder = CompletionBuilder(req, served, raw, new_id("cmpl", req.request_id), prompts)
     if req.stream:
         return await stream_response(served, builder.id, prompts, params, req.priority, PROMPT, builder.chunks, constraint_param)
     async with submitted(served, builder.id, prompts, params, req.priority, PROMPT, constraint_param) as group:
@@ -139,7 +147,7 @@ class CompletionBuilder:
         prompt = self.prompts[p_index]
         logprobs = None
         if self.req.logprobs is not None:
-            logprobs = LogprobsBuilder(self.served)
+            logprobs = LogprobsBuilder(self.served, as_ids=self.req.return_tokens_as_token_ids)
             if self.req.echo:
                 logprobs.add_prompt(prompt.token_ids, output.prompt_logprobs)
             logprobs.add(token_ids, completion.logprobs)
@@ -160,8 +168,10 @@ class CompletionBuilder:
                 for completion in output.outputs:
                     choice = self._delta(p_index[output.request_id], output, completion, states)
                     if choice is not None:
-                        yield CompletionResponse(id=self.id, created=self.created, model=self.served.name, choices=[choice])
-        if self.req.stream_options and self.req.stream_options.include_usage:
+                        so_far = running_usage(self.prompts, group.outputs, lambda c: self._generated(c)[1])
+                        yield CompletionResponse(id=self.id, created=self.created, model=self.served.name, choices=[choice],
+                                                 usage=so_far if self.req.continuous_usage else None)
+        if self.req.final_usage:
             final = [group.outputs[request_id] for request_id in group.request_ids]
             tokens = sum(len(self._generated(c)[1]) for o in final for c in o.outputs)
             yield CompletionResponse(
@@ -179,7 +189,8 @@ class CompletionBuilder:
         if not (new_tokens or finish):
             return None  # nothing new (a prefill chunk), or the prompt is not fully scored yet
         delta = text[state.text_len :]
-        logprobs = LogprobsBuilder(self.served, state.offset) if self.req.logprobs is not None else None
+        logprobs = (LogprobsBuilder(self.served, state.offset, self.req.return_tokens_as_token_ids)
+                    if self.req.logprobs is not None else None)
         if self.req.echo and not state.echoed:
             prompt = self.prompts[p_index]
             delta = prompt.text + delta
@@ -202,9 +213,10 @@ class LogprobsBuilder:
     """OpenAI's legacy logprobs: parallel lists of tokens, their logprobs, top alternatives and
     character offsets (each token's start in the returned text, echo included)."""
 
-    def __init__(self, served: ServedModel, offset: int = 0):
+    def __init__(self, served: ServedModel, offset: int = 0, as_ids: bool = False):
         self.served = served
         self.offset = offset
+        self.as_ids = as_ids
         self.result = CompletionLogprobs()
 
     def add_prompt(self, token_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None) -> None:
@@ -220,7 +232,7 @@ class LogprobsBuilder:
 
     def _add_one(self, token_id: int, entry: dict[int, Logprob] | None) -> None:
         chosen = entry.get(token_id) if entry else None
-        token = token_text(self.served, token_id, chosen)
+        token = token_text(self.served, token_id, chosen, self.as_ids)
         r = self.result
         r.tokens.append(token)
         r.text_offset.append(self.offset)
@@ -233,5 +245,5 @@ class LogprobsBuilder:
         UTF-8 bytes shown as U+FFFD) share a key, which keeps its best-ranked logprob."""
         top: dict[str, float] = {}
         for token_id, logprob in sorted(entry.items(), key=lambda item: item[1].rank):
-            top.setdefault(token_text(self.served, token_id, logprob), clamp(logprob.logprob))
+            top.setdefault(token_text(self.served, token_id, logprob, self.as_ids), clamp(logprob.logprob))
         return top

@@ -10,6 +10,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     TokenizerInfo,
 )
+from pagedllm.entrypoints.openai.serving import encode
 from pagedllm.http_errors import BadRequestError
 
 
@@ -19,18 +20,20 @@ def _tokenizer(served: ServedModel):
     return served.tokenizer
 
 
-def tokenize(req: TokenizeRequest, served: ServedModel) -> TokenizeResponse:
-    ids = _tokenizer(served).encode(req.prompt, add_special_tokens=req.add_special_tokens)
+async def tokenize(req: TokenizeRequest, served: ServedModel) -> TokenizeResponse:
+    """On the model's tokenizer thread, after the prompt's length check (serving.encode)."""
+    _tokenizer(served)
+    ids = await encode(served, req.prompt, "prompt", req.add_special_tokens)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=served.max_model_len)
 
 
-def detokenize(req: DetokenizeRequest, served: ServedModel) -> DetokenizeResponse:
+async def detokenize(req: DetokenizeRequest, served: ServedModel) -> DetokenizeResponse:
     tok = _tokenizer(served)
-    vocab = served.engine.engine.model_config.vocab_size
+    vocab = served.vocab_size
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise BadRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
-    return DetokenizeResponse(prompt=tok.decode(req.tokens))
+    return DetokenizeResponse(prompt=await served.on_tokenizer_thread(tok.decode, req.tokens))
 
 
 def tokenizer_info(served: ServedModel) -> TokenizerInfo:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -21,6 +23,7 @@ class ServerSettings:
     protect_metrics: bool = False  # /metrics needs the API key too (it names the models served)
     max_waiting_requests: int | None = None  # per model; beyond it requests get 503 with Retry-After
     request_timeout_s: float | None = None  # a generation not finished by then (queue time included) gets 504
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body gets 413 before it is read (limits.py)
     engine_args: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields, for every model
     # /health says "degraded" from these on (None: max_waiting_requests * 0.8, else max_num_seqs)
     degraded_waiting_requests: int | None = None
@@ -29,6 +32,8 @@ class ServerSettings:
     data_dir: str | None = None  # job store, job logs and default checkpoint folders
     train_slots: int | None = None  # processes training jobs may use at once (None: GPUs, else CPU cores)
     allowed_paths: list[str] = field(default_factory=list)  # besides data_dir: folders training jobs may use
+    cluster: str | None = None  # "ray" / "ray://HOST:PORT": jobs (and serving replicas) on a Ray cluster
+    data_parallel_size: int = 1  # engine replicas per model behind this server (processes, or Ray actors)
 
     def __post_init__(self) -> None:
         names = [spec.name for spec in self.models]
@@ -40,6 +45,10 @@ class ServerSettings:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.protect_metrics and not self.api_key:
             raise ValueError("protect_metrics needs an api_key (--protect-metrics needs --api-key)")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.train_slots is not None and self.train_slots < 1:
             raise ValueError(f"train_slots must be >= 1, got {self.train_slots}")
         if not 0 < self.degraded_kv_cache_usage <= 1:

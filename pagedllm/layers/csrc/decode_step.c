@@ -34,6 +34,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -274,12 +275,75 @@ static int64_t model_bytes(const Model *md) {
     return bytes;
 }
 
+/* A matrix of the model: within its buffers, and [n, k] as the model's sizes say. */
+static int check_shape(const Matrix *w, int64_t n, int64_t k, const char *name, int64_t layer) {
+    char label[64];
+    snprintf(label, sizeof label, "decode step: layer %lld %s", (long long)layer, name);
+    const int status = check_matrix(w, label);
+    if (status) return status;
+    REQUIRE(w->n == n && w->k == k, "%s is [%lld, %lld], the model needs [%lld, %lld]", label, (long long)w->n, (long long)w->k,
+            (long long)n, (long long)k);
+    return KERNEL_OK;
+}
+
+int check_model(const Model *md) {
+    const int64_t H = md->hidden, D = md->head_dim;
+    REQUIRE(md->num_layers >= 0 && H > 0 && md->num_kv_heads > 0 && md->vocab > 0 && md->embed_rows > 0 && md->intermediate > 0 &&
+                md->block_size > 0 && md->num_blocks > 0 && md->max_position > 0,
+            "decode step: a model with %lld layers, hidden %lld, %lld KV heads, vocab %lld, %lld blocks of %lld",
+            (long long)md->num_layers, (long long)H, (long long)md->num_kv_heads, (long long)md->vocab,
+            (long long)md->num_blocks, (long long)md->block_size);
+    int status = check_shape(md->lm_head, md->vocab, H, "LM head", md->num_layers);
+    for (int64_t l = 0; l < md->num_layers && !status; l++) {
+        const Layer *ly = &md->layers[l];
+        if (!status) status = check_shape(&ly->qkv, (md->num_heads + 2 * md->num_kv_heads) * D, H, "qkv", l);
+        if (!status) status = check_shape(&ly->o, H, md->num_heads * D, "o", l);
+        if (!status) status = check_shape(&ly->gate_up, 2 * md->intermediate, H, "gate/up", l);
+        if (!status) status = check_shape(&ly->down, H, md->intermediate, "down", l);
+        if (!status && ly->gate_up.num_panels % 2) status = refuse("decode step: layer %lld gate/up has an odd panel count", (long long)l);
+    }
+    return status;
+}
+
+int check_step(const Model *md, const Step *st, int64_t extra) {
+    const int64_t R = st->rows, bs = md->block_size;
+    REQUIRE(R >= 1 && st->num_logits >= 0 && st->max_blocks >= 0 && extra >= 0, "decode step: %lld rows, %lld logit rows",
+            (long long)R, (long long)st->num_logits);
+    REQUIRE(st->num_logits <= st->logits_capacity / md->vocab, "decode step: %lld logit rows of %lld do not fit %lld floats",
+            (long long)st->num_logits, (long long)md->vocab, (long long)st->logits_capacity);
+    for (int64_t i = 0; i < st->num_logits; i++)
+        REQUIRE(st->logit_rows[i] >= 0 && st->logit_rows[i] < R, "decode step: logit row %lld is row %lld of a %lld-row step",
+                (long long)i, (long long)st->logit_rows[i], (long long)R);
+    for (int64_t r = 0; r < R; r++) {
+        REQUIRE(st->token_ids[r] >= 0 && st->token_ids[r] < md->embed_rows,
+                "decode step: row %lld has token %lld, the embedding has %lld rows", (long long)r, (long long)st->token_ids[r],
+                (long long)md->embed_rows);
+        REQUIRE(st->positions[r] >= 0 && st->positions[r] + extra < md->max_position,
+                "decode step: row %lld at position %lld (+%lld), the rotary tables have %lld", (long long)r,
+                (long long)st->positions[r], (long long)extra, (long long)md->max_position);
+        REQUIRE(st->slots[r] >= 0 && st->slots[r] < md->num_blocks * bs, "decode step: row %lld writes slot %lld of %lld",
+                (long long)r, (long long)st->slots[r], (long long)(md->num_blocks * bs));
+        REQUIRE(st->ctx_lens[r] >= 1, "decode step: row %lld has context length %lld", (long long)r, (long long)st->ctx_lens[r]);
+        const int status = check_table(st->block_tables + r * st->max_blocks, st->max_blocks, st->ctx_lens[r] + extra, bs,
+                                       md->num_blocks, "decode step: row", r);
+        if (status) return status;
+    }
+    return KERNEL_OK;
+}
+
 int decode_step(const Model *md, const Step *st, int num_threads) {
     const int64_t R = st->rows, H = md->hidden, D = md->head_dim;
-    if (D % 8 != 0 || md->num_heads % md->num_kv_heads != 0) return 2;
+    if (md->num_heads <= 0 || md->num_kv_heads <= 0 || D <= 0 || D % 8 != 0 || md->num_heads % md->num_kv_heads != 0)
+        return KERNEL_BAD_SHAPE;
+    REQUIRE(num_threads >= 1, "decode step: %d threads", num_threads);
+    int status = check_model(md);
+    if (!status) status = check_step(md, st, 0);
+    if (status) return status;
     Scratch sc;
     sc.qkv_ld = (md->num_heads + 2 * md->num_kv_heads) * D;
-    sc.norm_ld = R * H;
+    /* each thread's copy of a norm: of the step's rows in a layer, of the logit rows at the end
+     * (more than the rows where several samples of one prompt position each take its logits) */
+    sc.norm_ld = (st->num_logits > R ? st->num_logits : R) * H;
     const int64_t floats = R * H + num_threads * sc.norm_ld + R * sc.qkv_ld + R * md->num_heads * D + R * md->intermediate;
     float *scratch = malloc(sizeof(float) * floats);
     const int64_t num_stages = md->num_layers * STAGES_PER_LAYER + 1, max_chunks = MAX_CHUNKS_PER_THREAD * num_threads;
@@ -291,7 +355,7 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
         free(stages);
         free((void *)taken);
         free(groups);
-        return 1;
+        return KERNEL_NO_MEMORY;
     }
     sc.group_first = groups, sc.group_count = groups + R;
     find_groups(st, &sc);
@@ -334,11 +398,19 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
  * loop pays it once per `num_steps` tokens. The caller's arrays are not changed (the loop
  * advances copies). */
 int decode_steps(const Model *md, const Step *st, int64_t num_steps, const int *threads, double *seconds, int64_t *tokens,
-                 float *logprobs) {
+                 float *logprobs, int64_t out_capacity) {
     const int64_t R = st->rows, bs = md->block_size;
-    if (st->num_logits != R) return 3;
+    REQUIRE(num_steps >= 1 && st->num_logits == R && num_steps * R <= out_capacity,
+            "fused greedy steps: %lld steps of %lld rows (%lld sampling) into %lld tokens; every row must sample",
+            (long long)num_steps, (long long)R, (long long)st->num_logits, (long long)out_capacity);
+    const int status = check_step(md, st, num_steps - 1);
+    if (status) return status;
+    for (int64_t i = 0; i < R; i++)
+        for (int64_t j = 0; j < i; j++)
+            REQUIRE(st->logit_rows[i] != st->logit_rows[j], "fused greedy steps: row %lld samples twice",
+                    (long long)st->logit_rows[i]);
     int64_t *state = malloc(sizeof(int64_t) * 4 * R);
-    if (state == NULL) return 1;
+    if (state == NULL) return KERNEL_NO_MEMORY;
     int64_t *ids = state, *pos = state + R, *slots = state + 2 * R, *lens = state + 3 * R;
     memcpy(ids, st->token_ids, sizeof(int64_t) * R);
     memcpy(pos, st->positions, sizeof(int64_t) * R);
@@ -352,7 +424,7 @@ int decode_steps(const Model *md, const Step *st, int64_t num_steps, const int *
         failed = decode_step(md, &step, threads[s]);
         seconds[s] = omp_get_wtime() - start;
         if (failed) break;
-        greedy_rows(st->logits, R, md->vocab, tokens + s * R, logprobs + s * R);
+        argmax_rows(st->logits, R, md->vocab, tokens + s * R, logprobs + s * R);
         for (int64_t i = 0; i < R && s + 1 < num_steps; i++) {
             const int64_t r = st->logit_rows[i], p = ++pos[r];
             ids[r] = tokens[s * R + i];

@@ -50,6 +50,17 @@ static void greedy_row(const float *x, int64_t vocab, int64_t *token, float *log
     *logprob = (float)-log(sum);
 }
 
-void greedy_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens, float *logprobs) {
+void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens, float *logprobs) {
     for (int64_t r = 0; r < rows; r++) greedy_row(logits + r * vocab, vocab, tokens + r, logprobs + r);
+}
+
+/* The exported kernel (the sampler's greedy rows): `logits_capacity` floats at logits,
+ * `out_capacity` entries at tokens and at logprobs. */
+int greedy_rows(const float *logits, int64_t rows, int64_t vocab, int64_t logits_capacity, int64_t *tokens, float *logprobs,
+                int64_t out_capacity) {
+    REQUIRE(rows >= 0 && vocab >= 1 && rows <= out_capacity && rows <= logits_capacity / vocab,
+            "greedy rows: %lld rows of %lld logits do not fit %lld floats, or %lld outputs", (long long)rows, (long long)vocab,
+            (long long)logits_capacity, (long long)out_capacity);
+    argmax_rows(logits, rows, vocab, tokens, logprobs);
+    return KERNEL_OK;
 }

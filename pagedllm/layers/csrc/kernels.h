@@ -50,12 +50,69 @@ static inline vf loadv_i8(const int8_t *p) {
 #endif
 }
 
+/* VW fp16 values widened to floats (F16C's vcvtph2ps). */
+static inline vf loadv_f16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) {
+        const uint32_t h = p[i], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+        union { uint32_t bits; float value; } out;
+        if (exp == 0) {
+            out.value = (float)man * 0x1p-24f;
+            out.bits |= sign;
+        } else {
+            out.bits = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+        }
+        v[i] = out.value;
+    }
+    return v;
+#endif
+}
+
+/* VW unsigned bytes widened to 32-bit integers (vpmovzxbd). */
+static inline vi loadv_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vi v;
+    for (int i = 0; i < VW; i++) v[i] = p[i];
+    return v;
+#endif
+}
+
+static inline vf int_to_float(vi v) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps((__m512i)v);
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps((__m256i)v);
+#else
+    vf f;
+    for (int i = 0; i < VW; i++) f[i] = (float)v[i];
+    return f;
+#endif
+}
+
 /* A weight matrix [n, k] (y = x W^T) packed for small-M matmuls: panels of VW output channels,
  * each stored k-major ([k][VW]) so that one panel is one sequential stream and every load is a
  * full vector of VW channels for one input. Channels past n are zero. int8 panels hold the
  * symmetric per-channel quantization q = round(w / scale). scale and bias are stored per panel
- * lane ([num_panels * VW]); for a fused gate/up matrix the panels alternate gate, up. */
-enum { WEIGHT_F32 = 0, WEIGHT_I8 = 1 };
+ * lane ([num_panels * VW]); for a fused gate/up matrix the panels alternate gate, up.
+ *
+ * Block-quantized panels keep llama.cpp's blocks of 32 inputs (GGUF Q8_0, Q4_1, and Q4_0 as Q4_1
+ * with min -8d, which dequantizes to the same values), their bits unchanged, laid out per panel
+ * block by block, each block k-major over the panel's VW channels:
+ *   Q8_0: d[VW] (fp16), q[32][VW] (int8)                     w = d q
+ *   Q4:   d[VW] (fp16), m[VW] (fp16), q[16][VW] (two nibbles) w = d q + m
+ * A Q4 byte holds inputs j (low nibble) and j + 16 (high nibble) of its block, as in GGUF's Q4_1.
+ * k is a multiple of 32. */
+enum { WEIGHT_F32 = 0, WEIGHT_I8 = 1, WEIGHT_Q8_0 = 2, WEIGHT_Q4 = 3 };
+#define QBLOCK 32
 
 typedef struct {
     const void *panels;
@@ -64,9 +121,45 @@ typedef struct {
     int64_t n, k, num_panels;
     int32_t dtype;
     int32_t reserved;
+    int64_t panel_capacity; /* bytes the caller allocated at panels */
+    int64_t lane_capacity;  /* floats the caller allocated at scale and at bias (where given) */
 } Matrix;
 
 enum { STORE = 0, ACCUMULATE = 1 };
+
+/* What every exported kernel returns. A kernel checks each size and index it is given against
+ * the capacity its caller passed before it touches memory, and refuses with KERNEL_REFUSED (the
+ * reason in kernel_last_error()) rather than read or write past a buffer: a wrong step
+ * description from the engine becomes a Python exception, not a corrupted heap (checks.c). */
+enum { KERNEL_OK = 0, KERNEL_NO_MEMORY = 1, KERNEL_BAD_SHAPE = 2, KERNEL_REFUSED = 4 };
+
+/* Records why a call was refused (printf-style) for kernel_last_error(); returns KERNEL_REFUSED. */
+int refuse(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+const char *kernel_last_error(void);
+#define REQUIRE(cond, ...)                                                                                                   \
+    do {                                                                                                                   \
+        if (!(cond)) return refuse(__VA_ARGS__);                                                                           \
+    } while (0)
+
+/* The checks the kernels share: a packed matrix's panels, scales and biases lie within what was
+ * allocated for them, its panels measured by its kind's bytes (panel_bytes: a block-quantized
+ * matrix's blocks with their fp16 scales, its k a whole number of blocks) (`name` for the message); the first ceil(len / block_size) entries of a
+ * block table (of max_blocks entries) name blocks of a pool of num_blocks. KERNEL_OK or
+ * KERNEL_REFUSED. */
+int check_matrix(const Matrix *w, const char *name);
+int check_table(const int64_t *table, int64_t max_blocks, int64_t len, int64_t block_size, int64_t num_blocks,
+                const char *what, int64_t which);
+/* Whether rows of `width` floats, `stride` apart, fit `capacity` floats (rows > 0). */
+static inline int rows_fit(int64_t rows, int64_t stride, int64_t width, int64_t capacity) {
+    return rows <= 0 || (stride >= 0 && width >= 0 && (rows - 1) * stride + width <= capacity);
+}
+
+/* Tests only (tests/layers/test_sanitizers.py builds with -DPAGEDLLM_TEST_OFF_BY_ONE=1):
+ * attention's score buffer is allocated one float short, an injected off-by-one that shows the
+ * sanitizer build catches one. Never defined in a build the engine loads. */
+#ifndef PAGEDLLM_TEST_OFF_BY_ONE
+#define PAGEDLLM_TEST_OFF_BY_ONE 0
+#endif
 
 /* y[m][c] (=|+=) x[m] . W[c] (+ bias[c]) for the channels of panels [p0, p1), all m rows.
  * `pair`: the weights are cache-resident (fits_in_cache), so two panels may be computed in one
@@ -76,8 +169,14 @@ void matmul_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, floa
 /* act[m][c] = silu(gate) * up for the channels of gate/up panel pairs [j0, j1). */
 void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact, int64_t j0, int64_t j1,
                    int pair);
+/* Bytes of one block of 32 inputs of a block-quantized panel. */
+static inline int64_t qblock_bytes(int32_t dtype) { return dtype == WEIGHT_Q8_0 ? 34 * VW : 20 * VW; }
+
 /* Bytes of one panel of a packed matrix. */
-static inline int64_t panel_bytes(const Matrix *w) { return w->k * VW * (w->dtype == WEIGHT_I8 ? 1 : (int64_t)sizeof(float)); }
+static inline int64_t panel_bytes(const Matrix *w) {
+    if (w->dtype == WEIGHT_Q8_0 || w->dtype == WEIGHT_Q4) return w->k / QBLOCK * qblock_bytes(w->dtype);
+    return w->k * VW * (w->dtype == WEIGHT_I8 ? 1 : (int64_t)sizeof(float));
+}
 
 /* Bytes of a packed matrix's panels, and whether that many bytes of weights stay in the
  * last-level cache between passes. */
@@ -105,8 +204,9 @@ int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *l
                 const int64_t *table, int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out,
                 int64_t out_stride);
 
-/* Each row's argmax (torch.argmax's tie and NaN rule) and its log-probability (greedy.c). */
-void greedy_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens, float *logprobs);
+/* Each row's argmax (torch.argmax's tie and NaN rule) and its log-probability (greedy.c); the
+ * unchecked loop the fused calls use on their own buffers (greedy_rows is the exported one). */
+void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens, float *logprobs);
 
 /* exp(x) for x <= 0, within 2 ulp of expf (Cephes' expf: 2^n times a degree-6 polynomial on
  * [-ln2/2, ln2/2]), written so that the compiler vectorises it — libm's expf is a scalar call.

@@ -212,8 +212,8 @@ int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *l
         return 0;
     }
     const int64_t heads = (h1 - h0) * s.group;
-    float *scores = malloc(sizeof(float) * rows * heads * (len - first));
-    if (scores == NULL) return 1;
+    float *scores = malloc(sizeof(float) * (rows * heads * (len - first) - PAGEDLLM_TEST_OFF_BY_ONE));
+    if (scores == NULL) return KERNEL_NO_MEMORY;
     Pass pass = {q, scores, out, first, len - first, h0, h1, rows, q_stride, out_stride, scale, s};
     for_each_tile(k_cache, table, first, len, s, score_tile, &pass);
     const int64_t block_floats = s.block_size * s.num_kv_heads * s.head_dim;
@@ -232,12 +232,34 @@ int attend_sequence(const float *q, const float *k_cache, const float *v_cache, 
     return attend_rows(q, 0, 1, &len, k_cache, v_cache, table, window, scale, s, h0, h1, out, 0);
 }
 
-int paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                     const int64_t *block_tables, const int64_t *ctx_lens, float *out, int64_t out_stride,
-                     int64_t batch, int64_t max_blocks, int64_t block_size, int64_t num_kv_heads, int64_t group,
-                     int64_t head_dim, int64_t window, float scale, int num_threads) {
+/* The exported kernel: `batch` sequences. Every size is checked against what the caller
+ * allocated (q_capacity / out_capacity floats at q / out, table_capacity entries at
+ * block_tables, batch entries at ctx_lens, num_blocks blocks in each cache) before any is used. */
+int paged_decode_f32(const float *q, int64_t q_stride, int64_t q_capacity, const float *k_cache, const float *v_cache,
+                     int64_t num_blocks, const int64_t *block_tables, int64_t table_capacity, const int64_t *ctx_lens,
+                     int64_t lens_capacity, float *out, int64_t out_stride, int64_t out_capacity, int64_t batch,
+                     int64_t max_blocks, int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                     int64_t window, float scale, int num_threads) {
     const Shape s = {block_size, num_kv_heads, group, head_dim};
-    if (head_dim % 8 != 0) return 2;
+    if (head_dim % 8 != 0) return KERNEL_BAD_SHAPE;
+    const int64_t width = num_kv_heads * group * head_dim;
+    REQUIRE(batch >= 0 && num_kv_heads > 0 && group > 0 && head_dim > 0 && num_threads > 0,
+            "paged decode: batch %lld, %lld KV heads, group %lld, head_dim %lld, %d threads", (long long)batch,
+            (long long)num_kv_heads, (long long)group, (long long)head_dim, num_threads);
+    REQUIRE(rows_fit(batch, q_stride, width, q_capacity) && rows_fit(batch, out_stride, width, out_capacity) &&
+                (batch <= 1 || out_stride >= width),
+            "paged decode: %lld rows of %lld floats do not fit q (stride %lld, %lld floats) or out (stride %lld, %lld)",
+            (long long)batch, (long long)width, (long long)q_stride, (long long)q_capacity, (long long)out_stride,
+            (long long)out_capacity);
+    REQUIRE(max_blocks >= 0 && batch * max_blocks <= table_capacity && batch <= lens_capacity,
+            "paged decode: %lld tables of %lld blocks or %lld lengths exceed the %lld / %lld given", (long long)batch,
+            (long long)max_blocks, (long long)batch, (long long)table_capacity, (long long)lens_capacity);
+    for (int64_t b = 0; b < batch; b++) {
+        REQUIRE(ctx_lens[b] >= 1, "paged decode: sequence %lld has context length %lld", (long long)b, (long long)ctx_lens[b]);
+        const int status = check_table(block_tables + b * max_blocks, max_blocks, ctx_lens[b], block_size, num_blocks,
+                                       "paged decode: sequence", b);
+        if (status) return status;
+    }
     int failed = 0;
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(| : failed)
     for (int64_t b = 0; b < batch; b++)

@@ -141,7 +141,7 @@ static int attend_tile(const float *q, int64_t q_stride, int64_t n, int64_t p0, 
     const int64_t lo = p->window > 0 && p0 + 1 > p->window ? p0 + 1 - p->window : 0;
     const size_t bytes = sizeof(float) * (size_t)((D + hi - lo) * VW);
     float *buffer = aligned_alloc(64, (bytes + 63) / 64 * 64); /* a multiple of the alignment */
-    if (buffer == NULL) return 1;
+    if (buffer == NULL) return KERNEL_NO_MEMORY;
     float *qt = buffer;
     float *scores = buffer + D * VW;
     transpose_tile(q + qh * D, q_stride, n, D, qt);
@@ -164,11 +164,26 @@ static int attend_tile(const float *q, int64_t q_stride, int64_t n, int64_t p0, 
     return 0;
 }
 
-int prefill_attention_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                          const int64_t *table, int64_t q_len, int64_t ctx_len, float *out, int64_t out_stride,
-                          int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t window,
-                          float scale, int num_threads) {
-    if (head_dim % 8 != 0) return 2;
+/* The exported kernel. Every size is checked against what the caller allocated (q_capacity /
+ * out_capacity floats at q / out, max_blocks entries at table, num_blocks blocks in each cache)
+ * before any is used. */
+int prefill_attention_f32(const float *q, int64_t q_stride, int64_t q_capacity, const float *k_cache, const float *v_cache,
+                          int64_t num_blocks, const int64_t *table, int64_t max_blocks, int64_t q_len, int64_t ctx_len,
+                          float *out, int64_t out_stride, int64_t out_capacity, int64_t block_size, int64_t num_kv_heads,
+                          int64_t group, int64_t head_dim, int64_t window, float scale, int num_threads) {
+    if (head_dim % 8 != 0) return KERNEL_BAD_SHAPE;
+    const int64_t width = num_kv_heads * group * head_dim;
+    REQUIRE(num_kv_heads > 0 && group > 0 && num_threads > 0, "prefill attention: %lld KV heads, group %lld, %d threads",
+            (long long)num_kv_heads, (long long)group, num_threads);
+    REQUIRE(q_len >= 0 && q_len <= ctx_len, "prefill attention: %lld query rows in a context of %lld", (long long)q_len,
+            (long long)ctx_len);
+    REQUIRE(rows_fit(q_len, q_stride, width, q_capacity) && rows_fit(q_len, out_stride, width, out_capacity) &&
+                (q_len <= 1 || out_stride >= width),
+            "prefill attention: %lld rows of %lld floats do not fit q (stride %lld, %lld floats) or out (stride %lld, %lld)",
+            (long long)q_len, (long long)width, (long long)q_stride, (long long)q_capacity, (long long)out_stride,
+            (long long)out_capacity);
+    const int status = check_table(table, max_blocks, ctx_len, block_size, num_blocks, "prefill attention: chunk", 0);
+    if (status) return status;
     const Pool p = {k_cache, v_cache, table, {block_size, num_kv_heads, group, head_dim}, window, scale};
     const int64_t heads = num_kv_heads * group, tiles = (q_len + VW - 1) / VW, items = tiles * heads;
     int failed = 0;

@@ -185,6 +185,92 @@ static inline __attribute__((always_inline)) void dot2(const void *wa, const voi
     }
 }
 
+/* Block-quantized panels (kernels.h): each block's weights are dequantized in registers, exactly
+ * (d q and d q + m are exact in fp32, the latter one fused multiply-add), and multiplied into the
+ * rows as dot() does (an empty asm keeps the compiler, free to reassociate under -ffast-math,
+ * from folding the scale into the activations differently for different row counts): two accumulators a row (Q8_0: even and odd inputs; Q4: a block's first and
+ * second 16 inputs, one nibble each), so a row's result does not depend on the batch either.
+ * The prefetch runs a fixed number of bytes ahead, a few blocks. */
+#define QPREFETCH_BYTES 1024
+
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *blk, int64_t bytes) {
+    if (PREFETCH_K > 0)
+        for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(blk + QPREFETCH_BYTES + i, 0, PREFETCH_LOCALITY);
+}
+
+static inline __attribute__((always_inline)) void dot_q8(const uint8_t *panel, const float *x, int64_t ldx, int64_t K,
+                                                         const int mb, vf *out) {
+    const int64_t bytes = qblock_bytes(WEIGHT_Q8_0);
+    vf even[MB], odd[MB];
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) even[r] = odd[r] = (vf){0};
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        const uint8_t *blk = panel + b * bytes;
+        prefetch_block(blk, bytes);
+        const vf d = loadv_f16((const uint16_t *)blk);
+        const int8_t *q = (const int8_t *)(blk + 2 * VW);
+        const float *xb = x + b * QBLOCK;
+        for (int j = 0; j < QBLOCK; j += 2) {
+            vf w0 = loadv_i8(q + j * VW) * d, w1 = loadv_i8(q + (j + 1) * VW) * d;
+            __asm__("" : "+v"(w0), "+v"(w1)); /* the weights as values: no reassociation with x (-ffast-math) */
+#pragma GCC unroll 8
+            for (int r = 0; r < mb; r++) {
+                even[r] += w0 * xb[r * ldx + j];
+                odd[r] += w1 * xb[r * ldx + j + 1];
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) out[r] = even[r] + odd[r];
+}
+
+static inline __attribute__((always_inline)) void dot_q4(const uint8_t *panel, const float *x, int64_t ldx, int64_t K,
+                                                         const int mb, vf *out) {
+    const int64_t bytes = qblock_bytes(WEIGHT_Q4);
+    const vi low = (vi){0} + 15;
+    vf first[MB], second[MB];
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) first[r] = second[r] = (vf){0};
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        const uint8_t *blk = panel + b * bytes;
+        prefetch_block(blk, bytes);
+        const vf d = loadv_f16((const uint16_t *)blk), m = loadv_f16((const uint16_t *)blk + VW);
+        const uint8_t *q = blk + 4 * VW;
+        const float *xb = x + b * QBLOCK;
+        for (int j = 0; j < QBLOCK / 2; j++) {
+            const vi nibbles = loadv_u8(q + j * VW);
+            vf w0 = int_to_float(nibbles & low) * d + m, w1 = int_to_float(nibbles >> 4) * d + m;
+            __asm__("" : "+v"(w0), "+v"(w1));
+#pragma GCC unroll 8
+            for (int r = 0; r < mb; r++) {
+                first[r] += w0 * xb[r * ldx + j];
+                second[r] += w1 * xb[r * ldx + j + QBLOCK / 2];
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) out[r] = first[r] + second[r];
+}
+
+#define DISPATCH_Q(fn, w, x, ldx, K, mb, out)          \
+    switch (mb) {                                      \
+        case 1: fn(w, x, ldx, K, 1, out); break;       \
+        case 2: fn(w, x, ldx, K, 2, out); break;       \
+        case 3: fn(w, x, ldx, K, 3, out); break;       \
+        case 4: fn(w, x, ldx, K, 4, out); break;       \
+        DISPATCH_Q_WIDE(fn, w, x, ldx, K, mb, out)     \
+    }
+#if MB == 8
+#define DISPATCH_Q_WIDE(fn, w, x, ldx, K, mb, out)     \
+    case 5: fn(w, x, ldx, K, 5, out); break;           \
+    case 6: fn(w, x, ldx, K, 6, out); break;           \
+    case 7: fn(w, x, ldx, K, 7, out); break;           \
+    default: fn(w, x, ldx, K, 8, out); break;
+#else
+#define DISPATCH_Q_WIDE(fn, w, x, ldx, K, mb, out)     \
+    default: fn(w, x, ldx, K, 4, out); break;
+#endif
+
 #define DISPATCH(i8, w, x, ldx, K, mb, out)        \
     switch (mb) {                                  \
         case 1: dot(w, i8, x, ldx, K, 1, out); break; \
@@ -236,7 +322,13 @@ static inline void epilogue(const Matrix *w, int64_t p, int mb, vf *out) {
 /* Panel p's VW channels (scale and bias applied) for rows [r0, r0 + mb), mb <= MB. */
 static void panel_block(const Matrix *w, int64_t p, const float *x, int64_t ldx, int mb, vf *out) {
     const int64_t K = w->k;
-    if (w->dtype == WEIGHT_I8) {
+    if (w->dtype == WEIGHT_Q4) {
+        const uint8_t *panel = (const uint8_t *)w->panels + p * panel_bytes(w);
+        DISPATCH_Q(dot_q4, panel, x, ldx, K, mb, out);
+    } else if (w->dtype == WEIGHT_Q8_0) {
+        const uint8_t *panel = (const uint8_t *)w->panels + p * panel_bytes(w);
+        DISPATCH_Q(dot_q8, panel, x, ldx, K, mb, out);
+    } else if (w->dtype == WEIGHT_I8) {
         const int8_t *panel = (const int8_t *)w->panels + p * K * VW;
         DISPATCH(1, panel, x, ldx, K, mb, out);
     } else {
@@ -261,8 +353,11 @@ static void panel_pair(const Matrix *w, int64_t p, int64_t q, const float *x, in
     epilogue(w, q, mb, out_q);
 }
 
-/* Whether m rows go through panel pairs (`pair`: the weights are cache-resident). */
-static inline int paired(int pair, int64_t m) { return pair && m >= PAIR_MIN && m <= PAIR_ROWS; }
+/* Whether m rows go through panel pairs (`pair`: the weights are cache-resident; fp32 and int8
+ * panels only). */
+static inline int paired(const Matrix *w, int pair, int64_t m) {
+    return pair && m >= PAIR_MIN && m <= PAIR_ROWS && w->dtype <= WEIGHT_I8;
+}
 
 /* The rows of pass i of n passes over m rows (balanced: 5 rows in passes of at most 2 as 1 + 2 + 2). */
 static inline void pass_rows(int64_t m, int64_t n, int64_t i, int64_t *r0, int *mb) {
@@ -286,7 +381,7 @@ void matmul_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, floa
                    int mode, int pair) {
     vf out[MB > MB2 ? MB : MB2], out_q[MB2];
     int64_t p = p0;
-    if (paired(pair, m)) {
+    if (paired(w, pair, m)) {
         const int64_t passes = (m + MB2 - 1) / MB2;
         for (; p + 1 < p1; p += 2) {
             for (int64_t i = 0; i < passes; i++) {
@@ -327,7 +422,7 @@ void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, floa
                    int pair) {
     vf gate[MB], up[MB];
     const int64_t width = w->n / 2; /* channels of the activation */
-    if (paired(pair, m)) {
+    if (paired(w, pair, m)) {
         const int64_t passes = (m + MB2 - 1) / MB2;
         for (int64_t j = j0; j < j1; j++) {
             for (int64_t i = 0; i < passes; i++) {
@@ -350,24 +445,43 @@ void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, floa
     }
 }
 
-/* The standalone entry point (tests, and any caller outside the decode step): y = x W^T, or
- * silu(gate) * up when `swiglu`, split by panels over the threads. */
-int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int swiglu, int num_threads) {
-    if (w->dtype == WEIGHT_I8 && w->scale == NULL) return 2;
+/* Rows per pass over a thread's panels when m is large (a prefill through block-quantized
+ * weights): the tile's activations stay in the cache while the panels stream past them once per
+ * tile. A row's result does not depend on the tiling. */
+#define ROW_TILE 64
+
+/* The standalone entry point (tests, prefills through block-quantized weights, any caller
+ * outside the decode step): y = x W^T, or silu(gate) * up when `swiglu`, split by panels over
+ * the threads, rows in tiles of ROW_TILE. check_matrix covers the weight of every kind (a
+ * block-quantized one's k a whole number of blocks, its panels' bytes with their fp16 scales). */
+int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, int64_t x_capacity, float *y, int64_t ldy,
+                 int64_t y_capacity, int swiglu, int num_threads) {
+    const int status = check_matrix(w, "small matmul: the weight");
+    if (status) return status;
+    const int64_t width = swiglu ? w->n / 2 : w->n;
+    REQUIRE(m >= 0 && num_threads >= 1 && (!swiglu || w->num_panels % 2 == 0), "small matmul: %lld rows, %d threads",
+            (long long)m, num_threads);
+    REQUIRE(rows_fit(m, ldx, w->k, x_capacity) && (m <= 1 || ldx >= w->k),
+            "small matmul: %lld rows of %lld inputs do not fit x (stride %lld, %lld floats)", (long long)m, (long long)w->k,
+            (long long)ldx, (long long)x_capacity);
+    REQUIRE(rows_fit(m, ldy, width, y_capacity) && (m <= 1 || ldy >= width),
+            "small matmul: %lld rows of %lld outputs do not fit y (stride %lld, %lld floats)", (long long)m, (long long)width,
+            (long long)ldy, (long long)y_capacity);
     const int pair = fits_in_cache(matrix_bytes(w));
 #pragma omp parallel num_threads(num_threads)
     {
         int64_t lo, hi;
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        if (swiglu) {
-            thread_share(w->num_panels / 2, t, nt, &lo, &hi);
-            swiglu_panels(w, x, m, ldx, y, ldy, lo, hi, pair);
-        } else {
-            thread_share(w->num_panels, t, nt, &lo, &hi);
-            matmul_panels(w, x, m, ldx, y, ldy, lo, hi, STORE, pair);
+        thread_share(swiglu ? w->num_panels / 2 : w->num_panels, t, nt, &lo, &hi);
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
+            const int64_t rows = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
+            if (swiglu)
+                swiglu_panels(w, x + r0 * ldx, rows, ldx, y + r0 * ldy, ldy, lo, hi, pair);
+            else
+                matmul_panels(w, x + r0 * ldx, rows, ldx, y + r0 * ldy, ldy, lo, hi, STORE, pair);
         }
     }
-    return 0;
+    return KERNEL_OK;
 }
 
 /* A STREAM-like read of n floats by num_threads threads (each its contiguous share, 4 vector

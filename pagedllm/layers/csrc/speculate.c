@@ -52,7 +52,7 @@ typedef struct {
 typedef struct {
     int64_t *ids, *pos, *slots, *lens, *tables, *logit_rows;
     float *logits;
-    int64_t rows, num_logits, max_blocks, block_size;
+    int64_t rows, num_logits, max_blocks, block_size, logits_capacity;
 } Rows;
 
 static void add_row(Rows *b, const int64_t *table, int64_t token, int64_t position, int logit) {
@@ -66,7 +66,8 @@ static void add_row(Rows *b, const int64_t *table, int64_t token, int64_t positi
 }
 
 static Step step_of(const Rows *b) {
-    return (Step){b->rows, b->ids, b->pos, b->slots, b->lens, b->tables, b->max_blocks, b->logit_rows, b->num_logits, b->logits};
+    return (Step){b->rows,   b->ids,        b->pos,    b->slots,          b->lens, b->tables, b->max_blocks, b->logit_rows,
+                  b->num_logits, b->logits, b->logits_capacity};
 }
 
 /* Runs the rows on `md` and writes each logit row's argmax (mapped through `vocab`) to out. */
@@ -74,7 +75,7 @@ static int run_rows(const Model *md, Rows *b, int threads, const int64_t *vocab,
     const Step st = step_of(b);
     const int failed = decode_step(md, &st, threads);
     if (failed) return failed;
-    greedy_rows(b->logits, b->num_logits, md->vocab, out, logprobs);
+    argmax_rows(b->logits, b->num_logits, md->vocab, out, logprobs);
     if (vocab != NULL)
         for (int64_t i = 0; i < b->num_logits; i++) out[i] = vocab[out[i]];
     return 0;
@@ -158,17 +159,57 @@ static int verify(const Model *target, const Known *kn, const int64_t *kk, const
     return 0;
 }
 
+/* What speculate_greedy is given, checked before it runs: both models, and per sequence a block
+ * table that covers its capacity within both pools (and the rotary tables), a budget that fits
+ * its output row, a history that reaches the newest token; draft logit columns that map to
+ * target tokens. The steps it runs check their own rows too (decode_step). */
+static int check_speculation(const Model *target, const Model *draft, const Speculation *sp, int64_t num_cycles) {
+    int status = check_model(target);
+    if (!status) status = check_model(draft);
+    if (status) return status;
+    const int64_t bs = target->block_size;
+    const int64_t blocks = target->num_blocks < draft->num_blocks ? target->num_blocks : draft->num_blocks;
+    const int64_t positions = target->max_position < draft->max_position ? target->max_position : draft->max_position;
+    REQUIRE(sp->num_seqs >= 0 && sp->k >= 0 && num_cycles >= 0 && sp->max_blocks >= 0 && sp->history_ld >= 1 && sp->out_ld >= 0 &&
+                draft->block_size == bs,
+            "fused speculation: %lld sequences, k %lld, %lld cycles, history of %lld, block sizes %lld / %lld",
+            (long long)sp->num_seqs, (long long)sp->k, (long long)num_cycles, (long long)sp->history_ld, (long long)bs,
+            (long long)draft->block_size);
+    for (int64_t s = 0; s < sp->num_seqs; s++) {
+        const int64_t behind = sp->position[s] - sp->draft_position[s] + 1;
+        REQUIRE(sp->draft_position[s] >= 0 && behind >= 1 && behind <= sp->history_ld,
+                "fused speculation: sequence %lld's history must reach from its draft position %lld to its newest token %lld",
+                (long long)s, (long long)sp->draft_position[s], (long long)sp->position[s]);
+        REQUIRE(sp->budget[s] >= 0 && sp->budget[s] <= sp->out_ld, "fused speculation: sequence %lld's budget %lld, rows of %lld",
+                (long long)s, (long long)sp->budget[s], (long long)sp->out_ld);
+        /* a cycle's rows stay below both its capacity and the position its budget reaches */
+        const int64_t reach = min64(sp->capacity[s], sp->position[s] + sp->budget[s]);
+        REQUIRE(reach <= positions, "fused speculation: sequence %lld reaches position %lld, past the rotary tables' %lld",
+                (long long)s, (long long)reach, (long long)positions);
+        status = check_table(sp->block_tables + s * sp->max_blocks, sp->max_blocks, reach, bs, blocks,
+                             "fused speculation: sequence", s);
+        if (status) return status;
+    }
+    if (sp->draft_vocab != NULL)
+        for (int64_t i = 0; i < draft->vocab; i++)
+            REQUIRE(sp->draft_vocab[i] >= 0 && sp->draft_vocab[i] < target->vocab,
+                    "fused speculation: draft column %lld maps to token %lld, the target's vocab is %lld", (long long)i,
+                    (long long)sp->draft_vocab[i], (long long)target->vocab);
+    return KERNEL_OK;
+}
+
 /* Up to num_cycles cycles; cycle c runs the target on threads[2c] threads and the draft on
  * threads[2c + 1], and their times go to seconds[2c] and seconds[2c + 1]. A sequence stops when
- * it has produced its budget or its block table is full. Returns 0, 1 (out of memory), 2 (an
- * unsupported head shape) or 3 (a history that does not reach the newest token). */
+ * it has produced its budget or its block table is full. Returns KERNEL_OK, KERNEL_NO_MEMORY,
+ * KERNEL_BAD_SHAPE (an unsupported head shape) or KERNEL_REFUSED (check_speculation). */
 int speculate_greedy(const Model *target, const Model *draft, Speculation *sp, int64_t num_cycles, const int *threads,
                      double *seconds) {
     const int64_t S = sp->num_seqs, k = sp->k, B = sp->max_blocks;
+    const int status = check_speculation(target, draft, sp, num_cycles);
+    if (status) return status;
     int64_t lag = 1;
     for (int64_t s = 0; s < S; s++) {
         const int64_t behind = sp->position[s] - sp->draft_position[s] + 1;
-        if (behind < 1 || behind > sp->history_ld) return 3;
         lag = behind > lag ? behind : lag;
         sp->num_tokens[s] = 0;
         for (int64_t c = 0; c < num_cycles; c++) sp->proposed[s * num_cycles + c] = sp->accepted[s * num_cycles + c] = -1;
@@ -182,10 +223,10 @@ int speculate_greedy(const Model *target, const Model *draft, Speculation *sp, i
     int64_t *first = malloc(sizeof(int64_t) * 2 * S);
     if (ints == NULL || floats == NULL || first == NULL) {
         free(ints), free(floats), free(first);
-        return 1;
+        return KERNEL_NO_MEMORY;
     }
     Rows b = {ints, ints + max_rows, ints + 2 * max_rows, ints + 3 * max_rows, ints + 5 * max_rows, ints + 4 * max_rows,
-              floats, 0, 0, B, target->block_size};
+              floats, 0, 0, B, target->block_size, max_logits * vocab};
     int64_t *kk = ints + max_rows * (5 + B), *fed = kk + S, *d = fed + S, *argmax = d + S * k, *scratch = argmax + max_logits;
     float *lp = floats + max_logits * vocab;
     memcpy(first, sp->position, sizeof(int64_t) * S);

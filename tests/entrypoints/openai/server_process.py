@@ -52,11 +52,11 @@ class Server(ServerProcess):
             time.sleep(0.05)
 
 
-def start_server(args: list[str], log: Path) -> Server:
+def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> Server:
     """`pagedllm serve ARGS`, with its job store in a folder of its own next to `log`."""
     os.environ.pop("PAGEDLLM_API_KEY", None)  # only the key a test passes counts
     data_dir = log.parent / f"{log.stem}-data"
-    process = launch(["--log-level", "warning", "--data-dir", str(data_dir), *args], log, timeout=120)
+    process = launch(["--log-level", "warning", "--data-dir", str(data_dir), *args], log, timeout=120, env=env)
     return Server(process.proc, process.url, process.log)
 
 

@@ -6,6 +6,7 @@ import argparse
 import pytest
 
 from pagedllm.entrypoints.serve import build_settings, exposure_warning, main, register
+from pagedllm.paths import DEFAULT_MODEL_NAME
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -23,14 +24,18 @@ def test_flags_become_settings(model_dir):
     assert settings.engine_args == {"max_num_seqs": 4, "enable_prefix_caching": False, "dtype": "float32", "kv_cache_memory_fraction": 0.1}
     assert (settings.api_key, settings.max_waiting_requests) == ("k", 7)
     assert build_settings(parse("--model", str(folder), "--served-model-name", "x")).models[0].name == "x"
-    assert build_settings(parse()).models == []  # no model: the server still starts (training, --model-dir)
+    # no --model: the default model; with --model-dir alone none (load on demand, training)
+    assert [m.name for m in build_settings(parse()).models] == [DEFAULT_MODEL_NAME]
+    assert build_settings(parse("--model-dir", str(folder.parent))).models == []
+    assert build_settings(parse("--no-model")).models == []
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--model", "/nonexistent/model"], "does not exist"),
-        (["--served-model-name", "x"], "needs --model"),
+        (["--model-dir", "/tmp", "--served-model-name", "x"], "needs --model"),
+        (["--no-model", "--model", "/tmp"], "exclude each other"),
         (["--model-dir", "/nonexistent"], "not a directory"),
         (["--block-size", "0"], "block_size must be a positive integer"),
         (["--dtype", "int3"], "dtype must be one of"),
@@ -49,9 +54,10 @@ def test_bad_arguments_exit_2_with_the_reason(model_dir, capsys, argv, message):
 def test_reliability_flags_become_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDLLM_API_KEY", "from-env")
     args = parse("--allowed-path", str(tmp_path / "a"), "--allowed-path", str(tmp_path / "b"), "--request-timeout", "30",
-                 "--protect-metrics")
+                 "--protect-metrics", "--max-body-bytes", "1000")
     settings = build_settings(args)
-    assert settings.allowed_paths == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert settings.allowed_paths == [str(tmp_path / "a"), str(tmp_path / "b")] and settings.max_body_bytes == 1000
+    assert build_settings(parse()).max_body_bytes == 4 << 20
     assert (settings.request_timeout_s, settings.protect_metrics, settings.api_key) == (30.0, True, "from-env")
 
 

@@ -3,6 +3,7 @@ the waiting-queue limit, unloading with requests in flight, and an engine loop t
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -143,3 +144,39 @@ def test_engine_loop_death_fails_requests_and_refuses_new_ones(engine, monkeypat
         await bridge.shutdown()  # returns at once: the thread is gone
 
     run(main())
+
+
+def test_a_dead_engine_finishes_its_requests_with_error_and_lists_none(engine, monkeypatch):
+    """The requests in flight when the engine fails get a final output (finish reason "error",
+    status failed) before their clients get the engine's error; the observer counts them."""
+    observed = []
+    looked = threading.Event()  # the engine fails at its first step after the states were read
+    step = engine.step
+
+    def failing_step():
+        if looked.is_set():
+            raise RuntimeError("injected engine failure")
+        return step()
+
+    async def main():
+        monkeypatch.setattr(engine, "step", failing_step)
+        bridge = AsyncEngine(engine, "tiny", on_step=observed.extend)
+        bridge.start()
+        async with bridge.submit([("a", [5, 6]), ("b", [7])], LONG) as group:
+            async for _ in group.updates():
+                states = await bridge.request_states()
+                looked.set()
+                break
+            with pytest.raises(EngineDeadError, match="injected"):
+                async for _ in group.updates():
+                    pass
+            finals = [group.outputs[r] for r in group.request_ids]
+        assert await bridge.request_states() == []
+        await bridge.shutdown()
+        return states, finals
+
+    states, finals = run(main())
+    assert sorted(s["id"] for s in states) == ["a", "b"] and all(s["status"] == "decoding" for s in states)
+    assert all(f.finished and f.status == "failed" for f in finals)
+    assert all(c.finish_reason == "error" and "injected" in c.stop_reason for f in finals for c in f.outputs)
+    assert {o.request_id for o in observed if o.finished and o.status == "failed"} == {"a", "b"}

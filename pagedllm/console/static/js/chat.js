@@ -152,6 +152,7 @@ function fillModels(models) {
   select.replaceChildren(...ready.map((id) => h("option", { value: id }, id)));
   if (!ready.length) select.append(h("option", { value: "" }, "(no model loaded)"));
   if (ready.includes(current)) select.value = current;
+  $("#chat-served").textContent = select.value || "a model (none is loaded)";
 }
 
 function showMode() {
@@ -161,6 +162,7 @@ function showMode() {
 
 export function initChat() {
   const text = $("#chat-text");
+  $("#chat-model").addEventListener("change", () => { $("#chat-served").textContent = $("#chat-model").value; });
   const error = $("#chat-error");
   $("#chat-form").addEventListener("submit", async (event) => {
     event.preventDefault();

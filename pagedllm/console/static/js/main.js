@@ -1,4 +1,4 @@
-// The console's entry point: tabs, the API-key dialog, the health badge, and the four panels.
+// The console's entry point: tabs, the API-key dialog, the health badge, and the five panels.
 
 import { apiKey, keyWorks, onKeyNeeded, setApiKey } from "./api.js";
 import { initChat } from "./chat.js";
@@ -6,8 +6,9 @@ import { $, every, showError } from "./dom.js";
 import { initJobs } from "./jobs.js";
 import { initMetrics } from "./metrics.js";
 import { initModels } from "./models.js";
+import { initRequests } from "./requests.js";
 
-const TABS = ["chat", "models", "metrics", "jobs"];
+const TABS = ["chat", "models", "requests", "metrics", "jobs"];
 
 function currentTab() {
   const tab = location.hash.slice(1);
@@ -93,6 +94,7 @@ async function start() {
   window.addEventListener("hashchange", showTab);
   initChat();
   initModels();
+  initRequests();
   initMetrics();
   initJobs();
   showTab();

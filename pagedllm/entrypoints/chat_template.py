@@ -1,0 +1,38 @@
+"""A conversation through a model's chat template: what the server's chat endpoint and
+`LLM.chat` both render, with transformers' `apply_chat_template` (vLLM's options)."""
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.library_errors import describe
+
+# apply_chat_template's own arguments: a template variable of the same name would change what it
+# returns, not what the template sees
+_RESERVED = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                       "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                       "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+class ChatTemplateError(ValueError):
+    """The template cannot render these messages (or the model has none); the message says why."""
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                chat_template: str | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, documents: list[dict[str, str]] | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text; the template places BOS itself, so it is tokenized without special tokens."""
+    if chat_template is None and (tokenizer is None or not getattr(tokenizer, "chat_template", None)):
+        raise ChatTemplateError("the model has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja)")
+    if tools and "tools" not in (chat_template or tokenizer.chat_template):
+        raise ChatTemplateError("the chat template does not support tools")
+    extra = dict(chat_template_kwargs or {})
+    clashing = sorted(_RESERVED & extra.keys())
+    if clashing:
+        raise ChatTemplateError(f"chat_template_kwargs may not set {clashing}: they are the renderer's own arguments")
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, documents=documents, chat_template=chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **extra)
+    except Exception as exc:  # jinja2 errors, e.g. a template that enforces role alternation
+        raise ChatTemplateError(f"the chat template rejected the messages: {describe(exc)}") from exc

@@ -1,0 +1,54 @@
+"""The default model served as users run it: `pagedllm serve` with no model serves
+SmolLM2-135M-Instruct from its GGUF file, and the official openai client talks to it: a factual
+question answered correctly, the same answer streamed, a json_schema response that parses, and
+n-gram speculation and beam search on the GGUF model."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from server_process import start_server
+
+from pagedllm.paths import DEFAULT_MODEL_NAME
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2_client(tmp_path_factory):
+    server = start_server(["--kv-cache-memory", str(64 << 20), "--max-model-len", "2048"],
+                          tmp_path_factory.mktemp("gguf-logs") / "server.log")
+    yield openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+    server.stop()
+    assert "Traceback" not in server.log.read_text()
+
+
+def test_the_default_model_is_served(smollm2_client):
+    assert [m.id for m in smollm2_client.models.list().data] == [DEFAULT_MODEL_NAME]
+
+
+def test_answers_a_factual_question(smollm2_client):
+    reply = smollm2_client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=QUESTION, max_tokens=32, temperature=0)
+    choice = reply.choices[0]
+    assert "Paris" in choice.message.content and choice.finish_reason == "stop", choice.message.content
+
+
+def test_streams_the_same_answer(smollm2_client):
+    whole = smollm2_client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=QUESTION, max_tokens=32, temperature=0)
+    chunks = list(smollm2_client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=QUESTION, max_tokens=32,
+                                                         temperature=0, stream=True))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 3 and "".join(pieces) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_json_schema_response_parses(smollm2_client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Name the capital of France and its country as JSON."}]
+    reply = smollm2_client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, messages=messages, max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}})
+    answer = json.loads(reply.choices[0].message.content)
+    assert set(answer) == {"city", "country"} and "Paris" in answer["city"], answer
