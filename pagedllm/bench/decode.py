@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 from pagedllm.bench.offline import SMOLLM2_135M, build_model
-from pagedllm.bench.peak import measure_matmul_peak
 from pagedllm.layers import kernels
+from pagedllm.matmul_peak import measure_matmul_peak
 
 
 @functools.cache

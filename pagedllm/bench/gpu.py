@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.bench.offline import Workload
+from pagedllm.bench.workload import Workload
 
 BUSY_BATCH = 128  # sequences in the profiled decode steps
 BUSY_STEPS = 20

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.bench.peak import measure_matmul_peak
+from pagedllm.bench.workload import Workload, make_workload
+from pagedllm.matmul_peak import measure_matmul_peak
 
 SMOLLM2_135M = dict(
     hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -48,26 +49,6 @@ SHAPES = {"smollm2-135m": ("LlamaConfig", SMOLLM2_135M), "llama-160m": ("LlamaCo
           "mixtral-small": ("MixtralConfig", MIXTRAL_SMALL), "llama-1b": ("LlamaConfig", LLAMA_1B)}
 # Workload defaults per device: (requests, min prompt, max prompt, min output, max output)
 WORKLOADS = {"cpu": (64, 32, 160, 64, 256), "cuda": (256, 64, 512, 64, 512)}
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def make_workload(args: argparse.Namespace, vocab: int) -> Workload:
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(10, vocab - 10) for _ in range(rng.randint(args.min_prompt, args.max_prompt))] for _ in range(args.num_requests)]
-    if args.fixed_output_len:
-        lens = [args.fixed_output_len] * args.num_requests
-    else:
-        lens = [rng.randint(args.min_output, args.max_output) for _ in range(args.num_requests)]
-    return Workload(prompts, lens)
 
 
 def build_model(folder: Path, shape: str = "smollm2-135m") -> Path:

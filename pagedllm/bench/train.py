@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.bench.peak import measure_matmul_peak
+from pagedllm.matmul_peak import measure_matmul_peak
 
 CORPUS_FILES = ("argparse.py", "difflib.py", "textwrap.py", "inspect.py", "typing.py", "pathlib.py", "ast.py")
 
@@ -96,7 +96,7 @@ def summarize(name: str, records: list[dict], warmup: int, flops_per_token: floa
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedllm.training.config import ModelConfig
+    from pagedllm.training.config import ModelShapeConfig
     from pagedllm.training.model import flops_per_token, num_params
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         configs = [("1 process", 1, 0), (f"{ranks} ranks ZeRO-3", ranks, 3)] if ranks > 1 else [("1 process", 1, 0)]
         for name, nproc, stage in configs:
             job = bench_job(args, work, name.replace(" ", "-"), stage)
-            model = ModelConfig(**job["model_config"])
+            model = ModelShapeConfig(**job["model_config"])
             fpt = flops_per_token(model, args.seq_len)
             # CPU ranks share the cores measured together; each CUDA rank has a GPU of its own.
             per_rank, total = (peak / nproc, peak) if device == "cpu" else (peak, peak * nproc)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse
@@ -17,7 +17,8 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from pagedllm.entrypoints.openai.models import ModelRegistry
+if TYPE_CHECKING:  # the app (entrypoints/openai) mounts the console: no import back at run time
+    from pagedllm.entrypoints.openai.models import ModelRegistry
 
 STATIC = Path(__file__).parent / "static"
 ASSETS = "/console/static"

@@ -1,15 +1,17 @@
-"""Beam search: which continuations survive a step, which become finished hypotheses, and when
-the search is over — by transformers' `num_beams` rules, so results equal its `generate`.
+"""Beam search as a layer over the engine (vLLM's `LLM.beam_search`), by transformers' `num_beams`
+rules, so results equal its `generate`.
 
-Each live beam is an ordinary sequence to the scheduler (it decodes one token per step with its
-own block table); the only coupling is here. Once every live beam of a request has its next-token
-distribution (the top-K logprobs of its row), `BeamSearch.step` ranks all beam × token
+Why a layer: the scheduler knows only ordinary requests. Each round, every live beam of a search
+is a one-token request whose prompt is the beam so far, asking for its top-K next tokens; the
+beams' KV is shared through the prefix cache (a beam's full blocks are those its parent's request
+published), so a round recomputes at most each beam's last, partly filled block. Once every beam
+of a round has its next-token distribution, `BeamSearch.step` ranks all beam × token
 continuations by cumulative logprob and keeps the best K = max(2, 1 + #EOS) × width of them:
 
 - among the best `width`, those that end on EOS (or reach `max_tokens`) become hypotheses,
   scored cumulative logprob / generated length ** length_penalty; the best `width` are kept;
-- the best `width` that did not end become next step's beams (a beam picked several times is
-  forked: its blocks are shared and copied only when written);
+- the best `width` that did not end become next round's beams (a beam picked several times
+  becomes several requests, sharing its blocks through the cache);
 - the search ends when no continuation can go on, or when all `width` hypothesis slots are full
   and the best running beam, at its current length, cannot beat the worst of them (transformers'
   default `early_stopping=False` heuristic).
@@ -18,27 +20,32 @@ K > width keeps `width` beams alive even when the best continuations all end.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pagedllm.engine.sequence import Sequence
-from pagedllm.sampling_params import BeamSearchParams
+from pagedllm.engine.llm_engine import MAX_LOGPROBS
+from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, Logprob, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine, PromptType  # noqa: F401
 
 
 @dataclass
-class BeamState:
-    """A beam's part of the search: its output tokens' (logprob, rank) and, once its row was
-    computed this round, its top-K next tokens as (token, logprob), best first."""
+class Beam:
+    """One live hypothesis: its output tokens with their (logprob, rank), and once its round's
+    request has run, its top-K next tokens as (token, logprob), best first."""
 
+    output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
     candidates: list[tuple[int, float]] | None = None
-
-    def fork(self) -> "BeamState":
-        return BeamState(list(self.token_logprobs))
 
 
 @dataclass
 class Continuation:
-    parent: Sequence
+    parent: Beam
     token_id: int
     logprob: float
     rank: int  # 1-based, within the parent's next-token distribution
@@ -61,7 +68,7 @@ def beam_score(cumulative_logprob: float, num_generated: int, length_penalty: fl
 
 
 class BeamSearch:
-    """One request's search state, owned by the scheduler."""
+    """One prompt's search state: the ranking rules, independent of how beams are computed."""
 
     def __init__(self, params: BeamSearchParams, eos_token_ids: frozenset[int], max_new_tokens: int):
         self.width = params.beam_width
@@ -73,7 +80,7 @@ class BeamSearch:
         self.finished: list[Hypothesis] = []  # best first, at most `width`
         self.done = False
 
-    def step(self, beams: list[Sequence]) -> list[Continuation]:
+    def step(self, beams: list[Beam]) -> list[Continuation]:
         """Rank the beams' continuations; returns the (up to `width`) beams to go on with, best
         first, and records finished hypotheses. Sets `done` when the search is over."""
         ranked = self._rank(beams)
@@ -87,19 +94,19 @@ class BeamSearch:
         self.done = not going_on or not self._improvable(going_on[0])
         return [] if self.done else going_on
 
-    def _rank(self, beams: list[Sequence]) -> list[Continuation]:
+    def _rank(self, beams: list[Beam]) -> list[Continuation]:
         conts = []
-        for seq in beams:
-            for rank, (token, logprob) in enumerate(seq.beam.candidates, start=1):
-                conts.append(Continuation(seq, token, logprob, rank, seq.cumulative_logprob + logprob))
+        for beam in beams:
+            for rank, (token, logprob) in enumerate(beam.candidates, start=1):
+                conts.append(Continuation(beam, token, logprob, rank, beam.cumulative_logprob + logprob))
         conts.sort(key=lambda c: c.score, reverse=True)  # stable: ties keep beam, then token rank order
         return conts[: self.num_candidates]
 
     def _add_hypothesis(self, cont: Continuation, length: int) -> None:
         parent = cont.parent
         hypothesis = Hypothesis(
-            token_ids=parent.output_token_ids + [cont.token_id],
-            token_logprobs=parent.beam.token_logprobs + [(cont.logprob, cont.rank)],
+            token_ids=parent.output_ids + [cont.token_id],
+            token_logprobs=parent.token_logprobs + [(cont.logprob, cont.rank)],
             cumulative_logprob=cont.score,
             score=beam_score(cont.score, length, self.length_penalty),
             finish_reason="stop" if cont.token_id in self.eos_token_ids else "length",
@@ -114,3 +121,97 @@ class BeamSearch:
         if len(self.finished) < self.width:
             return True
         return beam_score(best.score, self.num_generated, self.length_penalty) > self.finished[-1].score
+
+
+@dataclass
+class _Search:
+    prompt_ids: list[int]
+    search: BeamSearch
+    beams: list[Beam]
+    pending: dict[str, Beam] = field(default_factory=dict)  # this round's request id -> its beam
+
+
+class BeamSearcher:
+    """Runs beam searches over an engine's ordinary requests. `step()` is one engine step: it
+    hands back the engine's outputs of every other request, and starts a search's next round
+    once its current one has run; finished searches are in `results`."""
+
+    def __init__(self, engine: "LLMEngine"):
+        self.engine = engine
+        self.results: dict[str, BeamSearchOutput] = {}
+        self._searches: dict[str, _Search] = {}
+        self._owner: dict[str, str] = {}  # a round's request id -> its search id
+        self._ids = itertools.count()
+
+    def add(self, search_id: str, prompt: "PromptType", params: BeamSearchParams) -> None:
+        """Start a search: its first round's single beam is the prompt itself. ValueError for
+        what the engine refuses (the prompt) and for a width with too many candidates per beam."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        engine = self.engine
+        _, prompt_ids = engine.tokenize(prompt)
+        search = BeamSearch(params, engine.eos_token_ids, min(params.max_tokens, engine.max_model_len - len(prompt_ids)))
+        limit = min(MAX_LOGPROBS, engine.model_config.vocab_size)
+        if search.num_candidates > limit:
+            raise ValueError(f"beam_width={params.beam_width} is too wide: each step ranks {search.num_candidates} "
+                             f"continuations per beam, and at most {limit} are available")
+        state = _Search(prompt_ids, search, [Beam()])
+        self._submit(search_id, state)  # the engine checks the prompt
+        self._searches[search_id] = state
+
+    def has_unfinished(self) -> bool:
+        return bool(self._searches)
+
+    def abort(self, search_id: str) -> None:
+        state = self._searches.pop(search_id, None)
+        for request_id in state.pending if state is not None else ():
+            self._owner.pop(request_id, None)
+            self.engine.abort_request(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        others = []
+        for output in self.engine.step():
+            search_id = self._owner.get(output.request_id)
+            if search_id is None:
+                others.append(output)
+            elif output.finished:
+                self._take(search_id, output)
+        return others
+
+    def _submit(self, search_id: str, state: _Search) -> None:
+        """One one-token request per live beam, asking for its top-K next tokens."""
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=state.search.num_candidates)
+        for beam in state.beams:
+            request_id = f"{search_id}/beam-{next(self._ids)}"
+            self.engine.add_request(request_id, {"prompt_token_ids": state.prompt_ids + beam.output_ids}, params)
+            state.pending[request_id] = beam
+            self._owner[request_id] = search_id
+
+    def _take(self, search_id: str, output: RequestOutput) -> None:
+        """A beam's next-token distribution; with the round's last one, the search's step."""
+        self._owner.pop(output.request_id)
+        state = self._searches[search_id]
+        ranked = sorted(output.outputs[0].logprobs[0].items(), key=lambda item: item[1].rank)
+        state.pending.pop(output.request_id).candidates = [(token, entry.logprob) for token, entry in ranked]
+        if state.pending:
+            return
+        going_on = state.search.step(state.beams)
+        state.beams = [Beam(c.parent.output_ids + [c.token_id], c.parent.token_logprobs + [(c.logprob, c.rank)], c.score)
+                       for c in going_on]
+        if state.search.done:
+            del self._searches[search_id]
+            self.results[search_id] = self._output(state)
+        else:
+            self._submit(search_id, state)
+
+    def _output(self, state: _Search) -> BeamSearchOutput:
+        """The hypotheses, best score first, with the prompt in their tokens and text."""
+        tokenizer, decode = self.engine.tokenizer, self.engine.output_processor.detokenizer.decode_token
+        sequences = []
+        for hyp in state.search.finished:
+            tokens = state.prompt_ids + hyp.token_ids
+            logprobs = [{token: Logprob(logprob, rank, decode(token))}
+                        for token, (logprob, rank) in zip(hyp.token_ids, hyp.token_logprobs)]
+            text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
+            sequences.append(BeamSearchSequence(tokens, logprobs, hyp.cumulative_logprob, hyp.score, text, hyp.finish_reason))
+        return BeamSearchOutput(sequences)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from pagedllm.engine.scheduler_output import BlockPairs
+from pagedllm.step.scheduler_output import BlockPairs
 
 
 def _chain_hash(parent: int, tokens: tuple[int, ...]) -> int:

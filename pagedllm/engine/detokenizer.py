@@ -46,10 +46,6 @@ class Detokenizer:
         seq.detok_read_offset = len(ids)
         return full[len(prefix) :]
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        """A whole finished output at once (beam search hypotheses)."""
-        return self._decode(token_ids, skip_special_tokens)
-
     def decode_token(self, token_id: int) -> str:
         return self._decode([token_id], False)
 

@@ -3,7 +3,8 @@ model runner and the output processor.
 
 One `step()` = `scheduler.schedule()` → `runner.execute()` (one forward pass, sampling) →
 `scheduler.update_from_output()` (progress, tokens, stop rules, freeing) → `RequestOutput`s.
-The engine itself changes no request or KV state. Bad input is rejected in `add_request` with a
+The engine itself changes no request or KV state; it builds the pieces, with the planner that
+decides how steps run (step/planner.py) shared by the scheduler and the runner. Bad input is rejected in `add_request` with a
 ValueError before anything is queued, so one bad request never disturbs the others.
 """
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any, Union
 import torch
 
 from pagedllm.config import EngineConfig, ModelConfig
-from pagedllm.engine.beam_search import BeamSearch, BeamState
 from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
@@ -24,7 +24,9 @@ from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.gguf import is_gguf, open_gguf
 from pagedllm.gguf.tokenizer import gguf_tokenizer
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.speculator import Speculator
+from pagedllm.step.planner import StepPlanner
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -53,7 +55,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.max_model_len = config.resolve_max_model_len(self.model_config)
         max_batched = config.resolve_max_num_batched_tokens(self.max_model_len)
-        self.runner = _make_runner(config, self.model_config, self.max_model_len)
+        self.planner = StepPlanner.decide(config, self.model_config, self.max_model_len)
+        self.runner = _make_runner(config, self.model_config, self.max_model_len, self.planner)
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size) if self.tokenizer else None
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks, config.enable_prefix_caching
@@ -66,19 +69,12 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
                 preemption_policy=config.preemption_policy,
-                num_lookahead_slots=self.runner.speculator.num_lookahead_slots if self.runner.speculator else 0,
-                spec_disable_by_batch_size=config.speculative_config.disable_by_batch_size if config.speculative_config else None,
                 max_step_blocks=self.runner.max_step_blocks,
-                num_scheduler_steps=config.num_scheduler_steps,
-                max_multi_step_rows=self.runner.max_multi_step_rows,
-                max_fused_spec_seqs=self.runner.max_fused_spec_seqs,
             ),
             self.block_manager,
             self.structured,
+            self.planner,
         )
-        if config.num_scheduler_steps > 1 and not self.runner.max_multi_step_rows:
-            logger.warning("num_scheduler_steps=%d needs the fused decode step (CPU, float32), which is not in use: "
-                           "every engine step runs one step", config.num_scheduler_steps)
         self.eos_token_ids = self._eos_token_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -103,27 +99,19 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        sampling_params: SamplingParams | BeamSearchParams | None = None,
+        sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
-        """Queue a request. With `BeamSearchParams` it is a beam search, whose only output is
-        its `beam_width` best hypotheses when it finishes."""
+        """Queue a request. (A beam search is a layer over the engine: engine/beam_search.py.)"""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
-        beam = params if isinstance(params, BeamSearchParams) else None
-        if beam is not None:
-            # Each beam decodes greedily and reports its row's top-K continuations.
-            params = SamplingParams(temperature=0, max_tokens=beam.max_tokens, ignore_eos=True)
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
-        text, token_ids = self._tokenize(prompt)
-        search = None
-        if beam is not None:
-            search = BeamSearch(beam, self.eos_token_ids, min(beam.max_tokens, self.max_model_len - len(token_ids)))
-            params.logprobs = search.num_candidates
-        self._validate(token_ids, params, beam)
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__} "
+                             "(beam search: LLM.beam_search, or engine/beam_search.py's BeamSearcher)")
+        text, token_ids = self.tokenize(prompt)
+        self._validate(token_ids, params)
         request = Request(
             request_id=request_id,
             prompt=text,
@@ -134,8 +122,6 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
         seq = Sequence(request, 0, list(token_ids))
-        if search is not None:
-            request.beam_search, seq.beam = search, BeamState()
         if params.structured_outputs is not None:
             seq.grammar = self._matcher(params)
         request.seqs.append(seq)
@@ -147,7 +133,8 @@ class LLMEngine:
             raise ValueError(f"model {self.config.model!r} has no tokenizer; structured_outputs need one")
         return self.structured.matcher(params.structured_outputs)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: text, token ids, or a dict with either."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _token_list(prompt["prompt_token_ids"])
@@ -161,7 +148,7 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, _token_list(prompt)
 
-    def _validate(self, token_ids: list[int], params: SamplingParams, beam: BeamSearchParams | None = None) -> None:
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -180,13 +167,6 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, more than the whole KV cache holds "
                 f"({pool_tokens} tokens in {capacity} blocks)"
             )
-        if beam is not None:
-            if params.logprobs > min(MAX_LOGPROBS, vocab):
-                raise ValueError(
-                    f"beam_width={beam.beam_width} is too wide: each step ranks {params.logprobs} continuations "
-                    f"per beam, and at most {min(MAX_LOGPROBS, vocab)} are available"
-                )
-            return
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
@@ -289,29 +269,24 @@ class LLMEngine:
 
     def _spec_decode_stats(self) -> dict[str, Any]:
         """vLLM's spec_decode counters, plus the derived rates and where the time went."""
-        if self.runner.speculator is None:
+        speculator = self.runner.speculator
+        if speculator is None:
             return {}
-        spec = self.scheduler.spec_stats
-        draft_s, target_s = self.runner.speculator.draft_time_s, self.runner.target_time_s
-        return {
-            "spec_decode_num_drafts": spec.num_drafts,
-            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
-            "spec_decode_num_accepted_tokens_per_pos": list(spec.accepted_per_position),
-            "spec_decode_acceptance_rate": spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0,
-            "spec_decode_mean_accepted_length": 1 + spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else 0.0,
-            "spec_decode_draft_time_s": draft_s,
-            "spec_decode_target_time_s": target_s,
-            "spec_decode_draft_time_share": draft_s / (draft_s + target_s) if draft_s + target_s else 0.0,
-        }
+        return self.scheduler.spec_stats.report(speculator.draft_time_s, speculator.target_time_s)
 
 
-def _make_runner(config: EngineConfig, model_config: ModelConfig, max_model_len: int):
-    if config.tensor_parallel_size == 1:
-        return ModelRunner(config, model_config, max_model_len)
-    from pagedllm.distributed.executor import TensorParallelRunner
+def _make_runner(config: EngineConfig, model_config: ModelConfig, max_model_len: int, planner: StepPlanner):
+    """One runner, with the speculator when the engine speculates; or rank 0's runner and the
+    tensor-parallel workers (which do not speculate)."""
+    if planner.tensor_parallel_size > 1:
+        from pagedllm.worker.tensor_parallel import TensorParallelRunner
 
-    return TensorParallelRunner(config, model_config, max_model_len)
+        return TensorParallelRunner(config, model_config, max_model_len, planner)
+    speculator = None
+    if planner.speculation is not None:
+        speculator = Speculator(planner, model_config, max_model_len, config.block_size, config.torch_dtype(model_config),
+                                config.torch_device())
+    return ModelRunner(config, model_config, max_model_len, planner=planner, speculator=speculator)
 
 
 def _token_list(values: Any) -> list[int]:

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pagedllm.engine.detokenizer import Detokenizer, find_stop, held_back
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.worker.runner_output import SampledToken
+from pagedllm.step.runner_output import SampledToken
 
 
 class OutputProcessor:
@@ -77,23 +77,11 @@ class OutputProcessor:
     def make_output(self, request: Request) -> RequestOutput | None:
         params = request.params
         seqs = request.seqs
-        if request.beam_search is not None and request.beam_search.done:
-            return self._snapshot(request, self._hypotheses(request))
-        if params.best_of > params.n or request.beam_search is not None:
+        if params.best_of > params.n:
             if not request.finished:
-                return None  # the best n (or beams) are only known at the end
+                return None  # the best n are only known at the end
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]
         return self._snapshot(request, [_completion(seq, index) for index, seq in enumerate(seqs)])
-
-    def _hypotheses(self, request: Request) -> list[CompletionOutput]:
-        """A finished beam search's hypotheses, best score first."""
-        decode, outputs = self.detokenizer.decode_token, []
-        for index, hyp in enumerate(request.beam_search.finished):
-            logprobs = [{token: Logprob(logprob, rank, decode(token))} for token, (logprob, rank) in zip(hyp.token_ids, hyp.token_logprobs)]
-            text = self.detokenizer.decode(hyp.token_ids, request.params.skip_special_tokens)
-            outputs.append(CompletionOutput(index, text, hyp.token_ids, hyp.cumulative_logprob, logprobs, hyp.finish_reason))
-        self.num_generation_tokens_total += sum(len(h.token_ids) for h in request.beam_search.finished)
-        return outputs
 
     def _snapshot(self, request: Request, completions: list[CompletionOutput]) -> RequestOutput:
         return RequestOutput(

@@ -14,7 +14,10 @@ other end, so a victim has never been scheduled earlier in the same step.
 
 The scheduler is the single owner of the step: it alone changes the block manager, sequence
 status, `num_computed_tokens` and token ids. `schedule()` hands the runner plain metadata
-(`SchedulerOutput`); `update_from_output()` takes the runner's tokens back, advances progress,
+(`SchedulerOutput`): each scheduled sequence's chunk and token budget, and only what changed
+of each since the runner last saw it (engine/runner_mirror.py); how far a sequence may advance
+(proposals verified, lookahead slots, bursts of several tokens) is the planner's answer
+(step/planner.py). `update_from_output()` takes the runner's tokens back, advances progress,
 publishes full blocks to the prefix cache, and finishes sequences when the output processor's
 stop rules say so. Extra samples of a request (n / best_of) are forked here, when the first
 sample's prompt completes: they share its blocks and sample from the same logits row.
@@ -28,13 +31,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pagedllm.engine import multi_step
-from pagedllm.engine.beam_search import Continuation
 from pagedllm.engine.block_manager import BlockManager
-from pagedllm.engine.scheduler_output import PromptLogprobsRequest, SampleRow, ScheduledChunk, SchedulerOutput
-from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
+from pagedllm.engine.runner_mirror import RunnerMirror
+from pagedllm.engine.sequence import Sequence, SequenceStatus
+from pagedllm.spec_decode.stats import SpecDecodeStats
+from pagedllm.step.planner import StepPlanner
+from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
+from pagedllm.step.scheduler_output import PromptLogprobsRequest, ScheduledChunk, SchedulerOutput, SequenceUpdate
 from pagedllm.structured_output.manager import StructuredOutputManager
-from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
 
 logger = logging.getLogger("pagedllm.scheduler")
 
@@ -47,13 +51,12 @@ TokenCallback = Callable[[Sequence, SampledToken], "SequenceStatus | None"]
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # including the speculative tokens to verify
-    spec_token_ids: list[int] = field(default_factory=list)
-    num_steps: int = 1  # greedy steps run for it (multi-step scheduling)
+    num_spec: int = 0  # its proposals verified in this chunk
 
     @property
     def completes_context(self) -> bool:
         """After this chunk every known token has KV, so the next token can be sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - self.num_spec == self.seq.num_tokens
 
 
 @dataclass
@@ -75,28 +78,22 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     preemption_mode: str
     preemption_policy: str
-    # Slots reserved past a decode's last position for the draft model's proposals (0: no draft
-    # model, so no second KV, the draft's, to wait for before publishing a block).
-    num_lookahead_slots: int = 0
-    # No proposals are asked for while this many sequences or more run (speculative decoding's
-    # disable_by_batch_size); None: always.
-    spec_disable_by_batch_size: int | None = None
     # The most KV blocks one step may use (layer-wise KV offload's device buffer); None: the pool.
     max_step_blocks: int | None = None
-    # Greedy decode steps per engine step (multi-step scheduling), for steps of at most
-    # `max_multi_step_rows` sequences (what the runner can run as one call; 0: none).
-    num_scheduler_steps: int = 1
-    max_multi_step_rows: int = 0
-    # The most sequences whose greedy draft-model speculation cycles the runner runs in one call
-    # (0: it cannot); with multi-step scheduling, num_scheduler_steps cycles per engine step.
-    max_fused_spec_seqs: int = 0
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, structured: StructuredOutputManager | None = None):
+    """`planner` says how far each sequence may advance (proposals verified, lookahead slots,
+    bursts); the default plans plain single steps."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, structured: StructuredOutputManager | None = None,
+                 planner: StepPlanner | None = None):
         self.config = config
         self.block_manager = block_manager
         self.structured = structured  # computes the masks of grammar-constrained rows
+        self.planner = planner or StepPlanner(max_model_len=config.max_model_len)
+        self._draft_kv = self.planner.draft_model  # a block is complete once the draft's KV is in it too
+        self.mirror = RunnerMirror()  # what the runner holds of each sequence
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -138,6 +135,7 @@ class Scheduler:
             seq.set_status(SequenceStatus.RUNNING)  # the state diagram ends sequences from RUNNING
         seq.set_status(status)
         self.live.pop(seq.seq_id, None)
+        self.mirror.forget(seq.seq_id)
         self._finished_ids.append(seq.seq_id)
 
     @property
@@ -146,91 +144,66 @@ class Scheduler:
 
     # ---- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        step = _Step(fusing=self._fuse_speculation())
+        step = _Step(fusing=self.planner.fuses_speculation(self.running, bool(self.waiting or self.swapped)))
         budget = self._schedule_running(step, self.config.max_num_batched_tokens)
         if not step.preempted:
-            budget = self._schedule_queued(step, budget)
-            if not step.scheduled and self._blocked_by_idle_beams():
-                self._preempt_idle_beams(step)
-                self._schedule_queued(step, budget)
+            budget = self._schedule_swapped(step, budget)
+            if not self.swapped:  # swapped-out sequences come back before waiting ones are admitted
+                self._schedule_waiting(step, budget)
         return self._finalize(step)
 
-    def _schedule_queued(self, step: _Step, budget: int) -> int:
-        """Swapped-out sequences come back before waiting ones are admitted."""
-        budget = self._schedule_swapped(step, budget)
-        if all(_awaits_siblings(seq) for seq in self.swapped):
-            self._schedule_waiting(step, budget)
-        return budget
-
     def _finalize(self, step: _Step) -> SchedulerOutput:
-        """Turn the scheduled sequences into the runner's plain metadata, forking extra samples."""
+        """Turn the scheduled sequences into the runner's step: their chunks and token budgets,
+        forks of extra samples, and what changed of each since the runner last saw it."""
         out = step.out
         now = time.time()
+        sampled: list[Sequence] = []  # the scheduled sequences whose chunk ends with a token to sample
+        forks: list[tuple[Sequence, int]] = []  # (sample forked this step, the sequence it samples with)
         for item in step.scheduled:
-            seq = item.seq
-            start, num_known = seq.num_computed_tokens, item.num_new_tokens - len(item.spec_token_ids)
-            out.chunks.append(ScheduledChunk(
-                seq.seq_id, start, seq.token_ids[start : start + num_known] + item.spec_token_ids,
-                self.block_manager.block_table(seq.seq_id), _prompt_logprobs_request(item),
-                num_spec=len(item.spec_token_ids), draft_start=seq.num_draft_computed,
-            ))
+            seq, samples = item.seq, item.completes_context
+            out.chunks.append(ScheduledChunk(seq.seq_id, item.num_new_tokens, int(samples),
+                                             prompt_logprobs=_prompt_logprobs_request(item)))
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
                 self.num_prompt_tokens_total += len(seq.request.prompt_token_ids)
-            if item.completes_context:
-                chunk = len(out.chunks) - 1
-                out.samples.append(_sample_row(seq, chunk, item.spec_token_ids))
-                out.samples.extend(_sample_row(child, chunk) for child in self._fork_samples(item))
-        self._attach_masks(out)
-        out.propose = self._proposing()
-        self._plan_steps(step)
-        out.preempted_seq_ids = [seq.seq_id for seq in step.preempted]
+            if samples:
+                sampled.append(seq)
+                forks += [(child, seq.seq_id) for child in self._fork_samples(item)]
+        max_proposals = self.planner.max_proposals(len(self.running))
+        for chunk in out.chunks:
+            chunk.max_proposals = max_proposals
+        if not forks and len(sampled) == len(step.scheduled):
+            self._plan_burst(step)
+        self._describe(step, forks)  # after the burst's reservation: the tables as the runner will use them
+        self._attach_masks(out, sampled + [child for child, _ in forks])
         out.finished_seq_ids, self._finished_ids = self._finished_ids, []
         self._scheduled = step.scheduled
         return out
 
-    def _plan_steps(self, step: _Step) -> None:
-        """Make a step of plain greedy decodes multi-step when nothing waits to be admitted and
-        every sequence has room for the extra tokens (else it stays a single step; blocks already
-        added for it stay in the tables for the tokens to come)."""
-        config, out = self.config, step.out
+    def _describe(self, step: _Step, forks: list[tuple[Sequence, int]]) -> None:
+        """What the runner is told of each sequence the step computes or forks: the whole
+        sequence if it does not hold it, else what changed since it last saw it."""
+        tables, out = self.block_manager.tables, step.out
+        for seq, parent in [(item.seq, None) for item in step.scheduled] + forks:
+            described = self.mirror.describe(seq, tables[seq.seq_id], parent)
+            (out.updates if isinstance(described, SequenceUpdate) else out.new_seqs).append(described)
+
+    def _plan_burst(self, step: _Step) -> None:
+        """Make a step whose sequences all sample (none forked) a burst (several tokens each:
+        multi-step greedy steps or fused speculation cycles) when nothing waits to be admitted
+        and the planner says so, reserving the positions; when they do not fit, its fallback
+        budget (blocks already added stay in the tables for the tokens to come)."""
+        out = step.out
         seqs = [item.seq for item in step.scheduled]
-        if self.waiting or self.swapped or step.preempted or out.blocks_to_swap_in or len(out.samples) != len(seqs):
+        if self.waiting or self.swapped or step.preempted or out.blocks_to_swap_in:
             return
-        if step.fusing:
-            self._plan_fused_speculation(step, seqs)
+        burst = self.planner.burst(seqs, step.fusing)
+        if burst is None:
             return
-        if len(seqs) > config.max_multi_step_rows:
-            return
-        n = multi_step.num_steps(seqs, config.num_scheduler_steps, config.max_model_len)
-        if n == 1 or not self._reserve(seqs, n, out):
-            return
-        for item in step.scheduled:
-            item.num_steps = n
-        out.num_steps = n
-
-    def _proposing(self) -> bool:
-        """Whether decodes propose now (speculation pauses while the batch is large)."""
-        limit = self.config.spec_disable_by_batch_size
-        return limit is None or len(self.running) < limit
-
-    def _fuse_speculation(self) -> bool:
-        """Whether this step's decodes are for fused speculation cycles: the runner fuses them,
-        nothing waits to be admitted or swapped in, speculation is not paused, and every running
-        sequence is a plain greedy decode, few enough for one call. Their pending proposals (from
-        an engine-driven step) are then dropped: the cycles propose afresh."""
-        config = self.config
-        return (0 < len(self.running) <= config.max_fused_spec_seqs and not self.waiting and not self.swapped
-                and self._proposing() and all(multi_step.is_plain_greedy_decode(seq) for seq in self.running))
-
-    def _plan_fused_speculation(self, step: _Step, seqs: list[Sequence]) -> None:
-        """Every scheduled decode already has k + 1 slots (its position and the lookahead); with
-        multi-step scheduling a step runs num_scheduler_steps cycles, each needing k + 1 more."""
-        config, out = self.config, step.out
-        cycles = config.num_scheduler_steps
-        if cycles > 1 and not self._reserve(seqs, cycles * (config.num_lookahead_slots + 1), out):
-            cycles = 1
-        out.fused_spec_cycles = cycles
+        budget = burst.budget if burst.budget == burst.fallback or self._reserve(seqs, burst.budget, out) else burst.fallback
+        if budget > 1:
+            for chunk in out.chunks:
+                chunk.token_budget, chunk.max_proposals = budget, burst.max_proposals
 
     def _reserve(self, seqs: list[Sequence], slots: int, out: SchedulerOutput) -> bool:
         """Slots for `slots` positions from each sequence's first uncomputed one, or False when one
@@ -242,13 +215,12 @@ class Scheduler:
             out.blocks_to_copy.extend(copies)
         return True
 
-    def _attach_masks(self, out: SchedulerOutput) -> None:
-        """The grammar masks of this step's constrained sample rows, computed in one batch."""
-        rows = [row for row in out.samples if self.live[row.seq_id].grammar is not None]
-        if rows:
-            masks = self.structured.bitmasks([self.live[row.seq_id].grammar for row in rows])
-            for row, mask in zip(rows, masks):
-                row.allowed_tokens = mask
+    def _attach_masks(self, out: SchedulerOutput, sampled: list[Sequence]) -> None:
+        """The grammar masks of this step's constrained samples, computed in one batch."""
+        constrained = [seq for seq in sampled if seq.grammar is not None]
+        if constrained:
+            masks = self.structured.bitmasks([seq.grammar for seq in constrained])
+            out.allowed_tokens = {seq.seq_id: mask for seq, mask in zip(constrained, masks)}
 
     def _fork_samples(self, item: ScheduledSequence) -> list[Sequence]:
         """The request's other samples, once its first sample's prompt is computed: they share
@@ -280,32 +252,24 @@ class Scheduler:
         per token it was given back but the last."""
         changed = {seq.seq_id: seq for seq in self._ended}
         self._ended = []
-        beam_requests: dict[str, Request] = {}
         for item in self._scheduled:
             seq = item.seq
             changed[seq.seq_id] = seq
             tokens = output.sampled.get(seq.seq_id, [])
-            if item.spec_token_ids:
-                self.spec_stats.record(len(item.spec_token_ids), min(max(len(tokens) - 1, 0), len(item.spec_token_ids)))
+            if item.num_spec:
+                self.spec_stats.record(item.num_spec, min(max(len(tokens) - 1, 0), item.num_spec))
             for proposed, accepted in output.spec_cycles.get(seq.seq_id, ()):
                 self.spec_stats.record(proposed, accepted)
             # Positions computed past the chunk's known tokens: every token given back but the
             # last (accepted proposals, or a multi-step or fused burst's tokens).
             extra = max(len(tokens) - 1, 0)
-            seq.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids) + extra
+            seq.num_computed_tokens += item.num_new_tokens - item.num_spec + extra
             seq.num_draft_computed = output.draft_computed.get(seq.seq_id, seq.num_draft_computed)
             computed_ids = seq.token_ids + [t.token_id for t in tokens[:extra]]
             self.block_manager.cache_full_blocks(seq.seq_id, computed_ids, self._num_publishable(seq))
-            if seq.beam is not None:
-                if tokens:  # the beam's next-token distribution: its continuations this round
-                    seq.beam.candidates = tokens[0].top
-                    beam_requests[seq.request.request_id] = seq.request
-                continue
             self._append(seq, tokens, on_token)
             seq.spec_token_ids = output.spec_token_ids.get(seq.seq_id, []) if not seq.finished else []
         self._scheduled = []
-        for request in beam_requests.values():
-            self._advance_beams(request)
         for seq_id, tokens in output.sampled.items():
             seq = self.live.get(seq_id)
             if seq is not None and seq_id not in changed:  # a sample forked this step
@@ -317,7 +281,7 @@ class Scheduler:
         """Positions whose KV is complete: the target's, and the draft model's where there is one
         (it keeps its KV in the same blocks, lags while speculation pauses, and a prefix-cache hit
         counts as both)."""
-        if self.config.num_lookahead_slots:
+        if self._draft_kv:
             return min(seq.num_computed_tokens, seq.num_draft_computed)
         return seq.num_computed_tokens
 
@@ -337,20 +301,12 @@ class Scheduler:
             return num_new
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _plan(self, seq: Sequence, budget: int, fusing: bool) -> tuple[int, list[int]]:
-        """(tokens to compute, proposals among them): a decode also verifies its proposals, as
-        many as the budget leaves room for (none in a step of fused cycles, which propose afresh)."""
+    def _plan(self, seq: Sequence, budget: int, fusing: bool) -> tuple[int, int]:
+        """(tokens to compute, proposals verified among them): a decode also verifies its
+        proposals, as many as the planner allows."""
         num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
-        if (num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1 or not seq.spec_token_ids or seq.grammar is not None
-                or fusing):
-            return num_new, []
-        spec = seq.spec_token_ids[: budget - 1]
-        return 1 + len(spec), spec
-
-    def _lookahead(self, seq: Sequence, num_new: int) -> int:
-        """Decodes reserve room for the draft model's proposals (written past the chunk's end)."""
-        is_decode = seq.num_tokens - seq.num_computed_tokens == 1
-        return self.config.num_lookahead_slots if is_decode else 0
+        num_spec = self.planner.num_to_verify(seq, budget, fusing) if num_new == 1 else 0
+        return num_new + num_spec, num_spec
 
     def _schedule_running(self, step: _Step, budget: int) -> int:
         queue = deque(sorted(self.running, key=self._keep_key))
@@ -360,8 +316,8 @@ class Scheduler:
             if self._exceeds_pool(seq):
                 self._end_for_capacity(seq)
                 continue
-            num_new, spec = self._plan(seq, budget, step.fusing)
-            slots = num_new + self._lookahead(seq, num_new)
+            num_new, num_spec = self._plan(seq, budget, step.fusing)
+            slots = num_new + self.planner.lookahead_slots(seq)
             if num_new == 0 or not self._fits_step(step, seq.num_computed_tokens + slots):
                 kept.append(seq)  # no budget left this step; it keeps its blocks
                 continue
@@ -375,7 +331,7 @@ class Scheduler:
             if copies is None:
                 continue
             step.out.blocks_to_copy.extend(copies)
-            step.scheduled.append(ScheduledSequence(seq, num_new, spec))
+            step.scheduled.append(ScheduledSequence(seq, num_new, num_spec))
             step.num_blocks += len(self.block_manager.block_table(seq.seq_id))
             kept.append(seq)
             budget -= num_new
@@ -384,7 +340,7 @@ class Scheduler:
 
     def _schedule_swapped(self, step: _Step, budget: int) -> int:
         self.swapped.sort(key=self._keep_key)
-        for seq in [s for s in self.swapped if not _awaits_siblings(s)]:
+        for seq in list(self.swapped):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if self._exceeds_pool(seq):
@@ -396,21 +352,22 @@ class Scheduler:
             self.swapped.remove(seq)
             step.out.blocks_to_swap_in.extend(self.block_manager.swap_in(seq.seq_id))
             seq.set_status(SequenceStatus.RUNNING)
-            num_new, spec = self._plan(seq, budget, step.fusing)
+            num_new, num_spec = self._plan(seq, budget, step.fusing)
             self.running.append(seq)
             if num_new:
-                copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new + self._lookahead(seq, num_new))
+                slots = num_new + self.planner.lookahead_slots(seq)
+                copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, slots)
                 if copies is None:  # no room for the lookahead slots: verify nothing this time
-                    num_new, spec = num_new - len(spec), []
+                    num_new, num_spec = num_new - num_spec, 0
                     copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
                 assert copies == [], "swapped-in blocks are private and space was checked"
-                step.scheduled.append(ScheduledSequence(seq, num_new, spec))
+                step.scheduled.append(ScheduledSequence(seq, num_new, num_spec))
                 budget -= num_new
         return budget
 
     def _schedule_waiting(self, step: _Step, budget: int) -> None:
         bm = self.block_manager
-        for seq in [s for s in self.waiting if not _awaits_siblings(s)]:
+        for seq in list(self.waiting):
             if budget <= 0:
                 break
             if self._exceeds_pool(seq):
@@ -438,66 +395,6 @@ class Scheduler:
             step.scheduled.append(ScheduledSequence(seq, num_new))
             step.num_blocks += len(bm.block_table(seq.seq_id))
             budget -= num_new
-
-    # ---- beam search -------------------------------------------------------------------------
-    def _advance_beams(self, request: Request) -> None:
-        """Once every live beam has its continuations, take the search's step: beams chosen
-        several times are forked (sharing blocks, copy-on-write), unchosen ones are dropped, and
-        each survivor appends its token. When the search is over every beam ends."""
-        beams = [seq for seq in request.seqs if not seq.finished]
-        if any(seq.beam.candidates is None for seq in beams):
-            return  # a beam is still to be computed (preempted, or not scheduled yet)
-        search = request.beam_search
-        going_on = search.step(beams)
-        request.forked = True  # the beams now come and go as forks, admitted one by one
-        by_parent: dict[int, list[Continuation]] = {}
-        for cont in going_on:
-            by_parent.setdefault(cont.parent.seq_id, []).append(cont)
-        survivors: list[tuple[Sequence, Continuation]] = []
-        for seq in beams:
-            conts = by_parent.get(seq.seq_id, [])
-            survivors += zip([seq] + [self._fork_beam(seq) for _ in conts[1:]], conts)
-            if not conts:
-                self.finish(seq, SequenceStatus.FINISHED_ABORTED)  # pruned: the search has no use for it
-        for seq, cont in survivors:
-            seq.token_ids.append(cont.token_id)
-            seq.cumulative_logprob = cont.score
-            seq.beam.token_logprobs.append((cont.logprob, cont.rank))
-            seq.beam.candidates = None
-        request.seqs = [seq for seq in request.seqs if not seq.finished]
-        now = time.time()
-        request.metrics.first_token_time = request.metrics.first_token_time or now
-        request.metrics.last_token_time = now
-
-    def _fork_beam(self, parent: Sequence) -> Sequence:
-        """A second continuation of `parent`: shares its blocks when it has them on the device,
-        otherwise (preempted) waits to be recomputed from its tokens."""
-        child = Sequence(parent.request, parent.index, list(parent.token_ids))
-        child.cumulative_logprob = parent.cumulative_logprob
-        child.beam = parent.beam.fork()
-        self.live[child.seq_id] = child
-        parent.request.seqs.append(child)
-        if parent.status is SequenceStatus.RUNNING:
-            self.block_manager.fork(parent.seq_id, child.seq_id)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_draft_computed = min(parent.num_computed_tokens, parent.num_draft_computed)  # it may lag
-            child.set_status(SequenceStatus.RUNNING)
-            self.running.append(child)
-        else:
-            bisect.insort(self.waiting, child, key=self._arrival_key)
-        return child
-
-    def _blocked_by_idle_beams(self) -> bool:
-        """Nothing could run, and beams holding blocks while they wait for the rest of their
-        round may be what keeps the others (perhaps that rest) from getting blocks."""
-        queued = any(not _awaits_siblings(seq) for seq in self.waiting + self.swapped)
-        return queued and any(_awaits_siblings(seq) for seq in self.running)
-
-    def _preempt_idle_beams(self, step: _Step) -> None:
-        """Idle beams give up their KV (by the preemption mode) and keep their continuations."""
-        for seq in [seq for seq in self.running if _awaits_siblings(seq)]:
-            self.running.remove(seq)
-            self._preempt(seq, step)
 
     # ---- preemption --------------------------------------------------------------------------
     def _fits_step(self, step: _Step, num_tokens: int) -> bool:
@@ -531,17 +428,13 @@ class Scheduler:
                 self.swapped.append(seq)
                 return
         # recompute (or swap space exhausted): drop the KV, keep the tokens, start over later.
+        step.out.preempted_seq_ids.append(seq.seq_id)
+        self.mirror.forget(seq.seq_id)  # it comes back to the runner as a new sequence
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = seq.num_draft_computed = 0
         seq.spec_token_ids = []
         seq.set_status(SequenceStatus.WAITING)
         bisect.insort(self.waiting, seq, key=self._arrival_key)
-
-
-def _awaits_siblings(seq: Sequence) -> bool:
-    """A beam whose continuations are known, waiting for the rest of its round: it has nothing to
-    compute until the search's next step."""
-    return seq.beam is not None and seq.beam.candidates is not None
 
 
 def _advance_grammar(seq: Sequence, token: int) -> SequenceStatus | None:
@@ -551,32 +444,6 @@ def _advance_grammar(seq: Sequence, token: int) -> SequenceStatus | None:
         seq.stop_reason = "grammar error"
         return SequenceStatus.FINISHED_STOPPED
     return SequenceStatus.FINISHED_STOPPED if seq.grammar.is_stopped() else None
-
-
-def _sample_row(seq: Sequence, chunk: int, spec_token_ids: list[int] | None = None) -> SampleRow:
-    request = seq.request
-    return SampleRow(seq.seq_id, chunk, request.params, seq.index, seq.token_ids, seq.num_prompt_tokens,
-                     request.eos_token_ids, list(spec_token_ids or []))
-
-
-@dataclass
-class SpecDecodeStats:
-    """Speculative decoding counters (vLLM's spec_decode metrics): drafts verified, tokens
-    proposed in them, tokens accepted, and acceptances by position."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def record(self, num_proposed: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_proposed
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_proposed:
-            self.accepted_per_position += [0] * (num_proposed - len(self.accepted_per_position))
-        for position in range(num_accepted):
-            self.accepted_per_position[position] += 1
 
 
 def _prompt_logprobs_request(item: ScheduledSequence) -> PromptLogprobsRequest | None:

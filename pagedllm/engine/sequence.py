@@ -9,13 +9,10 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pagedllm.outputs import PromptLogprobs, RequestMetrics, SampleLogprobs
 from pagedllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedllm.engine.beam_search import BeamSearch, BeamState
 
 
 class SequenceStatus(enum.Enum):
@@ -74,7 +71,10 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify at the next step
     grammar: Any = None  # the structured-output matcher (llguidance), when the output is constrained
     num_draft_computed: int = 0  # positions whose draft-model KV is valid (speculative decoding)
-    beam: "BeamState | None" = None  # this sequence is one beam of a beam search
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -123,7 +123,6 @@ class Request:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     forked: bool = False
-    beam_search: "BeamSearch | None" = None  # the search, when this is a beam-search request
     num_preemptions: int = 0  # times one of its samples was preempted
     error: str | None = None  # why the engine failed it (its samples then finish with reason "error")
     metrics: RequestMetrics = field(init=False)
@@ -136,7 +135,7 @@ class Request:
     @property
     def num_samples(self) -> int:
         """Sequences the request will run at once (the scheduler admits it only with room for all)."""
-        return self.beam_search.width if self.beam_search is not None else self.params.best_of
+        return self.params.best_of
 
     @property
     def state(self) -> RequestState:

@@ -7,10 +7,10 @@ from typing import Any, Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from pagedllm.engine.beam_search import beam_score
+from pagedllm.engine.beam_search import BeamSearcher
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.entrypoints.chat_template import render_chat
-from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedllm.outputs import BeamSearchOutput, RequestOutput
 from pagedllm.paths import default_model
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -76,23 +76,26 @@ class LLM:
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search for every prompt (vLLM's `LLM.beam_search`): each prompt's `beam_width`
-        best hypotheses, best first. The beams run in the engine as sequences forked from each
-        other, sharing KV blocks copy-on-write."""
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        prompt_list = _as_prompt_list(prompts)
-        outputs = self._add_and_run(prompt_list, [params] * len(prompt_list), [0] * len(prompt_list), use_tqdm)
-        tokenizer = self.get_tokenizer()
-        results = []
-        for output in outputs:
-            sequences = []
-            for c in output.outputs:
-                tokens = output.prompt_token_ids + c.token_ids
-                text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
-                score = beam_score(c.cumulative_logprob, len(c.token_ids), params.length_penalty)
-                sequences.append(BeamSearchSequence(tokens, c.logprobs, c.cumulative_logprob, score, text, c.finish_reason))
-            results.append(BeamSearchOutput(sequences))
-        return results
+        best hypotheses, best first. The searches run over the engine's ordinary requests, one
+        one-token request per beam and round, sharing KV through the prefix cache
+        (engine/beam_search.py)."""
+        searcher, prompt_list = BeamSearcher(self.llm_engine), _as_prompt_list(prompts)
+        ids = [f"beam-{next(self._counter)}" for _ in prompt_list]
+        bar = tqdm(total=len(ids), desc="Beam searches", unit="prompt", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            for search_id, prompt in zip(ids, prompt_list):
+                searcher.add(search_id, prompt, params)
+            while searcher.has_unfinished():
+                searcher.step()
+                bar.update(len(searcher.results) - bar.n)
+        except BaseException:
+            for search_id in ids:  # never leave a search holding KV blocks
+                searcher.abort(search_id)
+            self._drain()
+            raise
+        finally:
+            bar.close()
+        return [searcher.results[search_id] for search_id in ids]
 
     def _add_and_run(self, prompt_list: list[PromptType], params_list: list, priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
         ids = []
@@ -105,9 +108,13 @@ class LLM:
         except BaseException:
             for request_id in ids:  # never leave half a batch holding KV blocks
                 self.llm_engine.abort_request(request_id)
-            while self.llm_engine.has_unfinished_requests():
-                self.llm_engine.step()
+            self._drain()
             raise
+
+    def _drain(self) -> None:
+        """Step until aborted requests have been reported (and their blocks freed)."""
+        while self.llm_engine.has_unfinished_requests():
+            self.llm_engine.step()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -15,8 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from pagedllm.entrypoints.openai.errors import BadRequestError, ConflictError, NotFoundError, ServiceUnavailableError
-from pagedllm.entrypoints.openai.openapi import error_responses
+from pagedllm.http_errors import BadRequestError, ConflictError, NotFoundError, ServiceUnavailableError, error_responses
 from pagedllm.jobs import logs
 from pagedllm.jobs.records import JobState
 from pagedllm.jobs.schemas import (

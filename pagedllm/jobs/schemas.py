@@ -114,11 +114,6 @@ class CheckpointView(Checkpoint):
     path: str | None = None
 
 
-class CheckpointList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[CheckpointView]
-
-
 class MetricsList(BaseModel):
     object: Literal["list"] = "list"
     data: list[dict]

@@ -45,8 +45,8 @@ from pagedllm.jobs.launcher import (
 from pagedllm.jobs.monitor import METRIC_KEYS, JobMonitor, abandon_unfinished_saves, change_status, outcome, sync_checkpoints
 from pagedllm.jobs.ray_cluster import RayCluster, RayRun, ray_address
 from pagedllm.jobs.records import RESUMABLE, JobRecord, JobState, RunRecord, Transition
-from pagedllm.jobs.scheduler import startable, used_slots
 from pagedllm.jobs.schemas import ClusterNode, ClusterStatus, NodeJob
+from pagedllm.jobs.slots import startable, used_slots
 from pagedllm.jobs.settings import JobServiceConfig
 from pagedllm.jobs.store import JobStore, SQLiteJobStore
 from pagedllm.jobs.submission import build_config, check_checkpoint_dir, check_runnable
@@ -304,7 +304,7 @@ class JobService:
         paths = JobPaths.of(self.config.data_dir, job.job_id)
         try:
             check_confined(job.config, self.roots)  # a symlink changed, or this server allows fewer folders
-            check_runnable(job.config, job.world_size, paths.root)
+            check_runnable(job.config, job.world_size)
         except ConfigError as exc:  # e.g. the dataset went away while the job waited
             if group is not None:
                 self.ray.release_group(group)

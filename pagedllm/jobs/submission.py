@@ -1,21 +1,19 @@
 """From a POST body to a job config `pagedllm train` will accept, checked before anything starts.
 
 The checks are the trainer's own: the body is parsed as the training package's TrainingJob (field
-errors), then run through `pagedllm train`'s `prepare_job` for the world size the job will launch
+errors), then run through `pagedllm train`'s `check_job` for the world size the job will launch
 with (cross-field rules, dataset and tokenizer paths). Every failure is a ConfigError naming the
 field. Every path is resolved under the server's allowed roots (confinement.py) and stored absolute,
 because the job may be launched or resumed by a server started from another directory.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from pagedllm.jobs.confinement import AllowedRoots, confine_checkpoint_dir, confine_data
-from pagedllm.training.cli import prepare_job
+from pagedllm.training.cli import check_job
 from pagedllm.training.config import ConfigError, TrainingJob, parse_job
 
 SERVICE_FIELDS = ("job_id", "status", "created_at", "updated_at")
@@ -36,7 +34,7 @@ def build_config(body: dict[str, Any], job_id: str, roots: AllowedRoots, slots: 
                           f"more than the {slots} {slots_name}")
     job = _with_confined_paths(job, job_id, roots)
     config = job.model_dump(mode="json", by_alias=True, exclude=NOT_SAVED)
-    check_runnable(config, world, roots.data_dir)
+    check_runnable(config, world)
     return config, world
 
 
@@ -54,13 +52,9 @@ def _with_confined_paths(job: TrainingJob, job_id: str, roots: AllowedRoots) -> 
     })
 
 
-def check_runnable(config: dict, world_size: int, scratch: Path) -> None:
+def check_runnable(config: dict, world_size: int) -> None:
     """`pagedllm train`'s own checks for `world_size` processes on one node (ConfigError naming the field)."""
-    scratch.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", dir=scratch, prefix=".check-") as file:
-        json.dump(config, file)
-        file.flush()
-        prepare_job(argparse.Namespace(config=Path(file.name), set=[], nproc_per_node=world_size, nnodes=1))
+    check_job(parse_job(config), world_size)
 
 
 def check_checkpoint_dir(config: dict, job_id: str, used_by: dict[str, str]) -> None:

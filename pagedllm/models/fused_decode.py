@@ -112,19 +112,6 @@ class ThreadCount:
         return min(self.candidates, key=lambda c: self._median(rows, c))
 
 
-def unsupported(config, dtype: torch.dtype, device: torch.device) -> list[str]:
-    """Why the fused step cannot run a model of this config on this device (empty: it can);
-    what the caller adds of its own (attention backend, parallelism) it checks itself."""
-    reasons = []
-    if device.type != "cpu" or dtype != torch.float32:
-        reasons.append("it runs on CPUs in float32")
-    if config.head_dim % 8:
-        reasons.append("it attends with the C decode kernel (head_dim a multiple of 8)")
-    if config.moe is not None:
-        reasons.append("it computes dense MLPs (this is a mixture of experts)")
-    return reasons
-
-
 def _packed(linear) -> PackedWeight:
     if linear.small is None:
         raise ValueError("the fused decode step needs every linear packed for small-M matmuls")

@@ -218,10 +218,10 @@ class CausalLM(nn.Module):
         return logits[:, : self.config.vocab_size] if logits is not None else None
 
     def step_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                    logit_rows: torch.Tensor) -> torch.Tensor | None:
-        """The logits of a step's sampled rows: one fused C call for a small all-decode step
-        when the fused decode step is attached, else the modules (the reference)."""
-        if self.fused is not None and self.fused.accepts(meta, input_ids.shape[0]):
+                    logit_rows: torch.Tensor, fused: bool = False) -> torch.Tensor | None:
+        """The logits of a step's sampled rows: through the attached fused decode step in one C
+        call when `fused` (the planner's call: step/planner.py), else the modules (the reference)."""
+        if fused:
             return self.fused(input_ids, positions, meta, logit_rows)
         hidden = self(input_ids, positions, meta)
         return self.compute_logits(hidden.index_select(0, logit_rows))

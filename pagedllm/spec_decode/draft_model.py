@@ -21,17 +21,16 @@ from typing import Callable
 import torch
 
 from pagedllm.config import ModelConfig, ModelLoadError
-from pagedllm.spec_decode import draft_vocab
-from pagedllm.engine.scheduler_output import SampleRow, ScheduledChunk
 from pagedllm.layers import kernels
-from pagedllm.layers.paged_decode import kernel_supported
-from pagedllm.models.fused_decode import FusedDecoder, unsupported as fused_unsupported
-from pagedllm.layers.small_matmul import MAX_ROWS
 from pagedllm.layers.sampler import Sampler
+from pagedllm.layers.small_matmul import MAX_ROWS
+from pagedllm.models.fused_decode import FusedDecoder
 from pagedllm.models.loader import load_model
-from pagedllm.worker.input_batch import attention_metadata, stage_batch
+from pagedllm.spec_decode import draft_vocab
+from pagedllm.step.planner import StepPlanner, draft_model_config
+from pagedllm.worker.input_batch import BatchChunk, attention_metadata, stage_batch
 from pagedllm.worker.kv_cache import KVCache, bytes_per_block
-from pagedllm.worker.sampling_inputs import SamplingPlan, sampling_metadata, stage_sampling
+from pagedllm.worker.sampling_inputs import SampleRow, SamplingPlan, sampling_metadata, stage_sampling
 from pagedllm.worker.staging import Staging
 
 
@@ -51,16 +50,16 @@ class DraftRequest:
 
 class DraftModel:
     def __init__(self, path: str, target: ModelConfig, max_model_len: int, dtype: torch.dtype, device: torch.device,
-                 vocab_size: int | None = None, quantization: str | None = None, p_min: float = 0.0,
+                 planner: StepPlanner, vocab_size: int | None = None, quantization: str | None = None, p_min: float = 0.0,
                  window: int | None = None):
-        """`vocab_size`: score only the draft's that many most frequent tokens (draft_vocab.py);
-        `quantization`: its weights quantized at load (layers/quantization.py); `p_min`: a greedy
-        proposal the draft gives less probability ends the request's proposals (SpeculativeConfig.draft_p_min);
-        `window`: every layer attends to at most this many positions (SpeculativeConfig.draft_attention_window)."""
+        """`planner`: whether its passes run fused (and when); `vocab_size`: score only the
+        draft's that many most frequent tokens (draft_vocab.py); `quantization`: its weights
+        quantized at load (layers/quantization.py); `p_min`: a greedy proposal the draft gives
+        less probability ends the request's proposals (SpeculativeConfig.draft_p_min); `window`:
+        every layer attends to at most this many positions (SpeculativeConfig.draft_attention_window)."""
         self.p_min = p_min
-        config = ModelConfig.from_pretrained(path)
-        if window is not None:
-            config = replace(config, sliding_windows=tuple(window if w is None else min(w, window) for w in config.sliding_windows))
+        self.planner = planner
+        config = draft_model_config(path, window)
         if config.vocab_size != target.vocab_size:
             raise ModelLoadError(
                 f"the draft model's vocab_size {config.vocab_size} differs from the target's {target.vocab_size}; "
@@ -70,7 +69,7 @@ class DraftModel:
                 f"the draft model allows {config.max_position_embeddings} positions, fewer than max_model_len={max_model_len}")
         self.model_config = config
         subset = draft_vocab.read(path, config.vocab_size)[:vocab_size] if vocab_size is not None else None
-        self.library = _fused_library(config, dtype, device)
+        self.library = kernels.load() if planner.draft_fused_decode else None
         panels = self.library.panel_width() if self.library is not None else None
         self.model = load_model(config, max_model_len, dtype, device, logit_token_ids=subset, panel_width=panels,
                                 quantization=quantization)
@@ -95,11 +94,12 @@ class DraftModel:
         return bytes_per_block(self.model_config, block_size, self.dtype)
 
     def allocate(self, num_blocks: int, num_cpu_blocks: int, block_size: int, kernel_attention: bool) -> None:
-        """The mirror pool; the C decode kernel when the target uses it and this model's heads fit it."""
+        """The mirror pool; the C decode kernel when the planner says so (the target uses it and
+        this model's heads fit it)."""
         self.kv_cache = KVCache(self.model_config, num_blocks, num_cpu_blocks, block_size, self.dtype, self.device)
         for index, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(*self.kv_cache.layer(index))
-        self.kernel_attention = kernel_attention and kernel_supported(self.kv_cache.layer(0)[0])
+        self.kernel_attention = kernel_attention
         if self.library is not None and self.kernel_attention:
             self.model.fused = FusedDecoder(self.model, self.library)  # the one-token passes: one C call each
 
@@ -125,7 +125,8 @@ class DraftModel:
             prefix = f"d{j}."
             meta = attention_metadata(layout, views, kernel_attention, block_size, self.windows, self.dtype, prefix)
             ids = views[prefix + "input_ids"] if j == 1 else latest.index_select(0, views[prefix + "feed"])
-            logits = self.model.step_logits(ids, views[prefix + "positions"], meta, views[prefix + "logit_rows"])
+            fused = self.planner.runs_fused(self.model.fused, meta, ids.shape[0])
+            logits = self.model.step_logits(ids, views[prefix + "positions"], meta, views[prefix + "logit_rows"], fused)
             if not members:  # catching up only: the KV it wrote, no logits
                 continue
             rows = [requests[proposing[m]].row for m in members]
@@ -151,16 +152,17 @@ class DraftModel:
         for first in range(0, n, MAX_ROWS):
             piece = request.tokens[first : first + MAX_ROWS]
             staging = Staging()
-            chunk = ScheduledChunk(request.seq_id, request.start + first, piece, request.block_table, num_spec=len(piece) - 1)
+            chunk = BatchChunk(request.seq_id, request.start + first, piece, request.block_table, num_spec=len(piece) - 1)
             layout = stage_batch([chunk], block_size, True, staging)
             staging.add("logit_rows", [])  # only the KV it writes
             views = staging.to(self.device)
             meta = attention_metadata(layout, views, True, block_size, self.windows, self.dtype)
-            self.model.step_logits(views["input_ids"], views["positions"], meta, views["logit_rows"])
+            fused = self.planner.runs_fused(self.model.fused, meta, len(piece))
+            self.model.step_logits(views["input_ids"], views["positions"], meta, views["logit_rows"], fused)
         return True
 
     def _stage_first_pass(self, requests: list[DraftRequest], proposing: list[int], staging: Staging, block_size: int, kernel_attention: bool):
-        chunks = [ScheduledChunk(r.seq_id, r.start, r.tokens, r.block_table, num_spec=self._catch_up_rows(r)) for r in requests]
+        chunks = [BatchChunk(r.seq_id, r.start, r.tokens, r.block_table, num_spec=self._catch_up_rows(r)) for r in requests]
         layout = stage_batch(chunks, block_size, kernel_attention, staging, "d1.")
         members = list(range(len(proposing)))
         staging.add("d1.logit_rows", [layout.last_rows[i] for i in proposing])
@@ -184,7 +186,7 @@ class DraftModel:
         for m in members:
             request = requests[proposing[m]]
             position = request.start + len(request.tokens) - 1 + j - 1
-            chunks.append(ScheduledChunk(request.seq_id, position, [0], request.block_table))
+            chunks.append(BatchChunk(request.seq_id, position, [0], request.block_table))
         layout = stage_batch(chunks, block_size, kernel_attention, staging, prefix)
         staging.add(prefix + "feed", [members[c] for c in layout.order])  # batch row -> its input's member
         staging.add(prefix + "logit_rows", [layout.last_rows[c] for c in range(len(chunks))])
@@ -214,11 +216,6 @@ class DraftModel:
     def forget(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.probs.pop(seq_id, None)
-
-
-def _fused_library(config: ModelConfig, dtype: torch.dtype, device: torch.device):
-    """The CPU kernels, when the draft's one-token passes can run as fused decode steps."""
-    return None if fused_unsupported(config, dtype, device) else kernels.load()
 
 
 def proposal_row(row: SampleRow) -> SampleRow:

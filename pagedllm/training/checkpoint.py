@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch import nn
 
+from pagedllm.training.config import CheckpointConfig
 from pagedllm.training.provenance import ProvenanceError, current_key, sign, signed_by
 
 log = logging.getLogger("pagedllm.training")
@@ -344,12 +345,13 @@ class _Pending:
 class CheckpointManager:
     """Saves, finalises, prunes and loads checkpoints of one job; every method is collective."""
 
-    def __init__(self, job, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                 extra_state: Callable[[], dict] | None = None,
+    def __init__(self, config: CheckpointConfig, job_id: uuid.UUID, job_json: str, parts: list[nn.Module],
+                 optimizers: list[torch.optim.Optimizer], extra_state: Callable[[], dict] | None = None,
                  load_extra_state: Callable[[dict], None] | None = None,
                  on_event: Callable[..., None] | None = None) -> None:
-        self.job = job
-        self.dir = Path(job.checkpoint.checkpoint_dir)
+        """`job_json`: the resolved job, written into every checkpoint (export rebuilds the model from it)."""
+        self.config, self.job_id, self.job_json = config, job_id, job_json
+        self.dir = Path(config.checkpoint_dir)
         self.parts, self.optimizers = parts, optimizers
         self.extra_state = extra_state or dict
         self.load_extra_state = load_extra_state or (lambda state: None)
@@ -357,7 +359,7 @@ class CheckpointManager:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.key = current_key()  # signs this job's manifests; a manifest not signed with it is never loaded
         # Async writes run collectives from a background thread: give them their own group.
-        self.async_group = dist.new_group(backend="gloo") if job.checkpoint.async_save else None
+        self.async_group = dist.new_group(backend="gloo") if config.async_save else None
         self.pending: _Pending | None = None
 
     # -- saving --
@@ -375,14 +377,14 @@ class CheckpointManager:
 
     def _save(self, step: int, step_dir: Path, metadata: CheckpointMetadata, checkpoint_id: uuid.UUID | None,
               blocking: bool) -> uuid.UUID:
-        manifest = Checkpoint(checkpoint_id=checkpoint_id or uuid.uuid4(), job_id=self.job.job_id, step=step,
+        manifest = Checkpoint(checkpoint_id=checkpoint_id or uuid.uuid4(), job_id=self.job_id, step=step,
                               timestamp=datetime.now(timezone.utc), status=CheckpointStatus.SAVING,
                               metadata=metadata, world_size=self.world)
         if self.rank == 0:
             if step_dir.exists():
                 shutil.rmtree(step_dir)
             step_dir.mkdir(parents=True)
-            (step_dir / "job.json").write_text(self.job.model_dump_json(indent=2))
+            (step_dir / "job.json").write_text(self.job_json)
             write_manifest(step_dir, manifest, self.key)
             self.on_event("checkpoint", status="SAVING", checkpoint_id=str(manifest.checkpoint_id), step=step, path=str(step_dir))
         dist.barrier()
@@ -484,7 +486,7 @@ class CheckpointManager:
         (only those signed with this job's key: a folder someone else wrote is left alone)."""
         complete = [(p, m) for p, m in list_checkpoints(self.dir)
                     if m.status is CheckpointStatus.COMPLETE and authentic(m, self.key)]
-        for step_dir, manifest in complete[:-self.job.checkpoint.max_checkpoints_to_keep]:
+        for step_dir, manifest in complete[:-self.config.max_checkpoints_to_keep]:
             for sub in ("model", "optim"):
                 shutil.rmtree(step_dir / sub, ignore_errors=True)
             mark(step_dir, CheckpointStatus.DELETED, "pruned: max_checkpoints_to_keep", self.key)

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 from pagedllm.training.config import ConfigError, TrainingJob, apply_overrides, load_job, resolve
+from pagedllm.training.run_options import add_run_arguments
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,23 +50,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from pagedllm.training import distill  # a draft model's corpus: its target's continuations
 
     distill.register(subparsers)
-
-
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by `pagedllm train` and the worker it launches."""
-    parser.add_argument("--resume-from", help="checkpoint folder, checkpoint_id or step-NNNNNNNN name "
-                        "(default: newest COMPLETE checkpoint in checkpoint_dir, if any)")
-    parser.add_argument("--events-file", type=Path, help="lifecycle events JSONL (default <checkpoint_dir>/events.jsonl)")
-    parser.add_argument("--stop-at-step", type=int, help="stop (saving a checkpoint) after this step")
-    parser.add_argument("--no-export", action="store_true", help="skip the hf-final export at the end")
-    parser.add_argument("--peak-flops", type=float, help="per-process FLOP/s for MFU (default: measured)")
-
-
-def options_from(args: argparse.Namespace):
-    from pagedllm.training.trainer import RunOptions
-
-    return RunOptions(resume_from=args.resume_from, events_file=args.events_file, stop_at_step=args.stop_at_step,
-                      export_hf=not args.no_export, peak_flops=args.peak_flops)
 
 
 def prepare_job(args: argparse.Namespace) -> TrainingJob:
@@ -118,7 +102,7 @@ def run_train(args: argparse.Namespace) -> int:
     config_path.write_text(job.model_dump_json(indent=2))
     worker_args = _worker_arguments(args)
     if args.nproc_per_node == 1 and args.nnodes == 1:
-        from pagedllm.training.worker import main as worker_main
+        from pagedllm.training.worker import main as worker_main  # the worker imports nothing of this module
 
         return worker_main(["--config", str(config_path), *worker_args])
     command = torchrun_command(args, job, config_path, worker_args)

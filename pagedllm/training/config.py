@@ -88,7 +88,7 @@ class PipelineSchedule(str, enum.Enum):
     INTERLEAVED_1F1B = "INTERLEAVED_1F1B"
 
 
-class ModelConfig(_Section):
+class ModelShapeConfig(_Section):
     """The transformer's shape. Defaults are the embedded default model's (configs/pagedllm-py-tiny.toml)."""
 
     architecture: str = "llama"
@@ -218,7 +218,7 @@ class TrainingJob(BaseModel):
     created_at: datetime = Field(default_factory=_now)
     updated_at: datetime = Field(default_factory=_now)
 
-    model: ModelConfig = Field(default_factory=ModelConfig, alias="model_config")
+    model: ModelShapeConfig = Field(default_factory=ModelShapeConfig, alias="model_config")
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig, alias="parallelism_config")
     optimization: OptimizationConfig = Field(default_factory=OptimizationConfig, alias="optimization_config")
     memory: MemoryConfig = Field(default_factory=MemoryConfig, alias="memory_config")
@@ -357,7 +357,7 @@ def _check_unsupported(job: TrainingJob, dp: int) -> None:
         raise ConfigError("memory_config.zero_stage", "zero_stage 0 (replicate) with tensor parallelism: use zero_stage >= 1")
 
 
-def _check_model_shape(model: ModelConfig, par: ParallelismConfig) -> None:
+def _check_model_shape(model: ModelShapeConfig, par: ParallelismConfig) -> None:
     tp = par.tensor_parallel_size
     if model.head_dim is None and model.hidden_size % model.num_attention_heads:
         raise ConfigError(

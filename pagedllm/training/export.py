@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pagedllm.training.config import ModelConfig, TrainingJob
+from pagedllm.training.config import ModelShapeConfig, TrainingJob
 from pagedllm.training.tokenizer import special_token_ids, tokenizer_config, tokenizer_files
 
 HF_CLASSES = {
@@ -25,7 +25,7 @@ HF_CLASSES = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def hf_config(cfg: ModelConfig, token_ids: dict[str, int | None], dtype: str = "float32") -> dict:
+def hf_config(cfg: ModelShapeConfig, token_ids: dict[str, int | None], dtype: str = "float32") -> dict:
     """config.json for the transformers class of `cfg.architecture`, with every field our model uses."""
     model_type, class_name = HF_CLASSES[cfg.architecture]
     config = {
@@ -66,7 +66,7 @@ def hf_config(cfg: ModelConfig, token_ids: dict[str, int | None], dtype: str = "
     return config
 
 
-def write_hf_folder(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer_path: str | Path,
+def write_hf_folder(state_dict: dict[str, torch.Tensor], cfg: ModelShapeConfig, tokenizer_path: str | Path,
                     out: str | Path, dtype: str = "float32") -> Path:
     """Write config.json, model.safetensors, generation_config.json and the tokenizer files to `out`."""
     out = Path(out)
@@ -99,7 +99,7 @@ def load_checkpoint_state(checkpoint: str | Path) -> tuple[TrainingJob, dict[str
     import torch.distributed.checkpoint as dcp
 
     from pagedllm.training.checkpoint import check_provenance, read_manifest, resolve_checkpoint, verify
-    from pagedllm.training.model import CausalLM
+    from pagedllm.training.model import TrainingCausalLM
     from pagedllm.training.provenance import current_key
 
     step_dir = resolve_checkpoint(checkpoint)
@@ -110,7 +110,7 @@ def load_checkpoint_state(checkpoint: str | Path) -> tuple[TrainingJob, dict[str
     if problems or not manifest.shards:
         raise ValueError(f"checkpoint {step_dir} cannot be exported: {'; '.join(problems) or 'it has no model files'}")
     job = TrainingJob.model_validate_json((step_dir / "job.json").read_text())
-    model = CausalLM(job.model)
+    model = TrainingCausalLM(job.model)
     state = model.state_dict()
     if job.model.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from pagedllm.layers.norm import RMSNorm  # the engine's: fp32 norm, weight after the cast, as transformers
-from pagedllm.training.config import ModelConfig
+from pagedllm.training.config import ModelShapeConfig
 
 
 @functools.lru_cache(maxsize=16)
@@ -48,7 +48,7 @@ class Attention(nn.Module):
     """Grouped-query attention. Head counts come from the projections' local widths, so the same code
     runs on a tensor-parallel shard holding heads/tp of the heads."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelShapeConfig) -> None:
         super().__init__()
         self.head_dim = cfg.resolved_head_dim
         self.rope_theta = cfg.rope_theta
@@ -124,7 +124,7 @@ class SparseMoE(nn.Module):
     Every expert runs on every step, on an empty batch if it got no tokens, so each expert parameter
     always has a gradient -- FSDP's reduce-scatter then sees the same parameters on every rank."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelShapeConfig) -> None:
         super().__init__()
         assert cfg.num_experts and cfg.num_experts_per_token
         self.top_k = cfg.num_experts_per_token
@@ -166,7 +166,7 @@ class DecoderLayer(nn.Module):
     """Pre-norm block. `checkpointing` (None, "FULL" or "SELECTIVE") is set by parallel.py; recomputation
     wraps the block body here, so parameter names never gain a wrapper prefix."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelShapeConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
@@ -196,7 +196,7 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """Hugging Face's `model.` prefix: embeddings, the layer stack and the final norm."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelShapeConfig) -> None:
         super().__init__()
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
@@ -209,10 +209,10 @@ class Backbone(nn.Module):
         return self.norm(h) if self.norm is not None else h
 
 
-class CausalLM(nn.Module):
+class TrainingCausalLM(nn.Module):
     """Token ids (or a previous stage's hidden states) in, logits (or hidden states) out."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelShapeConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
@@ -243,13 +243,13 @@ def init_weights(model: nn.Module, std: float, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
 
 
-def build_model(cfg: ModelConfig, seed: int) -> CausalLM:
-    model = CausalLM(cfg)
+def build_model(cfg: ModelShapeConfig, seed: int) -> TrainingCausalLM:
+    model = TrainingCausalLM(cfg)
     init_weights(model, cfg.initializer_range, seed)
     return model
 
 
-def num_params(cfg: ModelConfig, active_only: bool = False) -> int:
+def num_params(cfg: ModelShapeConfig, active_only: bool = False) -> int:
     """Parameter count from the config alone (no model needed); `active_only` counts top-k experts."""
     hd, h = cfg.resolved_head_dim, cfg.hidden_size
     attn = h * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_kv_heads)
@@ -263,7 +263,7 @@ def num_params(cfg: ModelConfig, active_only: bool = False) -> int:
     return cfg.num_layers * per_layer + embeddings + h
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def flops_per_token(cfg: ModelShapeConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward): 6 x active non-embedding-lookup parameters plus
     the attention score/value matmuls, 12 x layers x heads x head_dim x seq_len (PaLM appendix B)."""
     dense = num_params(cfg, active_only=True) - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)

@@ -30,8 +30,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from pagedllm.training.config import Precision, TrainingJob
-from pagedllm.training.model import CausalLM, DecoderLayer
+from pagedllm.training.config import MemoryConfig, ParallelismConfig, Precision
+from pagedllm.training.model import TrainingCausalLM, DecoderLayer
 
 LOW_PRECISION = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
@@ -45,8 +45,7 @@ class ParallelDims:
     tp: int
 
     @classmethod
-    def from_job(cls, job: TrainingJob) -> "ParallelDims":
-        par = job.parallelism
+    def from_config(cls, par: ParallelismConfig) -> "ParallelDims":
         assert par.data_parallel_size is not None, "resolve() the job first"
         return cls(pp=par.pipeline_parallel_size, dp=par.data_parallel_size, tp=par.tensor_parallel_size)
 
@@ -80,7 +79,7 @@ def _norm_style(sequence_parallel: bool) -> ParallelStyle:
     return SequenceParallel() if sequence_parallel else ReplicateParallel()
 
 
-def apply_tensor_parallel(model: CausalLM, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(model: TrainingCausalLM, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Megatron-style TP over `tp_mesh`; activations between blocks are sequence shards when
     `sequence_parallel`, else replicated. Works on pipeline stages too (missing parts are skipped)."""
     seq = Shard(1) if sequence_parallel else Replicate()
@@ -120,32 +119,31 @@ def _layer_plan(layer: DecoderLayer, sequence_parallel: bool) -> dict[str, Paral
     return plan
 
 
-def apply_activation_checkpointing(model: CausalLM, granularity: str) -> None:
+def apply_activation_checkpointing(model: TrainingCausalLM, granularity: str) -> None:
     """FULL recomputes each block in backward; SELECTIVE keeps matmul outputs, recomputes the rest."""
     for layer in model.model.layers.values():
         layer.checkpointing = granularity
 
 
-def data_parallel_wrapping(job: TrainingJob, dims: ParallelDims) -> str | None:
+def data_parallel_wrapping(memory: MemoryConfig, dims: ParallelDims) -> str | None:
     """'fsdp', 'replicate' or None: ZeRO >= 1 always shards (also on one rank, so cpu_offload and
     mixed precision behave the same at any scale); stage 0 replicates only when there is a replica."""
-    if job.memory.zero_stage >= 1:
+    if memory.zero_stage >= 1:
         return "fsdp"
     return "replicate" if dims.dp > 1 else None
 
 
-def requires_sync_every_microbatch(job: TrainingJob) -> bool:
+def requires_sync_every_microbatch(memory: MemoryConfig) -> bool:
     """ZeRO-2/3 reduce-scatter gradients after every microbatch (gradients stay sharded); ZeRO-0/1
     accumulate full local gradients and reduce once, on the last microbatch."""
-    return job.memory.zero_stage >= 2
+    return memory.zero_stage >= 2
 
 
-def apply_data_parallel(model: CausalLM, job: TrainingJob, dims: ParallelDims, dp_mesh: DeviceMesh) -> None:
-    mem = job.memory
+def apply_data_parallel(model: TrainingCausalLM, mem: MemoryConfig, dims: ParallelDims, dp_mesh: DeviceMesh) -> None:
     mp = MixedPrecisionPolicy()
     if mem.precision in LOW_PRECISION:
         mp = MixedPrecisionPolicy(param_dtype=LOW_PRECISION[mem.precision], reduce_dtype=torch.float32)
-    kind = data_parallel_wrapping(job, dims)
+    kind = data_parallel_wrapping(mem, dims)
     if kind == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -159,20 +157,21 @@ def apply_data_parallel(model: CausalLM, job: TrainingJob, dims: ParallelDims, d
         fully_shard(model, **options)
 
 
-def parallelize(model: CausalLM, job: TrainingJob, dims: ParallelDims, mesh: DeviceMesh) -> CausalLM:
+def parallelize(model: TrainingCausalLM, par: ParallelismConfig, memory: MemoryConfig, dims: ParallelDims,
+                mesh: DeviceMesh) -> TrainingCausalLM:
     """TP -> activation checkpointing -> FSDP/replicate, each only when configured."""
     if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], job.parallelism.sequence_parallel)
-    if job.memory.gradient_checkpointing:
-        apply_activation_checkpointing(model, job.memory.activation_checkpointing_granularity.value)
-    apply_data_parallel(model, job, dims, mesh["dp"])
+        apply_tensor_parallel(model, mesh["tp"], par.sequence_parallel)
+    if memory.gradient_checkpointing:
+        apply_activation_checkpointing(model, memory.activation_checkpointing_granularity.value)
+    apply_data_parallel(model, memory, dims, mesh["dp"])
     return model
 
 
-def autocast_dtype(job: TrainingJob, dims: ParallelDims) -> torch.dtype | None:
+def autocast_dtype(memory: MemoryConfig, dims: ParallelDims) -> torch.dtype | None:
     """Low precision without a data-parallel wrapper (whose MixedPrecisionPolicy would do it) uses autocast."""
-    if job.memory.precision in LOW_PRECISION and data_parallel_wrapping(job, dims) is None:
-        return LOW_PRECISION[job.memory.precision]
+    if memory.precision in LOW_PRECISION and data_parallel_wrapping(memory, dims) is None:
+        return LOW_PRECISION[memory.precision]
     return None
 
 

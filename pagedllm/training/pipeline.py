@@ -19,8 +19,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from pagedllm.training.config import PipelineSchedule, TrainingJob
-from pagedllm.training.model import CausalLM
+from pagedllm.training.config import MemoryConfig, ParallelismConfig, PipelineSchedule
+from pagedllm.training.model import TrainingCausalLM
 from pagedllm.training.parallel import ParallelDims, parallelize
 
 SINGLE_STAGE_SCHEDULES = {PipelineSchedule.ONE_F_ONE_B: Schedule1F1B, PipelineSchedule.GPIPE: ScheduleGPipe}
@@ -37,7 +37,7 @@ def layer_split(num_layers: int, num_stages: int) -> list[range]:
     return ranges
 
 
-def stage_module(model: CausalLM, stage_index: int, num_stages: int) -> CausalLM:
+def stage_module(model: TrainingCausalLM, stage_index: int, num_stages: int) -> TrainingCausalLM:
     """A copy of `model` holding only stage `stage_index`'s part."""
     part = copy.deepcopy(model)
     keep = layer_split(model.cfg.num_layers, num_stages)[stage_index]
@@ -55,7 +55,7 @@ def stage_module(model: CausalLM, stage_index: int, num_stages: int) -> CausalLM
 @dataclass
 class Pipeline:
     schedule: object
-    parts: list[CausalLM]
+    parts: list[TrainingCausalLM]
     stage_indices: list[int]
     num_stages: int
     microbatches: int
@@ -69,18 +69,16 @@ class Pipeline:
         return self.num_stages - 1 in self.stage_indices
 
 
-def build_pipeline(model: CausalLM, job: TrainingJob, dims: ParallelDims, mesh: DeviceMesh,
-                   device: torch.device, loss_fn: Callable) -> Pipeline:
-    par = job.parallelism
+def build_pipeline(model: TrainingCausalLM, par: ParallelismConfig, memory: MemoryConfig, microbatches: int,
+                   dims: ParallelDims, mesh: DeviceMesh, device: torch.device, loss_fn: Callable) -> Pipeline:
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     per_rank = par.resolved_stages_per_rank
     num_stages = dims.pp * per_rank
     stage_indices = [pp_rank + i * dims.pp for i in range(per_rank)]
-    microbatches = job.data.global_batch_size // (job.data.micro_batch_size * dims.dp)
     parts, stages = [], []
     for index in stage_indices:
-        part = parallelize(stage_module(model, index, num_stages), job, dims, mesh)
+        part = parallelize(stage_module(model, index, num_stages), par, memory, dims, mesh)
         parts.append(part)
         stages.append(PipelineStage(part, index, num_stages, device, group=pp_mesh.get_group()))
     if par.pipeline_schedule is PipelineSchedule.INTERLEAVED_1F1B:

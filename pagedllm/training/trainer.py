@@ -40,6 +40,7 @@ from pagedllm.training.parallel import (
 )
 from pagedllm.training.pipeline import build_pipeline
 from pagedllm.training.progress import EventLog, ProgressReporter, plot_loss_curve, truncate_after
+from pagedllm.training.run_options import RunOptions
 from pagedllm.training.tokenizer import tokenizer_files
 
 log = logging.getLogger("pagedllm.training")
@@ -47,15 +48,6 @@ log = logging.getLogger("pagedllm.training")
 EXIT_COMPLETED = 0
 EXIT_FAILED = 1
 EXIT_CONFIG_ERROR = 2
-
-
-@dataclass
-class RunOptions:
-    resume_from: str | None = None
-    events_file: Path | None = None  # default <checkpoint_dir>/events.jsonl
-    stop_at_step: int | None = None  # stop (and checkpoint) at this step, as if asked to
-    export_hf: bool = True  # write <checkpoint_dir>/hf-final when training completes
-    peak_flops: float | None = None  # per process; measured at start when None
 
 
 @dataclass
@@ -92,7 +84,7 @@ class Trainer:
         self.job = resolve(job, self.world)
         self.options = options
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.dims = ParallelDims.from_job(self.job)
+        self.dims = ParallelDims.from_config(self.job.parallelism)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dir = self.job.checkpoint_dir
         events_path = options.events_file or self.dir / "events.jsonl"
@@ -101,8 +93,8 @@ class Trainer:
         self.data = self._prepare_data()
         self._build_model()
         self.scaler = self._grad_scaler()
-        self.ckpt = CheckpointManager(self.job, self.parts, self.optimizers, self._scaler_state, self._load_scaler_state,
-                                      on_event=self.events.emit)
+        self.ckpt = CheckpointManager(self.job.checkpoint, self.job.job_id, self.job.model_dump_json(indent=2), self.parts,
+                                      self.optimizers, self._scaler_state, self._load_scaler_state, on_event=self.events.emit)
         self.controller = Controller(self.dir / "control", self.job.checkpoint.checkpoint_interval_minutes, self.rank)
         self.tokens_per_step = self.job.data.global_batch_size * self.job.data.sequence_length
         self.flops_per_token = flops_per_token(self.job.model, self.job.data.sequence_length)
@@ -139,18 +131,21 @@ class Trainer:
         model = build_model(self.job.model, self.job.seed).to(self.device)
         self.pipeline = None
         if self.dims.pp > 1:
-            self.pipeline = build_pipeline(model, self.job, self.dims, self.mesh, self.device, cross_entropy)
+            data = self.job.data
+            microbatches = data.global_batch_size // (data.micro_batch_size * self.dims.dp)
+            self.pipeline = build_pipeline(model, self.job.parallelism, self.job.memory, microbatches, self.dims, self.mesh,
+                                           self.device, cross_entropy)
             self.parts = self.pipeline.parts
         else:
-            self.parts = [parallelize(model, self.job, self.dims, self.mesh)]
+            self.parts = [parallelize(model, self.job.parallelism, self.job.memory, self.dims, self.mesh)]
         self.optimizers = [build_optimizer(part, self.job.optimization) for part in self.parts]
-        dtype = autocast_dtype(self.job, self.dims)
+        dtype = autocast_dtype(self.job.memory, self.dims)
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype else nullcontext
 
     def _grad_scaler(self):
         if self.job.memory.precision is not Precision.FP16:
             return None
-        if data_parallel_wrapping(self.job, self.dims) is not None:
+        if data_parallel_wrapping(self.job.memory, self.dims) is not None:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             return ShardedGradScaler(device=self.device.type, process_group=self.mesh["dp"].get_group())
@@ -193,8 +188,8 @@ class Trainer:
         model = self.parts[0]
         micro = self.job.data.micro_batch_size
         count = inputs.shape[0] // micro
-        sync_each = requires_sync_every_microbatch(self.job)
-        wrapped = data_parallel_wrapping(self.job, self.dims) is not None
+        sync_each = requires_sync_every_microbatch(self.job.memory)
+        wrapped = data_parallel_wrapping(self.job.memory, self.dims) is not None
         total = torch.zeros((), device=self.device)
         for i in range(count):
             if wrapped:
@@ -371,7 +366,7 @@ class Trainer:
         if self.options.peak_flops:
             per_rank = self.options.peak_flops
         else:
-            from pagedllm.bench.peak import measure_matmul_peak
+            from pagedllm.matmul_peak import measure_matmul_peak
 
             low = LOW_PRECISION.get(self.job.memory.precision)  # bf16/fp16 runs: that dtype's peak
             per_rank = measure_matmul_peak(dtype=low or torch.float32, device=self.device)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from pagedllm.training.cli import add_run_arguments, options_from
 from pagedllm.training.config import ConfigError, load_job
 from pagedllm.training.progress import EventLog
-from pagedllm.training.trainer import EXIT_CONFIG_ERROR, RunOptions, run_training
+from pagedllm.training.run_options import RunOptions, add_run_arguments, options_from
+from pagedllm.training.trainer import EXIT_CONFIG_ERROR, run_training
 
 
 def run_worker(config: Path, options: RunOptions) -> int:

@@ -11,15 +11,43 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.engine.scheduler_output import ScheduledChunk
 from pagedllm.layers.attention import AttentionMetadata, DecodeBucket, PrefillChunk, additive_mask, allowed_keys
 from pagedllm.layers.triton_attention import TritonAttentionMetadata
+from pagedllm.step.scheduler_output import PromptLogprobsRequest
 from pagedllm.worker.staging import Staging
 
 # How decodes are cut into SDPA calls: at most 4, a new one where padding would double the KV
 # gathered. The C kernel reads only each context's own blocks, so it takes all decodes at once.
 SDPA_DECODE_BUCKETS = (4, 2)
 KERNEL_DECODE_BUCKETS = (1, 0)
+
+
+@dataclass(slots=True)
+class BatchChunk:
+    """Positions [start, start + len(token_ids)) of one sequence, laid out in this step's batch."""
+
+    seq_id: int
+    start: int
+    token_ids: list[int]
+    block_table: list[int]  # the sequence's blocks; covers every position up to the chunk's end
+    prompt_logprobs: PromptLogprobsRequest | None = None
+    # Rows past the first laid out as decode rows, each attending to the context up to its own
+    # position: a decode's proposals to verify (token_ids = [last token, *proposals]), or, where
+    # a step runs a short chunk as one fused step, the chunk's other tokens.
+    num_spec: int = 0
+
+    @property
+    def is_decode(self) -> bool:
+        """One new position per row of context (a plain decode, or a decode with proposals)."""
+        return self.num_tokens == 1 + self.num_spec
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
 
 
 @dataclass
@@ -37,14 +65,14 @@ class BatchLayout:
     first_rows: dict[int, int]  # chunk index -> its first row
     last_rows: dict[int, int]  # chunk index -> its last row
     buckets: list[_Bucket]
-    prefills: list[tuple[int, ScheduledChunk]]  # (first row, chunk)
+    prefills: list[tuple[int, BatchChunk]]  # (first row, chunk)
 
 
-def batch_order(chunks: list[ScheduledChunk]) -> list[int]:
+def batch_order(chunks: list[BatchChunk]) -> list[int]:
     return sorted(range(len(chunks)), key=lambda i: (not chunks[i].is_decode, -chunks[i].start))
 
 
-def stage_batch(chunks: list[ScheduledChunk], block_size: int, kernel_attention: bool, staging: Staging, prefix: str = "",
+def stage_batch(chunks: list[BatchChunk], block_size: int, kernel_attention: bool, staging: Staging, prefix: str = "",
                 num_steps: int = 1, triton: bool = False, pad_rows: int = 0) -> BatchLayout:
     """Lay out the chunks and stage their arrays under `prefix`. A decode that verifies k
     proposals contributes k + 1 decode rows, each attending to the context up to its position.

@@ -18,8 +18,8 @@ from dataclasses import replace
 
 import torch
 
-from pagedllm.engine.scheduler_output import SchedulerOutput
 from pagedllm.layers.attention import PagedAttention
+from pagedllm.worker.input_batch import BatchChunk
 from pagedllm.worker.kv_cache import KVCache
 
 _BUFFERS = 2
@@ -43,17 +43,16 @@ class LayerwiseKVOffload:
     def buffer_blocks(self) -> int:
         return self.k_buffers.shape[1]
 
-    def plan(self, sched: SchedulerOutput) -> SchedulerOutput:
+    def plan(self, chunks: list[BatchChunk]) -> list[BatchChunk]:
         """Number the step's blocks 0..B-1 and rewrite its block tables to those numbers."""
-        blocks = sorted({block for chunk in sched.chunks for block in chunk.block_table})
+        blocks = sorted({block for chunk in chunks for block in chunk.block_table})
         assert len(blocks) <= self.buffer_blocks, "the scheduler bounds a step's blocks by the buffer"
         number = {block: i for i, block in enumerate(blocks)}
         size = self.pool.k.shape[2]
-        written = sorted({number[chunk.block_table[p // size]] for chunk in sched.chunks for p in range(chunk.start, chunk.end)})
+        written = sorted({number[chunk.block_table[p // size]] for chunk in chunks for p in range(chunk.start, chunk.end)})
         self.step_blocks = torch.tensor(blocks, dtype=torch.long)
         self.written = torch.tensor(written, dtype=torch.long)
-        chunks = [replace(chunk, block_table=[number[b] for b in chunk.block_table]) for chunk in sched.chunks]
-        return replace(sched, chunks=chunks)
+        return [replace(chunk, block_table=[number[b] for b in chunk.block_table]) for chunk in chunks]
 
     def before_layer(self, index: int) -> None:
         """Bind layer `index` to its loaded buffer (loading it now if nothing prefetched it), and

@@ -1,90 +1,107 @@
-"""Model runner: turns a scheduler step into one forward pass and the samples it yields.
+"""Model runner: turns a scheduler step into a forward pass (or a burst of them) and the samples it yields.
 
 It owns the model (with the fused decode step attached for small all-decode steps on CPU,
-models/fused_decode.py), the KV pool and the per-sequence sampling generators, and sees only the
-step's plain metadata (`SchedulerOutput`), never request state. For each step it applies the
-swap and copy-on-write maps, stages the flat batch (worker/input_batch.py) and the sampling
-parameters (worker/sampling_inputs.py) in one transfer per dtype, runs the forward pass, samples
-on the device and reads the results back in one copy (worker/step_results.py).
+models/fused_decode.py), the KV pool, the per-sequence sampling generators and what it keeps of
+each sequence between steps (worker/sequence_state.py), and sees only the step's plain metadata
+(`SchedulerOutput`), never request state. For each step it applies the step's changes to its
+sequences, the swap and copy-on-write maps, stages the flat batch (worker/input_batch.py) and
+the sampling parameters (worker/sampling_inputs.py) in one transfer per dtype, runs the forward
+pass, samples on the device and reads the results back in one copy (worker/step_results.py).
+How a step's token budgets are filled — one forward pass, greedy steps in one fused call,
+speculation cycles — and which backends run it are the planner's decisions (step/planner.py);
+speculation itself is a speculator the runner is given (spec_decode/speculator.py).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
 from pagedllm.distributed.group import ParallelGroup
-from pagedllm.engine.scheduler_output import SampleRow, ScheduledChunk, SchedulerOutput
-from pagedllm.layers import kernels, triton_attention
-from pagedllm.layers.paged_decode import kernel_supported, load
+from pagedllm.layers import kernels
 from pagedllm.layers.sampler import Sampler
-from pagedllm.layers.small_matmul import MAX_ROWS
-from pagedllm.models.fused_decode import FusedDecoder, unsupported as fused_unsupported
+from pagedllm.models.fused_decode import FusedDecoder
 from pagedllm.models.loader import load_model
-from pagedllm.spec_decode.rejection import rejection_sample
-from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.step.planner import StepKind, StepPlanner
+from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
+from pagedllm.step.scheduler_output import NewSequence, ScheduledChunk, SchedulerOutput
 from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from pagedllm.worker.gpu_memory import MemoryReading, kv_cache_budget
-from pagedllm.worker.input_batch import BatchLayout, attention_metadata, stage_batch
+from pagedllm.worker.input_batch import BatchChunk, BatchLayout, attention_metadata, stage_batch
 from pagedllm.worker.kv_cache import KVCache, bytes_per_block, bytes_per_layer_block
 from pagedllm.worker.kv_offload import LayerwiseKVOffload
 from pagedllm.worker.malloc import keep_freed_memory
-from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
-from pagedllm.worker.sampling_inputs import sampling_metadata, stage_sampling
+from pagedllm.worker.sampling_inputs import SampleRow, sampling_metadata, stage_sampling
+from pagedllm.worker.sequence_state import SequenceStates
 from pagedllm.worker.staging import Staging
 from pagedllm.worker.step_results import fetch_results, score_prompt_tokens, stage_logit_rows
+
+if TYPE_CHECKING:  # the engine gives the runner its speculator; spec_decode builds on this package
+    from pagedllm.spec_decode.speculator import Speculator
 
 
 class ModelRunner:
     """Under tensor parallelism there is one runner per rank (`group`), each with its part of the
-    model and of every KV block, all given the same `pool_sizes`; only rank 0 samples."""
+    model and of every KV block, all given the same `pool_sizes`; only rank 0 samples.
+    `planner`: the engine's (else decided here from the config); `speculator`: speculative
+    decoding's side of each step, when the engine speculates."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 group: ParallelGroup | None = None, pool_sizes: tuple[int, int] | None = None):
+                 group: ParallelGroup | None = None, pool_sizes: tuple[int, int] | None = None,
+                 planner: StepPlanner | None = None, speculator: "Speculator | None" = None):
         self.config = config
         self.model_config = model_config
         self.group = group
+        self.planner = planner = planner or StepPlanner.decide(config, model_config, max_model_len)
         self.device = config.torch_device(group.rank if group is not None else 0)
         self.dtype = config.torch_dtype(model_config)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         if self.device.type == "cpu":
             keep_freed_memory()
-        fused_library = self._fused_decode_library()
+        panels_library = kernels.load() if planner.small_matmul_panels else None
         self.model = load_model(model_config, max_model_len, self.dtype, self.device, group, quantization=config.quantization,
-                                panel_width=fused_library.panel_width() if fused_library is not None else None)
-        self.speculator = None
-        if config.speculative_config is not None:
-            self.speculator = Speculator(config.speculative_config, model_config, max_model_len, self.block_size, self.dtype, self.device)
+                                panel_width=panels_library.panel_width() if panels_library is not None else None)
+        self.speculator = speculator
+        self.states = SequenceStates()
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
         self.sampler = Sampler(config.seed, self.device, kernels.load() if self.device.type == "cpu" else None)
-        self.target_time_s = 0.0  # in execute() before proposing
         self.generators: dict[int, torch.Generator] = {}  # seq id -> a seeded sequence's own generator
         self.graphs: DecodeGraphs | None = None
         self.offload: LayerwiseKVOffload | None = None
         self.num_blocks, self.num_cpu_blocks = pool_sizes or self._pool_sizes()
         self.kv_cache = KVCache(self.model.config, self.num_blocks, self.num_cpu_blocks, self.block_size, self.dtype,
-                                self.device, host_pool=config.kv_offload)
-        self.offload = self._offload() if config.kv_offload else None
+                                self.device, host_pool=planner.kv_offload)
+        self.offload = self._offload() if planner.kv_offload else None
         for index, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(*(self.offload.buffer(0) if self.offload else self.kv_cache.layer(index)))
-        self._set_attention_backend()
         if self.triton_attention and self.device.type == "cuda":  # (Triton's interpreter would only be slower)
             self.model.use_triton_ops()
-        if fused_library is not None and self.kernel_attention:
-            self.model.fused = FusedDecoder(self.model, fused_library)
-        elif fused_library is not None:  # the attention kernel is off: the fused step cannot run
-            if config.decode_backend == "fused":
-                raise RuntimeError("decode_backend='fused' needs the C decode attention kernel, which is not in use")
+        if planner.fused_decode:
+            self.model.fused = FusedDecoder(self.model, panels_library)
+        elif panels_library is not None:  # panels only for the blocks they keep (the fused step does not run)
             for linear in self.model.linears():
                 if linear.library is None:  # kept blocks are the weight itself
                     linear.small = None
         if self.speculator is not None:
-            self.speculator.allocate(self.num_blocks, self.num_cpu_blocks, self.kernel_attention, self.model.fused)
+            self.speculator.allocate(self.num_blocks, self.num_cpu_blocks, self.model.fused)
         self.graphs = self._capture_graphs()
+
+    @property
+    def attention_backend(self) -> str:
+        return self.planner.attention_backend
+
+    @property
+    def kernel_attention(self) -> bool:
+        return self.planner.kernel_attention
+
+    @property
+    def triton_attention(self) -> bool:
+        return self.planner.attention_backend == "triton"
 
     def _offload(self) -> LayerwiseKVOffload:
         per_layer_block = bytes_per_layer_block(self.model.config, self.block_size, self.dtype)
@@ -102,59 +119,10 @@ class ModelRunner:
         """The most KV blocks one step may use (layer-wise offload's buffer), if bounded."""
         return self.offload.buffer_blocks if self.offload is not None else None
 
-    def _fused_decode_library(self):
-        """The kernel library when the fused decode step can run (auto), else None; with
-        decode_backend='fused' a reason it cannot is an error."""
-        backend = self.config.decode_backend
-        if backend == "torch":
-            return None
-        reasons = fused_unsupported(self.model_config, self.dtype, self.device)
-        if self.config.attention_backend == "sdpa":
-            reasons.append("it attends with the C decode kernel (attention_backend auto or kernel)")
-        if self.group is not None or self.config.kv_offload:
-            reasons.append("it runs the whole model over KV pools bound once (no tensor parallelism, no KV offload)")
-        library = kernels.load() if not reasons else None
-        if not reasons and library is None:
-            reasons.append("the CPU kernels could not be built (see the log)")
-        if reasons and backend == "fused":
-            raise ValueError("decode_backend='fused' cannot be used: " + "; ".join(reasons))
-        return library
-
-    def _set_attention_backend(self) -> None:
-        self.attention_backend = self._choose_attention_backend()
-        self.kernel_attention = self.attention_backend == "kernel"
-        self.triton_attention = self.attention_backend == "triton"
-
-    def _choose_attention_backend(self) -> str:
-        """'kernel': the C attention kernels, for fp32 on CPU when they build; 'triton': the Triton
-        kernels, on CUDA; 'sdpa' where neither runs (auto) or when asked for."""
-        backend = self.config.attention_backend
-        if backend == "sdpa":
-            return "sdpa"
-        if backend == "triton" or (backend == "auto" and self.device.type == "cuda"):
-            reason = triton_attention.unavailable_reason(self.device)
-            if reason is not None and backend == "triton":
-                raise ValueError(f"attention_backend='triton' cannot be used: {reason}")
-            return "triton" if reason is None else "sdpa"
-        k_cache = self.model.attention_layers()[0].k_cache  # the pool, or the offload buffer
-        if backend == "auto" and not kernel_supported(k_cache):
-            return "sdpa"
-        if not kernel_supported(k_cache):
-            raise ValueError(
-                "attention_backend='kernel' needs float32 KV caches on the CPU and a head_dim that is a multiple "
-                "of 8; use 'sdpa' or 'auto'"
-            )
-        if load() is not None:
-            return "kernel"
-        if backend == "kernel":
-            raise RuntimeError("attention_backend='kernel' was asked for, but the kernel could not be built (see the log)")
-        return "sdpa"
-
     def _capture_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs for all-decode steps of dense models with the Triton kernels, unless
-        enforce_eager (or tensor parallelism / KV offload, whose steps call out of the graph)."""
-        if (self.config.enforce_eager or self.device.type != "cuda" or not self.triton_attention or self.group is not None
-                or self.offload is not None or self.model_config.moe is not None):
+        """CUDA graphs for all-decode steps, where the planner uses them (dense models with the
+        Triton kernels, unless enforce_eager, tensor parallelism or KV offload)."""
+        if not self.planner.cuda_graphs:
             return None
         graphs = DecodeGraphs(self.model, capture_sizes(self.config.max_num_seqs), -(-self.max_model_len // self.block_size),
                               self.device)
@@ -162,11 +130,11 @@ class ModelRunner:
             graphs.capture()
         return graphs
 
-    def _graph_size(self, sched: SchedulerOutput) -> int | None:
+    def _graph_size(self, chunks: list[BatchChunk]) -> int | None:
         """The captured batch size a step of only decode rows is padded to; None: run eagerly."""
-        if self.graphs is None or not all(chunk.is_decode for chunk in sched.chunks):
+        if self.graphs is None or not all(chunk.is_decode for chunk in chunks):
             return None
-        return padded_size(sum(chunk.num_tokens for chunk in sched.chunks), self.graphs.sizes)
+        return padded_size(sum(chunk.num_tokens for chunk in chunks), self.graphs.sizes)
 
     def _pool_sizes(self) -> tuple[int, int]:
         extra = self.speculator.bytes_per_block() if self.speculator is not None else 0  # the draft's mirror pool
@@ -186,21 +154,22 @@ class ModelRunner:
         scratch = self.kv_cache = KVCache(self.model.config, sum(widths), 0, self.block_size, self.dtype, self.device)
         for index, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(*scratch.layer(index))
-        self._set_attention_backend()
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=5, max_tokens=1)
-        chunks, samples, first_block = [], [], 0
+        step, first_block = SchedulerOutput(), 0
         for seq, (n, width) in enumerate(zip(lengths, widths)):
             ids = [(seq * 31 + i) % self.model_config.vocab_size for i in range(n)]
-            chunks.append(ScheduledChunk(seq, 0, ids, list(range(first_block, first_block + width))))
-            samples.append(SampleRow(seq, seq, params, 0, ids, n, frozenset()))
+            step.new_seqs.append(NewSequence(seq, ids, n, params, 0, frozenset(), list(range(first_block, first_block + width)), 0))
+            step.chunks.append(ScheduledChunk(seq, n))
             first_block += width
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         speculator, self.speculator = self.speculator, None  # the draft's pools are not allocated yet
         try:
-            self.execute(SchedulerOutput(chunks=chunks, samples=samples))
+            self.execute(step)
         finally:
             self.speculator = speculator
+            self.states.clear()
+            self.generators.clear()
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         reading = MemoryReading(total, free, torch.cuda.memory_reserved(self.device),
@@ -215,38 +184,71 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         started = time.perf_counter()
-        self._forget(sched.finished_seq_ids)
+        self._apply(sched)
+        chunks = [self._batch_chunk(chunk) for chunk in sched.chunks]
+        rows = self._sample_rows(sched, chunks)
         if self.offload is not None:
-            sched = self._offload_step(sched)
+            sched, chunks = self._offload_step(sched, chunks)
         staging = Staging()
         _stage_block_maps(sched, staging)
-        if not sched.chunks:
+        if not chunks:
             self._apply_block_maps(sched, staging.to(self.device))
             return ModelRunnerOutput()
-        if sched.num_steps > 1:
-            return self._greedy_steps(sched, staging)
-        if sched.fused_spec_cycles:
+        first = sched.chunks[0]  # a burst gives every chunk the same budget
+        kind = self.planner.step_kind(first.token_budget, first.max_proposals)
+        if kind is StepKind.GREEDY_STEPS:
+            return self._greedy_steps(sched, chunks, rows, staging, first.token_budget)
+        if kind is StepKind.SPEC_CYCLES:
             self._apply_block_maps(sched, staging.to(self.device))
-            result, target_s = self.speculator.run_fused(sched)
-            self.target_time_s += target_s
-            return result
-        graph_size = self._graph_size(sched)
-        pad_rows = graph_size - sum(chunk.num_tokens for chunk in sched.chunks) if graph_size else 0
-        layout = stage_batch(self._short_chunks_as_rows(sched.chunks), self.block_size, self.kernel_attention, staging,
+            return self.speculator.run_fused(chunks, rows, first.token_budget)
+        result = self._forward(sched, chunks, rows, staging)
+        if self.speculator is not None and result is not None:
+            self.speculator.target_time_s += time.perf_counter() - started
+            self.speculator.propose(chunks, rows, [chunk.max_proposals for chunk in sched.chunks], result, self.sampler,
+                                    self._generator)
+        return result if result is not None else ModelRunnerOutput()
+
+    def _batch_chunk(self, chunk: ScheduledChunk) -> BatchChunk:
+        """A scheduled chunk's tokens (its proposals to verify are the speculator's)."""
+        return self.states.batch_chunk(chunk, self.speculator.proposals(chunk.seq_id) if self.speculator is not None else [])
+
+    def _sample_rows(self, sched: SchedulerOutput, chunks: list[BatchChunk]) -> list[SampleRow]:
+        """A row for each chunk that ends with a token to sample (with the proposals it verifies),
+        each followed by the samples forked from it this step, which sample from the same row."""
+        forks: dict[int, list[int]] = {}
+        for seq in sched.new_seqs:
+            if seq.forked_from is not None:
+                forks.setdefault(seq.forked_from, []).append(seq.seq_id)
+        rows = []
+        for index, (scheduled, chunk) in enumerate(zip(sched.chunks, chunks)):
+            if scheduled.token_budget:
+                proposals = chunk.token_ids[chunk.num_tokens - chunk.num_spec :]
+                rows.append(self.states.sample_row(chunk.seq_id, index, proposals, sched.allowed_tokens.get(chunk.seq_id)))
+            for child in forks.get(chunk.seq_id, ()):
+                rows.append(self.states.sample_row(child, index, [], sched.allowed_tokens.get(child)))
+        return rows
+
+    def _forward(self, sched: SchedulerOutput, chunks: list[BatchChunk], rows: list[SampleRow],
+                 staging: Staging) -> ModelRunnerOutput | None:
+        """One forward pass and its samples: plain rows, then rows verifying proposals, then the
+        prompt positions whose logprobs were asked for. None on a tensor-parallel worker."""
+        graph_size = self._graph_size(chunks)
+        pad_rows = graph_size - sum(chunk.num_tokens for chunk in chunks) if graph_size else 0
+        layout = stage_batch(self._short_chunks_as_rows(chunks), self.block_size, self.kernel_attention, staging,
                              triton=self.triton_attention, pad_rows=pad_rows)
-        plain = [row for row in sched.samples if not row.spec_token_ids]
-        spec = [row for row in sched.samples if row.spec_token_ids]
-        expanded = Speculator.expand(spec)
-        prompt_rows = stage_logit_rows(sched, layout, staging, [plain, spec])
+        plain = [row for row in rows if not row.spec_token_ids]
+        spec = [row for row in rows if row.spec_token_ids]
+        expanded = self.speculator.expand(spec) if spec else []
+        prompt_rows = stage_logit_rows(chunks, layout, staging, [plain, spec])
         plain_plan = stage_sampling(plain, staging)
         spec_plan = stage_sampling(expanded, staging, "verify.sampling.")
         if spec:
-            Speculator.stage_verify(spec, staging)
+            self.speculator.stage_verify(spec, staging)
         views = staging.to(self.device)
         self._apply_block_maps(sched, views)
         logits = self._logits(layout, views, graph_size)
         if logits is None:
-            return ModelRunnerOutput()  # a tensor-parallel worker: rank 0 samples
+            return None  # a tensor-parallel worker: rank 0 samples
         groups = []
         if plain:
             plain_meta = sampling_metadata(plain_plan, views, lambda r: self._generator(plain[r]))
@@ -254,74 +256,66 @@ class ModelRunner:
         if spec:
             spec_meta = sampling_metadata(spec_plan, views, lambda r: self._generator(expanded[r]))
             batch = self.speculator.verify_batch(spec, views, self._generator)
-            groups.append((spec, rejection_sample(self.sampler, logits[len(plain) : len(plain) + len(expanded)], spec_meta, batch)))
+            verified = self.speculator.sample_verified(self.sampler, logits[len(plain) : len(plain) + len(expanded)], spec_meta, batch)
+            groups.append((spec, verified))
         scored = score_prompt_tokens(logits[len(plain) + len(expanded) :], views.get("prompt_targets"), prompt_rows)
-        result = fetch_results(groups, scored, prompt_rows)
-        self.target_time_s += time.perf_counter() - started
-        if self.speculator is not None:
-            self.speculator.propose(sched, result, self.sampler, self._generator)
-        return result
+        return fetch_results(groups, scored, prompt_rows)
 
     def _logits(self, layout: BatchLayout, views: dict[str, torch.Tensor], graph_size: int | None) -> torch.Tensor | None:
-        """The sampled rows' logits: the forward pass replayed from a CUDA graph, or run eagerly."""
+        """The sampled rows' logits: the forward pass replayed from a CUDA graph, or run (as one
+        fused C call when the planner says it can) eagerly."""
         if graph_size is not None:
             hidden = self.graphs.replay(views, graph_size)
             return self.model.compute_logits(hidden.index_select(0, views["logit_rows"]))
         meta = attention_metadata(layout, views, self.kernel_attention, self.block_size, self.windows, self.dtype,
                                   triton=self.triton_attention)
-        return self.model.step_logits(views["input_ids"], views["positions"], meta, views["logit_rows"])
+        ids = views["input_ids"]
+        fused = self.planner.runs_fused(self.model.fused, meta, ids.shape[0])
+        return self.model.step_logits(ids, views["positions"], meta, views["logit_rows"], fused)
 
-    def _short_chunks_as_rows(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """When all of a step's positions fit one fused step, its prompt chunks too are laid out as
-        decode rows, each attending to the context up to its own position — what their prefill
-        computes — so the step is one C call instead of a pass through the modules: the end of a
-        prompt found in the prefix cache, or a short prompt, costs about a decode step."""
-        if self.model.fused is None or not self.kernel_attention or sum(c.num_tokens for c in chunks) > MAX_ROWS:
+    def _short_chunks_as_rows(self, chunks: list[BatchChunk]) -> list[BatchChunk]:
+        """When the planner says all of a step's positions fit one fused step, its prompt chunks
+        too are laid out as decode rows: the end of a prompt found in the prefix cache, or a short
+        prompt, costs about a decode step."""
+        if not self.planner.decode_rows_fit(sum(c.num_tokens for c in chunks)):
             return chunks
         return [c if c.is_decode else replace(c, num_spec=c.num_tokens - 1) for c in chunks]
 
-    @property
-    def max_fused_spec_seqs(self) -> int:
-        """The most sequences a fused speculation call takes (0: none)."""
-        return self.speculator.max_fused_seqs if self.speculator is not None else 0
-
-    @property
-    def max_multi_step_rows(self) -> int:
-        """The most sequences a multi-step call takes: the fused step's rows, or 0 without it."""
-        return MAX_ROWS if self.model.fused is not None else 0
-
-    def _greedy_steps(self, sched: SchedulerOutput, staging: Staging) -> ModelRunnerOutput:
-        """Multi-step scheduling: `sched.num_steps` greedy steps of plain decodes in one fused
-        call, each row's argmax its next input; every row gets num_steps tokens."""
-        layout = stage_batch(sched.chunks, self.block_size, self.kernel_attention, staging, num_steps=sched.num_steps)
-        stage_logit_rows(sched, layout, staging, [sched.samples])
+    def _greedy_steps(self, sched: SchedulerOutput, chunks: list[BatchChunk], rows: list[SampleRow], staging: Staging,
+                      num_steps: int) -> ModelRunnerOutput:
+        """Multi-step scheduling: `num_steps` greedy steps of plain decodes in one fused call,
+        each row's argmax its next input; every row gets num_steps tokens."""
+        layout = stage_batch(chunks, self.block_size, self.kernel_attention, staging, num_steps=num_steps)
+        stage_logit_rows(chunks, layout, staging, [rows])
         views = staging.to(self.device)
         self._apply_block_maps(sched, views)
         meta = attention_metadata(layout, views, self.kernel_attention, self.block_size, self.windows, self.dtype)
-        if self.model.fused is None or not self.model.fused.accepts(meta, len(sched.chunks)):
+        if not self.planner.runs_fused(self.model.fused, meta, len(chunks)):
             raise RuntimeError("a multi-step step reached a runner that cannot run it as one fused call")
         tokens, logprobs = self.model.fused.greedy_steps(views["input_ids"], views["positions"], meta, views["logit_rows"],
-                                                         sched.num_steps)
+                                                         num_steps)
         result = ModelRunnerOutput()
-        for row, ids, values in zip(sched.samples, tokens.t().tolist(), logprobs.t().tolist()):
+        for row, ids, values in zip(rows, tokens.t().tolist(), logprobs.t().tolist()):
             ranked = row.params.logprobs == 0  # an argmax's rank is 1, and no alternatives were asked for
             result.sampled[row.seq_id] = [SampledToken(token, logprob, 1, []) if ranked else SampledToken(token, logprob)
                                           for token, logprob in zip(ids, values)]
         return result
 
-    def _offload_step(self, sched: SchedulerOutput) -> SchedulerOutput:
+    def _offload_step(self, sched: SchedulerOutput, chunks: list[BatchChunk]) -> tuple[SchedulerOutput, list[BatchChunk]]:
         """Copy-on-write happens in the host pool; the step then sees its blocks renumbered."""
         if sched.blocks_to_copy:
             sources, destinations = zip(*sched.blocks_to_copy)
             self.kv_cache.copy(torch.tensor(sources), torch.tensor(destinations))
-        return self.offload.plan(replace(sched, blocks_to_copy=[]))
+        return replace(sched, blocks_to_copy=[]), self.offload.plan(chunks)
 
-    def _forget(self, seq_ids: list[int]) -> None:
-        """Drop per-sequence state of sequences that finished."""
-        for seq_id in seq_ids:
+    def _apply(self, sched: SchedulerOutput) -> None:
+        """The step's changes to the sequences held; a finished sequence's generator goes too (a
+        preempted one keeps it, so its samples go on where they were)."""
+        self.states.apply(sched)
+        for seq_id in sched.finished_seq_ids:
             self.generators.pop(seq_id, None)
         if self.speculator is not None:
-            self.speculator.forget(seq_ids)
+            self.speculator.apply(sched)
 
     def _apply_block_maps(self, sched: SchedulerOutput, views: dict[str, torch.Tensor]) -> None:
         """Swap-outs first: the blocks they free may be reused by this step's swap-ins. A draft

@@ -7,16 +7,36 @@ for it: a batch of greedy rows stages nothing but its row count.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from pagedllm.engine.scheduler_output import SampleRow
 from pagedllm.layers.sampler import Penalties, SamplingMetadata
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.staging import Staging
 
 _NO_TOP_K = np.iinfo(np.int64).max
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """One token to sample for `seq_id`, from the logits of chunk `chunk`'s last position (its own
+    chunk, or the chunk of the parent it was forked from this step)."""
+
+    seq_id: int
+    chunk: int
+    params: SamplingParams
+    sample_index: int  # which sample of its request: seeds a seeded request's per-sample generator
+    token_ids: list[int]  # prompt + output so far (penalties look at it; read, never kept)
+    num_prompt_tokens: int
+    eos_token_ids: frozenset[int]
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals verified at this row's chunk
+    allowed_tokens: Any = None  # structured output: int32 bitmask of the tokens the grammar allows
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass

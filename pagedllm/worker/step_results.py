@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.engine.scheduler_output import SampleRow, SchedulerOutput
 from pagedllm.layers.sampler import SamplerOutput
-from pagedllm.worker.input_batch import BatchLayout
-from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
+from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
+from pagedllm.worker.input_batch import BatchChunk, BatchLayout
+from pagedllm.worker.sampling_inputs import SampleRow
 from pagedllm.worker.staging import Staging
 
 
@@ -27,7 +27,7 @@ class PromptRows:
     max_num: int = 0
 
 
-def stage_logit_rows(sched: SchedulerOutput, layout: BatchLayout, staging: Staging, groups: list[list[SampleRow]]) -> PromptRows:
+def stage_logit_rows(chunks: list[BatchChunk], layout: BatchLayout, staging: Staging, groups: list[list[SampleRow]]) -> PromptRows:
     """Logit rows in order: each group's sample rows (a row with k proposals takes its chunk's
     k + 1 rows), then the prompt positions scored."""
     rows: list[int] = []
@@ -37,7 +37,7 @@ def stage_logit_rows(sched: SchedulerOutput, layout: BatchLayout, staging: Stagi
             rows.extend(range(last - len(sample.spec_token_ids), last + 1))
     targets: list[int] = []
     prompt = PromptRows()
-    for index, chunk in enumerate(sched.chunks):
+    for index, chunk in enumerate(chunks):
         wanted = chunk.prompt_logprobs
         if wanted is None:
             continue

@@ -1,5 +1,9 @@
 """Beam search against transformers' `num_beams` generate, and its KV sharing.
 
+Beam search is a layer over the engine (engine/beam_search.py): each round, every beam is a
+one-token request, and the beams share KV through the prefix cache. In the small-pool modes a
+round's requests do not all fit at once, so some wait for the others' blocks.
+
 Two tiny models: the suite's Llama, and a Qwen3 whose EOS row of the LM head points along the
 mean final hidden state, so EOS is among the top few tokens almost everywhere — hypotheses end
 on EOS, the early-stopping heuristic ends searches before max_tokens, and both must match.
@@ -12,6 +16,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, BeamSearchParams
+from pagedllm.engine.beam_search import BeamSearcher
 from tiny_models import build_model, load_reference
 
 PROMPTS = [[random.Random(n).randrange(3, 380) for _ in range(n)] for n in (3, 9, 17, 30, 5)]
@@ -58,7 +63,15 @@ def transformers_beams(model, prompt: list[int], width: int, max_tokens: int, le
 def check_against_transformers(folder, mode_args: dict, searches: list[tuple]) -> dict:
     reference = load_reference(folder)
     llm = LLM(str(folder), **mode_args)
-    seen = {"eos": 0, "early": 0, "preemptions": 0}
+    seen = {"eos": 0, "early": 0, "waited": 0}
+    engine, step = llm.llm_engine, llm.llm_engine.step
+
+    def counted_step():
+        outputs = step()
+        seen["waited"] = max(seen["waited"], engine.get_stats()["num_waiting"])
+        return outputs
+
+    engine.step = counted_step
     for width, max_tokens, penalty in searches:
         params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=penalty)
         outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
@@ -73,7 +86,6 @@ def check_against_transformers(folder, mode_args: dict, searches: list[tuple]) -
                 assert abs(sum(next(iter(d.values())).logprob for d in seq.logprobs) - seq.cum_logprob) < 1e-6
             seen["eos"] += sum(seq.finish_reason == "stop" for seq in output.sequences)
             seen["early"] += all(len(t) < max_tokens for t, _ in ours)
-    seen["preemptions"] = llm.get_stats()["num_preemptions"]
     return seen
 
 
@@ -82,29 +94,38 @@ def test_beams_equal_transformers_with_eos_endings(eos_model, mode):
     seen = check_against_transformers(eos_model, MODES[mode], SEARCHES if mode == "defaults" else SEARCHES[:1])
     assert seen["eos"] > 0 and seen["early"] > 0, f"the EOS paths were not exercised: {seen}"
     if mode.startswith("preempt"):
-        assert seen["preemptions"] > 0
+        assert seen["waited"] > 0, "the small pool held every beam of every round at once"
 
 
 def test_beams_equal_transformers_llama(model_dir):
     check_against_transformers(model_dir("llama"), MODES["defaults"], SEARCHES[1:])
 
 
-def test_beams_share_blocks_and_copy_only_on_write(model_dir):
-    """Mid-search, the beams of one request hold the prompt's blocks once between them."""
+def test_beams_share_the_prompts_blocks_through_the_prefix_cache(model_dir):
+    """Each round's beam requests run in one step and hold the prompt's full blocks once between
+    them: their prefix-cache hits on the blocks earlier rounds published."""
     llm = LLM(str(model_dir("llama")), block_size=4)
     engine, prompt = llm.llm_engine, PROMPTS[3]  # 30 tokens: 7 full blocks and a partial one
-    engine.add_request("beams", {"prompt_token_ids": prompt}, BeamSearchParams(beam_width=4, max_tokens=12))
+    searcher = BeamSearcher(engine)
+    searcher.add("beams", {"prompt_token_ids": prompt}, BeamSearchParams(beam_width=4, max_tokens=12))
     shared_steps = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        request = engine.requests.get("beams")
-        tables = [engine.block_manager.tables.get(seq.seq_id, []) for seq in request.seqs] if request else []
-        if len(tables) == 4 and all(tables):
+    execute = engine.runner.execute
+
+    def spy(sched):
+        nonlocal shared_steps
+        tables = list(engine.block_manager.tables.values())
+        if len(tables) == 4:
             shared_steps += 1
             assert all(t[:7] == tables[0][:7] for t in tables), "beams should share the prompt's full blocks"
             used = engine.block_manager.num_used_blocks
             assert used < sum(len(t) for t in tables), "shared blocks must not be counted (copied) per beam"
+        return execute(sched)
+
+    engine.runner.execute = spy
+    while searcher.has_unfinished():
+        searcher.step()
     assert shared_steps > 5
+    assert len(searcher.results["beams"].sequences) == 4
 
 
 def test_beam_search_rejects_bad_parameters(model_dir):

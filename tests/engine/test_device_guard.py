@@ -12,6 +12,7 @@ import torch
 
 from device_guard import StepGuard
 from pagedllm import BeamSearchParams, LLMEngine, SamplingParams
+from pagedllm.engine.beam_search import BeamSearcher
 
 # One device->host read per step (the sampled tokens with their logprobs), and a fixed number of
 # host->device transfers however many sequences share the step.
@@ -47,9 +48,10 @@ def run_guarded(folder: str, device: str, **engine_args) -> StepGuard:
     prompts = ["def parse(args):\n    ", "import os\nimport sys\n" * 3, "class Shape:\n    def area(self):", "x = 1"]
     for index in range(12):
         engine.add_request(str(index), prompts[index % len(prompts)] + " " * (index % 3), PARAMS[index % len(PARAMS)])
-    engine.add_request("beams", prompts[1], BeamSearchParams(beam_width=3, max_tokens=8))
-    while engine.has_unfinished_requests():
-        engine.step()
+    searcher = BeamSearcher(engine)  # its one-token requests run beside the others
+    searcher.add("beams", prompts[1], BeamSearchParams(beam_width=3, max_tokens=8))
+    while engine.has_unfinished_requests() or searcher.has_unfinished():
+        searcher.step()
     return guard
 
 

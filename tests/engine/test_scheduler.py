@@ -7,7 +7,7 @@ from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.runner_output import ModelRunnerOutput, SampledToken
+from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=64, chunked=True, mode="recompute", policy="fcfs", cpu_blocks=64, max_num_seqs=16):
@@ -24,9 +24,9 @@ def make_seq(name: str, prompt_len: int, arrival: float = 0.0, priority: int = 0
 
 
 def run_step(scheduler: Scheduler):
-    """Schedule, then hand back what a runner would: token 7 for every sample row."""
+    """Schedule, then hand back what a runner would: token 7 for every chunk that samples."""
     out = scheduler.schedule()
-    sampled = {row.seq_id: [SampledToken(7, 0.0)] for row in out.samples}
+    sampled = {chunk.seq_id: [SampledToken(7, 0.0)] for chunk in out.chunks if chunk.token_budget}
     scheduler.update_from_output(ModelRunnerOutput(sampled), lambda seq, token: None)
     return out
 

@@ -6,10 +6,9 @@ import math
 import pytest
 import torch
 
-from pagedllm.engine.scheduler_output import SampleRow
 from pagedllm.layers.sampler import KERNEL_GREEDY_ROWS, Sampler, SamplingMetadata, apply_penalties, filter_logits
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.sampling_inputs import sampling_metadata, stage_sampling
+from pagedllm.worker.sampling_inputs import SampleRow, sampling_metadata, stage_sampling
 from pagedllm.worker.staging import Staging
 
 CPU = torch.device("cpu")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.step.planner import StepKind
 from parity import MAX_TOKENS, MODES, PROMPTS, assert_mode_happened
 from test_spec_decode import ARCHS, GREEDY, SPEC_MODES, greedy_tokens, staggered
 
@@ -17,11 +18,13 @@ def fused_steps(llm: LLM, with_rows: bool = False) -> list:
     """From now on, each engine step that ran fused cycles: its cycles (and its sequences)."""
     steps: list = []
     runner = llm.llm_engine.runner
-    original = runner.execute
+    original, planner = runner.execute, runner.planner
 
     def execute(sched):
-        if sched.fused_spec_cycles:
-            steps.append((sched.fused_spec_cycles, len(sched.chunks)) if with_rows else sched.fused_spec_cycles)
+        first = sched.chunks[0] if sched.chunks else None
+        if first is not None and planner.step_kind(first.token_budget, first.max_proposals) is StepKind.SPEC_CYCLES:
+            cycles = first.token_budget // (planner.num_speculative_tokens + 1)
+            steps.append((cycles, len(sched.chunks)) if with_rows else cycles)
         return original(sched)
 
     runner.execute = execute

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pagedllm.training.config import ModelConfig
+from pagedllm.training.config import ModelShapeConfig
 from pagedllm.training.export import write_hf_folder
 from pagedllm.training.model import SparseMoE, build_model, count_parameters, num_params
 from pagedllm.training.parallel import apply_activation_checkpointing
@@ -23,10 +23,10 @@ SHAPES = {
 }
 
 
-def tiny_config(arch: str, **extra) -> ModelConfig:
+def tiny_config(arch: str, **extra) -> ModelShapeConfig:
     shape = dict(architecture=arch, num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
                  intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64)
-    return ModelConfig(**{**shape, **SHAPES[arch], **extra})
+    return ModelShapeConfig(**{**shape, **SHAPES[arch], **extra})
 
 
 @pytest.mark.parametrize("arch, hf_type, hf_class", [

@@ -9,7 +9,7 @@ import secrets
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedllm.entrypoints.openai.errors import error_body
+from pagedllm.http_errors import error_body
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 

@@ -18,75 +18,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from pagedllm.entrypoints.openai.async_engine import Disconnected
+from pagedllm.http_errors import APIError, BadRequestError, error_body, error_response
 
 logger = logging.getLogger("pagedllm.server")
 
 HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
-
-
-class APIError(Exception):
-    """An error a client caused (or must be told about), answered with `status_code`."""
-
-    status_code = 400
-    error_type = "invalid_request_error"
-    default_code: str | None = None
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code or self.default_code
-        self.headers = headers
-
-
-class BadRequestError(APIError):
-    pass
-
-
-class AuthenticationError(APIError):
-    status_code = 401
-    default_code = "invalid_api_key"
-
-
-class NotFoundError(APIError):
-    status_code = 404
-    default_code = "not_found"
-
-
-class ModelNotFoundError(NotFoundError):
-    default_code = "model_not_found"
-
-    def __init__(self, message: str):
-        super().__init__(message, param="model")
-
-
-class ConflictError(APIError):
-    status_code = 409
-    default_code = "conflict"
-
-
-class ServiceUnavailableError(APIError):
-    status_code = 503
-    error_type = "server_error"
-    default_code = "service_unavailable"
-
-
-class RequestTimeoutError(APIError):
-    """The request did not finish within the server's --request-timeout (queue time included)."""
-
-    status_code = 504
-    error_type = "server_error"
-    default_code = "timeout"
-
-
-def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code), status_code=exc.status_code,
-                        headers=exc.headers)
 
 
 def param_from_message(message: str, fields: Sequence[str]) -> str | None:

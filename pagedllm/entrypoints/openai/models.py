@@ -20,17 +20,17 @@ from typing import Any, Callable, TypeVar
 from pagedllm.engine.llm_engine import LLMEngine, load_tokenizer
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.data_parallel import DataParallelEngine
+from pagedllm.entrypoints.openai.limits import max_token_chars, prompt_char_limit
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.protocol import ModelCard
 from pagedllm.entrypoints.openai.replica import EngineInfo, ReplicaSpec
-from pagedllm.entrypoints.openai.errors import (
+from pagedllm.entrypoints.openai.settings import ServerSettings
+from pagedllm.http_errors import (
     BadRequestError,
     ConflictError,
     ModelNotFoundError,
     ServiceUnavailableError,
 )
-from pagedllm.entrypoints.openai.limits import max_token_chars, prompt_char_limit
-from pagedllm.entrypoints.openai.metrics import ServerMetrics
-from pagedllm.entrypoints.openai.protocol import ModelCard
-from pagedllm.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger("pagedllm.server")
 T = TypeVar("T")

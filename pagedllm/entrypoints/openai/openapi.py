@@ -12,34 +12,8 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
 
-ERROR_DESCRIPTIONS = {
-    400: "invalid request: the message names the field (`param`) and the limit",
-    401: "missing or wrong API key",
-    404: "unknown model, job, checkpoint or route",
-    409: "the request conflicts with the resource's state",
-    503: "overloaded (`queue_full`, with Retry-After), loading, or unavailable",
-    504: "not finished within the server's --request-timeout",
-}
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error shape, used for every failure."""
-
-    error: ErrorDetail
-
-
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """FastAPI `responses=` for these error statuses, each with the OpenAI error body."""
-    return {status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in statuses}
+from pagedllm.http_errors import ERROR_DESCRIPTIONS
 
 
 def install_openapi(app: FastAPI, protected: bool, open_paths: frozenset[str]) -> None:

@@ -14,7 +14,6 @@ from starlette.responses import Response
 from pagedllm.entrypoints.openai.health import server_health
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.models import ModelRegistry
-from pagedllm.entrypoints.openai.openapi import error_responses
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -35,6 +34,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completions import create_completion
 from pagedllm.entrypoints.openai.serving_tokenization import detokenize, tokenize, tokenizer_info
+from pagedllm.http_errors import error_responses
 
 inference_router = APIRouter(responses=error_responses(400, 404, 503))
 ops_router = APIRouter()

@@ -29,19 +29,19 @@ from pagedllm.entrypoints.openai.async_engine import (
     RequestGroup,
     RequestTimeout,
 )
-from pagedllm.entrypoints.openai.errors import (
+from pagedllm.entrypoints.openai.errors import param_from_message
+from pagedllm.entrypoints.openai.limits import PROBE_MARGIN, probe_prefix, valid_unicode
+from pagedllm.entrypoints.openai.models import ServedModel
+from pagedllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from pagedllm.entrypoints.openai.replicas import ReplicaDiedError
+from pagedllm.http_errors import (
     APIError,
     BadRequestError,
     ModelNotFoundError,
     RequestTimeoutError,
     ServiceUnavailableError,
     error_body,
-    param_from_message,
 )
-from pagedllm.entrypoints.openai.limits import PROBE_MARGIN, probe_prefix, valid_unicode
-from pagedllm.entrypoints.openai.models import ServedModel
-from pagedllm.entrypoints.openai.replicas import ReplicaDiedError
-from pagedllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from pagedllm.library_errors import describe
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams

@@ -17,7 +17,6 @@ from starlette.responses import Response
 
 from pagedllm.entrypoints import chat_template
 from pagedllm.entrypoints.openai.async_engine import RequestGroup
-from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.models import ServedModel
 from pagedllm.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -59,6 +58,7 @@ from pagedllm.entrypoints.openai.tool_calls import (
     template_tools,
     tool_constraint,
 )
+from pagedllm.http_errors import BadRequestError
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import StructuredOutputsParams
 

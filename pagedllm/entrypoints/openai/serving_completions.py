@@ -15,7 +15,6 @@ from fastapi import Request
 from starlette.responses import Response
 
 from pagedllm.entrypoints.openai.async_engine import RequestGroup
-from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.models import ServedModel
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -41,6 +40,7 @@ from pagedllm.entrypoints.openai.serving import (
     truncate,
     usage,
 )
+from pagedllm.http_errors import BadRequestError
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 PROMPT = "prompt"

@@ -2,7 +2,6 @@
 remote tokenizer reads, so clients can count and split tokens exactly as the server does."""
 from __future__ import annotations
 
-from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.models import ServedModel
 from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -12,6 +11,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizerInfo,
 )
 from pagedllm.entrypoints.openai.serving import encode
+from pagedllm.http_errors import BadRequestError
 
 
 def _tokenizer(served: ServedModel):

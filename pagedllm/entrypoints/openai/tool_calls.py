@@ -18,8 +18,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, NamedToolChoice, ToolCall
+from pagedllm.http_errors import BadRequestError
 from pagedllm.sampling_params import StructuredOutputsParams
 
 START, END = "<tool_call>", "</tool_call>"

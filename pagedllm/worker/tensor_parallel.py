@@ -2,8 +2,10 @@
 worker processes that replay every step rank 0 broadcasts.
 
 The scheduler and the block manager exist only in rank 0. Each step, rank 0 broadcasts the
-step's plain metadata (`SchedulerOutput`) and every rank runs the same forward pass on its part
-of the model and of every KV block; rank 0 gathers the logits and samples. Workers are spawned
+step's plain metadata (`SchedulerOutput`: only what changed since the last step, so its size
+does not grow with the sequences' lengths), every rank applies it to its own copy of the
+sequences' state and runs the same forward pass on its part of the model and of every KV block;
+rank 0 gathers the logits and samples. Each worker decides its planner from the same config. Workers are spawned
 (not forked: the parent may hold threads and an OpenMP pool), exit when their parent does (they
 watch its pid), and when one dies the others' next collective fails at once, so the engine's
 step raises instead of hanging.
@@ -24,9 +26,10 @@ import torch.distributed as dist
 
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.distributed.group import ParallelGroup
-from pagedllm.engine.scheduler_output import SchedulerOutput
+from pagedllm.step.planner import StepPlanner
+from pagedllm.step.runner_output import ModelRunnerOutput
+from pagedllm.step.scheduler_output import SchedulerOutput
 from pagedllm.worker.model_runner import ModelRunner, kv_pool_sizes
-from pagedllm.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger("pagedllm.tensor_parallel")
 
@@ -49,7 +52,7 @@ class _WorkerArgs:
 class TensorParallelRunner:
     """Quacks like a `ModelRunner` (rank 0's, which it wraps) to the engine."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, planner: StepPlanner):
         size = config.tensor_parallel_size
         local = model_config.shard(size)  # checks that the ranks divide the model
         pools = kv_pool_sizes(config, local, max_model_len, num_ranks=size)
@@ -73,7 +76,7 @@ class TensorParallelRunner:
             torch.set_num_threads(threads)  # the ranks share this host's cores (restored at shutdown)
         self.group = ParallelGroup.connect(0, size, store.port, device, store)
         self._workers.group = self.group
-        self.runner = ModelRunner(config, model_config, max_model_len, self.group, pools)
+        self.runner = ModelRunner(config, model_config, max_model_len, self.group, pools, planner)
         self._workers.wait_for(_READY)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedllm.jobs.records import JobRecord, JobState
-from pagedllm.jobs.scheduler import startable, used_slots
+from pagedllm.jobs.slots import startable, used_slots
 
 
 def job(seq: int, world: int, status: JobState = JobState.PENDING) -> JobRecord:

@@ -1,0 +1,93 @@
+"""The planner, the one owner of how a step runs: the backends it settles at start-up, and its
+answers to the scheduler (bursts, proposals, lookahead) and to the runner (how to fill a budget).
+The engine suites run every path it chooses; these pin the rules themselves."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from pagedllm.config import EngineConfig, ModelConfig, SpeculativeConfig
+from pagedllm.layers import kernels
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.step.planner import Burst, StepKind, StepPlanner, plain_greedy_decode
+
+needs_kernels = pytest.mark.skipif(kernels.compiler() is None, reason="no C compiler: no C kernels")
+GREEDY = SamplingParams(temperature=0, max_tokens=100)
+
+
+@dataclass
+class Decoding:
+    """What the planner reads of a sequence."""
+
+    params: SamplingParams = field(default_factory=lambda: GREEDY)
+    num_tokens: int = 11
+    num_computed_tokens: int = 10
+    num_output_tokens: int = 1
+    spec_token_ids: list[int] = field(default_factory=list)
+    grammar: object = None
+
+
+def decide(model_dir, **engine_args) -> StepPlanner:
+    folder = str(model_dir("llama"))
+    return StepPlanner.decide(EngineConfig.from_kwargs(folder, **engine_args), ModelConfig.from_pretrained(folder), 512)
+
+
+@needs_kernels
+def test_start_up_decisions_on_a_cpu(model_dir):
+    planner = decide(model_dir)
+    assert (planner.attention_backend, planner.fused_decode, planner.cuda_graphs) == ("kernel", True, False)
+    assert not decide(model_dir, decode_backend="torch").fused_decode
+    assert decide(model_dir, attention_backend="sdpa").fused_decode is False
+    assert decide(model_dir, num_scheduler_steps=8).max_burst_rows == 16
+    assert decide(model_dir, num_scheduler_steps=8, decode_backend="torch").num_scheduler_steps == 1
+    folder = str(model_dir("llama"))
+    spec = decide(model_dir, speculative_config={"model": folder, "num_speculative_tokens": 3})
+    assert spec.draft_kernel_attention and spec.draft_fused_decode and spec.fused_spec_cycles and spec.max_fused_spec_seqs == 4
+    off = decide(model_dir, speculative_config={"model": folder, "num_speculative_tokens": 3, "fused_cycles": False})
+    assert off.draft_fused_decode and not off.fused_spec_cycles
+
+
+def test_what_is_a_plain_greedy_decode():
+    assert plain_greedy_decode(Decoding())
+    for params in (SamplingParams(temperature=0.5), SamplingParams(temperature=0, logprobs=2),
+                   SamplingParams(temperature=0, repetition_penalty=1.2), SamplingParams(temperature=0, min_tokens=5)):
+        assert not plain_greedy_decode(Decoding(params=params))
+    assert not plain_greedy_decode(Decoding(num_computed_tokens=5))  # a prompt chunk
+    assert not plain_greedy_decode(Decoding(grammar=object()))
+
+
+def test_bursts_and_their_budgets():
+    multi = StepPlanner(max_model_len=512, fused_decode=True, num_scheduler_steps=8)
+    assert multi.burst([Decoding()] * 3, fusing=False) == Burst(8, 1, 0)
+    assert multi.burst([Decoding(), Decoding(num_tokens=508, num_computed_tokens=507)], fusing=False) == Burst(4, 1, 0)  # 4 positions left
+    assert multi.burst([Decoding(), Decoding(spec_token_ids=[3])], fusing=False) is None
+    assert multi.burst([Decoding()] * 17, fusing=False) is None  # more rows than one fused call takes
+    assert StepPlanner(fused_decode=True).burst([Decoding()], fusing=False) is None  # one step per engine step
+    spec = StepPlanner(fused_decode=True, num_scheduler_steps=2, fused_spec_cycles=True,
+                       speculation=SpeculativeConfig.parse({"model": "draft", "num_speculative_tokens": 3}))
+    assert spec.burst([Decoding()], fusing=True) == Burst(8, 4, 3)  # two cycles of k + 1, or one
+
+
+def test_speculation_questions():
+    spec = StepPlanner(speculation=SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 3, "disable_by_batch_size": 4}),
+                       fused_spec_cycles=True)
+    assert [spec.max_proposals(n) for n in (1, 3, 4)] == [3, 3, 0]
+    assert spec.lookahead_slots(Decoding()) == 3 and spec.lookahead_slots(Decoding(num_computed_tokens=2)) == 0
+    assert spec.num_to_verify(Decoding(spec_token_ids=[1, 2, 3]), budget=3, fusing=False) == 2
+    assert spec.num_to_verify(Decoding(spec_token_ids=[1, 2, 3]), budget=9, fusing=True) == 0
+    assert spec.fuses_speculation([Decoding()] * 3, queued=False)
+    assert not spec.fuses_speculation([Decoding()] * 3, queued=True)
+    assert not spec.fuses_speculation([Decoding()] * 4, queued=False)  # paused: the batch is large
+    assert not spec.fuses_speculation([Decoding(), Decoding(params=SamplingParams(temperature=0.5))], queued=False)
+    ngram = StepPlanner(speculation=SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}))
+    assert ngram.lookahead_slots(Decoding()) == 0 and not ngram.draft_model
+
+
+def test_how_the_runner_fills_a_budget():
+    planner = StepPlanner(fused_decode=True, fused_spec_cycles=True)
+    assert planner.step_kind(1, 3) is StepKind.FORWARD
+    assert planner.step_kind(8, 0) is StepKind.GREEDY_STEPS
+    assert planner.step_kind(8, 3) is StepKind.SPEC_CYCLES
+    assert planner.decode_rows_fit(16) and not planner.decode_rows_fit(17)
+    assert not StepPlanner().decode_rows_fit(1)
