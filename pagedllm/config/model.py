@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pagedllm.load_errors import ModelLoadError
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -21,10 +23,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-
-
-class ModelLoadError(ValueError):
-    """A model folder that is missing, incomplete, corrupt or of an unsupported architecture."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.config import ModelLoadError
+from pagedllm.load_errors import ModelLoadError
 from pagedllm.gguf.file import GGUFModel
 
 _ARCHITECTURE_CLASSES = {

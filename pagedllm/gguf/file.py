@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedllm.config import ModelLoadError
+from pagedllm.load_errors import ModelLoadError
 
 MAGIC = b"GGUF"
 # The architectures whose tensors map onto our Llama-family modules (models/llama.py).

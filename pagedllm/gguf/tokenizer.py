@@ -16,7 +16,7 @@ import logging
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from pagedllm.config import ModelLoadError
+from pagedllm.load_errors import ModelLoadError
 from pagedllm.gguf.file import GGUFModel
 
 logger = logging.getLogger("pagedllm.gguf")

@@ -18,7 +18,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from pagedllm.config import ModelLoadError
+from pagedllm.load_errors import ModelLoadError
 from pagedllm.gguf.file import GGUFModel
 from pagedllm.layers.quantization import KEPT_TYPES, Blocks, quantize_blocks
 
