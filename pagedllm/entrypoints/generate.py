@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from pagedllm.entrypoints.engine_args import add_engine_arguments, engine_args
 
@@ -15,6 +16,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                        help="info: also what the engine set up (the CPU kernels' build among it)")
     add_engine_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -22,6 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
 
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     llm = LLM(args.model, **engine_args(args))
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     prompts = [chat_prompt(llm.get_tokenizer(), p) for p in args.prompt] if args.chat else args.prompt

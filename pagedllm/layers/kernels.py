@@ -11,10 +11,18 @@ AVX-512 machine too (`extra_flags=("-mno-avx512f",)`), so both paths are checked
 suite runs.
 
 The build is keyed by a hash of the sources, the flags, the compiler and the CPU's feature flags
-(-march=native code is only valid on CPUs with the same instruction sets) and cached under
-`~/.cache/pagedllm/kernels` (`PAGEDLLM_CACHE_DIR`), or the temp dir if that is not writable;
-concurrent builders race harmlessly (atomic rename). Without a compiler, or if the build fails,
-`load()` returns None after one clear warning and the engine runs its PyTorch paths.
+(-march=native code is only valid on CPUs with the same instruction sets) and cached in the
+user's cache, `$PAGEDLLM_CACHE_DIR/kernels`, else `$XDG_CACHE_HOME/pagedllm/kernels` or
+`~/.cache/pagedllm/kernels`, or, where that cannot be written (a read-only or missing home), in a
+folder of the user's own in the temp dir, made private before a library is built or loaded from
+it (one another user could write to would let them put code into this process). Nothing is
+written next to the installed package, so an install owned by root serves every user; concurrent
+builders race harmlessly (atomic rename). Without a compiler, or if the build fails, `load()`
+returns None after one clear warning and the engine runs its PyTorch paths.
+
+What Python sees of the library — its structs, functions and status codes — is declared once, in
+csrc/interface.h, and read from there (layers/kernel_interface.py); the build adds the table of
+struct layouts the loader checks against.
 
 Every exported kernel checks the sizes and indices it is given against the capacities its
 wrapper passes and refuses with a status rather than read or write past a buffer
@@ -34,13 +42,17 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
+
+from pagedllm.layers import kernel_interface
 
 logger = logging.getLogger("pagedllm.kernels")
 
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("checks.c", "paged_decode.c", "prefill_attention.c", "small_matmul.c", "decode_step.c", "greedy.c", "speculate.c")
-HEADERS = ("kernels.h", "decode_step.h")
+HEADERS = ("interface.h", "kernels.h", "decode_step.h")
+LAYOUT_SOURCE = "layout.c"  # generated at build time (kernel_interface.layout_source)
 # -ffast-math (but keeping infinities) lets the reductions and exp vectorise. It is given to the
 # compile step only: linked with it, gcc adds crtfastmath.o, whose constructor switches the whole
 # process to flush-denormals-to-zero when the library loads.
@@ -52,8 +64,10 @@ _LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 # Given to the link too, which then pulls in the UBSan runtime.
 SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g")
 SANITIZE_ENV = "PAGEDLLM_SANITIZE"
-# The statuses of csrc/kernels.h.
-KERNEL_OK, KERNEL_NO_MEMORY, KERNEL_BAD_SHAPE, KERNEL_REFUSED = 0, 1, 2, 4
+# The statuses of csrc/interface.h.
+STATUSES = kernel_interface.STATUSES
+KERNEL_OK, KERNEL_NO_MEMORY = STATUSES["KERNEL_OK"], STATUSES["KERNEL_NO_MEMORY"]
+KERNEL_BAD_SHAPE, KERNEL_REFUSED = STATUSES["KERNEL_BAD_SHAPE"], STATUSES["KERNEL_REFUSED"]
 NO_COMPILER_MESSAGE = (
     "no C compiler found (looked for gcc, cc, clang): the CPU kernels (decode attention, small-batch "
     "matmuls, the fused decode step) are disabled and the engine falls back to its PyTorch path, "
@@ -67,9 +81,31 @@ def compiler() -> str | None:
     return next((found for cc in ("gcc", "cc", "clang") if (found := shutil.which(cc))), None)
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
-    return Path(root) / "kernels"
+def cache_dirs() -> list[tuple[Path, bool]]:
+    """Where a build may be kept, in order, each with whether it lies in a shared place and must
+    be made private: the user's cache (see the module's doc), then the temp dir's folder."""
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or _user_cache()
+    folders = [(Path(root) / "kernels", False)] if root else []
+    return folders + [(Path(tempfile.gettempdir()) / f"pagedllm-{os.getuid()}" / "kernels", True)]
+
+
+def _user_cache() -> str | None:
+    """$XDG_CACHE_HOME/pagedllm (an absolute one), else ~/.cache/pagedllm; None without a home
+    ("~" then stays relative)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    cache = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "pagedllm") if os.path.isabs(cache) else None
+
+
+def _prepare(folder: Path, private: bool) -> None:
+    """Creates `folder`; a private one (and its parent, the user's folder in the temp dir) must
+    belong to this user, and is made readable and writable by this user alone."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if private:
+        for owned in (folder.parent, folder):
+            if owned.stat().st_uid != os.getuid():
+                raise PermissionError(f"{owned} belongs to another user")
+            os.chmod(owned, 0o700)
 
 
 def _cpu_signature() -> bytes:
@@ -84,30 +120,40 @@ def build(cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the sources once per (sources, flags, compiler, CPU) into the cache; the path of
     the shared library."""
     flags = (*_FLAGS, *extra_flags)
-    digest = hashlib.sha256(" ".join([cc, *flags, *_LINK_FLAGS]).encode() + _cpu_signature())
+    layout = kernel_interface.layout_source()
+    digest = hashlib.sha256(" ".join([cc, *flags, *_LINK_FLAGS]).encode() + _cpu_signature() + layout.encode())
     for name in (*HEADERS, *SOURCES):
         digest.update((_CSRC / name).read_bytes())
     name = f"pagedllm_kernels-{digest.hexdigest()[:16]}.so"
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / "pagedllm-kernels"):
+    failures = []
+    for folder, private in cache_dirs():
         target = folder / name
-        if target.exists():
-            return target
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                objects = []
-                for source in SOURCES:
-                    obj = Path(tmp) / source.replace(".c", ".o")
-                    subprocess.run([cc, *flags, "-c", str(_CSRC / source), "-o", str(obj)], check=True, capture_output=True, text=True)
-                    objects.append(str(obj))
-                built = Path(tmp) / name
-                subprocess.run([cc, *objects, "-o", str(built), *_LINK_FLAGS, *extra_flags], check=True, capture_output=True,
-                               text=True)
-                os.replace(built, target)
+            _prepare(folder, private)
+            if target.exists():
+                return target
+            _compile(cc, flags, extra_flags, layout, folder, target)
             return target
-        except PermissionError:
-            continue
-    raise OSError("no writable folder for the compiled CPU kernels")
+        except OSError as exc:  # not writable, read-only, full: the next folder
+            failures.append(f"{folder}: {exc}")
+    raise OSError("no writable folder for the compiled CPU kernels (" + "; ".join(failures) + ")")
+
+
+def _compile(cc: str, flags: tuple[str, ...], extra_flags: tuple[str, ...], layout: str, folder: Path, target: Path) -> None:
+    logger.info("building the CPU kernels for this machine (once) from %s into %s", _CSRC, folder)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        (Path(tmp) / LAYOUT_SOURCE).write_text(layout)
+        objects = []
+        for source in (*(_CSRC / s for s in SOURCES), Path(tmp) / LAYOUT_SOURCE):
+            obj = Path(tmp) / source.name.replace(".c", ".o")
+            subprocess.run([cc, *flags, f"-I{_CSRC}", "-c", str(source), "-o", str(obj)], check=True, capture_output=True,
+                           text=True)
+            objects.append(str(obj))
+        built = Path(tmp) / target.name
+        subprocess.run([cc, *objects, "-o", str(built), *_LINK_FLAGS, *extra_flags], check=True, capture_output=True, text=True)
+        os.replace(built, target)
+    logger.info("built the CPU kernels in %.1f s", time.perf_counter() - started)
 
 
 def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
@@ -159,39 +205,14 @@ def _load(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     if "-fsanitize=address,undefined" in extra_flags and "libasan" not in Path("/proc/self/maps").read_text():
         raise RuntimeError("a sanitizer build of the kernels needs the ASan runtime preloaded (kernels.sanitizer_env())")
     try:
-        library = ctypes.CDLL(str(build(cc, extra_flags)))
+        path = build(cc, extra_flags)
+        library = kernel_interface.open_library(path)
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("building the CPU kernels failed (%s); the engine falls back to its PyTorch path", detail)
         return None
-    _declare(library)
+    logger.info("CPU kernels: the %s build at %s", isa(library), path)
     return library
-
-
-def _declare(library: ctypes.CDLL) -> None:
-    i64, ptr, i32, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    library.paged_decode_f32.restype = i32
-    library.paged_decode_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64] + [i64] * 7 + [f32, i32]
-    library.prefill_attention_f32.restype = i32
-    library.prefill_attention_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, i64] + [i64] * 5 + [f32, i32]
-    library.kernel_isa.restype = ctypes.c_char_p
-    library.kernel_isa.argtypes = []
-    library.kernel_last_error.restype = ctypes.c_char_p
-    library.kernel_last_error.argtypes = []
-    library.panel_width.restype = i64
-    library.panel_width.argtypes = []
-    library.small_matmul.restype = i32
-    library.small_matmul.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, i32, i32]
-    library.decode_step.restype = i32
-    library.decode_step.argtypes = [ptr, ptr, i32]
-    library.decode_steps.restype = i32
-    library.decode_steps.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
-    library.speculate_greedy.restype = i32
-    library.speculate_greedy.argtypes = [ptr, ptr, ptr, i64, ptr, ptr]
-    library.read_bandwidth.restype = ctypes.c_double
-    library.read_bandwidth.argtypes = [ptr, i64, i32, i32]
-    library.greedy_rows.restype = i32
-    library.greedy_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64]
 
 
 class KernelRefused(RuntimeError):
@@ -201,7 +222,8 @@ class KernelRefused(RuntimeError):
 
 
 def check_status(status: int, library: ctypes.CDLL, kernel: str, head_dim: int | None = None) -> None:
-    """The exception a kernel's nonzero status stands for (every kernel's wrapper calls this)."""
+    """The exception a kernel's nonzero status stands for (every kernel's wrapper calls this);
+    each status of interface.h has its exception here (a test holds every one to it)."""
     if status == KERNEL_OK:
         return
     if status == KERNEL_NO_MEMORY:
@@ -211,7 +233,7 @@ def check_status(status: int, library: ctypes.CDLL, kernel: str, head_dim: int |
         raise ValueError(f"{kernel} kernel: head_dim must be a multiple of 8 and heads a multiple of KV heads{detail}")
     if status == KERNEL_REFUSED:
         raise KernelRefused(f"{kernel} kernel refused its arguments: {library.kernel_last_error().decode(errors='replace')}")
-    raise RuntimeError(f"{kernel} kernel: unknown status {status}")
+    raise RuntimeError(f"{kernel} kernel: status {status}, not one of interface.h's")
 
 
 def isa(library: ctypes.CDLL) -> str:

@@ -15,22 +15,14 @@ import numpy as np
 import torch
 
 from pagedllm.layers import kernels
+from pagedllm.layers.kernel_interface import WEIGHT_KINDS
+from pagedllm.layers.kernel_interface import Matrix as MatrixStruct
 from pagedllm.layers.quantization import BLOCK, Blocks
 
-WEIGHT_F32, WEIGHT_I8, WEIGHT_Q8_0, WEIGHT_Q4 = 0, 1, 2, 3
+WEIGHT_F32, WEIGHT_I8 = WEIGHT_KINDS["WEIGHT_F32"], WEIGHT_KINDS["WEIGHT_I8"]
+WEIGHT_Q8_0, WEIGHT_Q4 = WEIGHT_KINDS["WEIGHT_Q8_0"], WEIGHT_KINDS["WEIGHT_Q4"]
 MAX_ROWS = 16  # the decode sizes these kernels are for; larger batches go to oneDNN
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # GGUF's bytes per block of 32
-
-
-class MatrixStruct(ctypes.Structure):
-    """kernels.h's Matrix."""
-
-    _fields_ = [
-        ("panels", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-        ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("num_panels", ctypes.c_int64),
-        ("dtype", ctypes.c_int32), ("reserved", ctypes.c_int32),
-        ("panel_capacity", ctypes.c_int64), ("lane_capacity", ctypes.c_int64),
-    ]
 
 
 @dataclass
@@ -62,8 +54,9 @@ class PackedWeight:
         kind = self.kind if self.kind is not None else WEIGHT_I8 if self.panels.dtype == torch.int8 else WEIGHT_F32
         lanes = min((t.numel() for t in (self.scale, self.bias) if t is not None), default=0)
         return MatrixStruct(
-            self.panels.data_ptr(), _ptr(self.scale), _ptr(self.bias), self.n, self.k, self.num_panels, kind, 0,
-            self.panels.numel() * self.panels.element_size(), lanes,
+            panels=self.panels.data_ptr(), scale=_ptr(self.scale), bias=_ptr(self.bias), n=self.n, k=self.k,
+            num_panels=self.num_panels, dtype=kind, panel_capacity=self.panels.numel() * self.panels.element_size(),
+            lane_capacity=lanes,
         )
 
 

@@ -20,34 +20,10 @@ import torch
 
 from pagedllm.layers import kernels
 from pagedllm.layers.attention import AttentionMetadata
-from pagedllm.layers.small_matmul import MAX_ROWS, MatrixStruct, PackedWeight
-
-_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-class LayerStruct(ctypes.Structure):
-    _fields_ = [
-        ("qkv", MatrixStruct), ("o", MatrixStruct), ("gate_up", MatrixStruct), ("down", MatrixStruct),
-        ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
-        ("k_cache", _p), ("v_cache", _p), ("window", _i64),
-    ]
-
-
-class ModelStruct(ctypes.Structure):
-    _fields_ = [
-        ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
-        ("intermediate", _i64), ("vocab", _i64), ("block_size", _i64), ("eps", _f32), ("attn_scale", _f32),
-        ("embed_rows", _i64), ("num_blocks", _i64), ("max_position", _i64), ("embed", _p), ("cos", _p), ("sin", _p), ("final_norm", _p), ("lm_head", ctypes.POINTER(MatrixStruct)),
-        ("layers", ctypes.POINTER(LayerStruct)),
-    ]
-
-
-class StepStruct(ctypes.Structure):
-    _fields_ = [
-        ("rows", _i64), ("token_ids", _p), ("positions", _p), ("slots", _p), ("ctx_lens", _p),
-        ("block_tables", _p), ("max_blocks", _i64), ("logit_rows", _p), ("num_logits", _i64), ("logits", _p),
-        ("logits_capacity", _i64),
-    ]
+from pagedllm.layers.kernel_interface import Layer as LayerStruct
+from pagedllm.layers.kernel_interface import Model as ModelStruct
+from pagedllm.layers.kernel_interface import Step as StepStruct
+from pagedllm.layers.small_matmul import MAX_ROWS, PackedWeight
 
 
 class ThreadCount:
@@ -131,12 +107,12 @@ class FusedDecoder:
             if attn.attn.k_cache.dtype != torch.float32 or attn.attn.k_cache.numel() == 0:
                 raise ValueError("the fused decode step needs float32 KV caches bound to the model")
             layers.append(LayerStruct(
-                _packed(attn.qkv_proj).struct(), _packed(attn.o_proj).struct(), _packed(layer.mlp.gate_up_proj).struct(),
-                _packed(layer.mlp.down_proj).struct(), layer.input_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.weight.data_ptr(),
-                attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None,
-                attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None,
-                attn.attn.k_cache.data_ptr(), attn.attn.v_cache.data_ptr(), attn.attn.sliding_window or 0,
+                qkv=_packed(attn.qkv_proj).struct(), o=_packed(attn.o_proj).struct(),
+                gate_up=_packed(layer.mlp.gate_up_proj).struct(), down=_packed(layer.mlp.down_proj).struct(),
+                input_norm=layer.input_layernorm.weight.data_ptr(), post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+                q_norm=attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None,
+                k_norm=attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None,
+                k_cache=attn.attn.k_cache.data_ptr(), v_cache=attn.attn.v_cache.data_ptr(), window=attn.attn.sliding_window or 0,
             ))
         self._layers = (LayerStruct * len(layers))(*layers)
         self._lm_head = _packed(model.lm_head).struct()
@@ -145,11 +121,12 @@ class FusedDecoder:
         k_cache = model.model.layers[0].self_attn.attn.k_cache
         _check_model(model, k_cache, rotary)
         self._struct = ModelStruct(
-            cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-            cfg.vocab_size, k_cache.shape[1], cfg.rms_norm_eps, cfg.head_dim**-0.5, model.model.embed_tokens.weight.shape[0],
-            k_cache.shape[0], rotary.cos.shape[0],
-            model.model.embed_tokens.weight.data_ptr(), rotary.cos.data_ptr(), rotary.sin.data_ptr(),
-            model.model.norm.weight.data_ptr(), ctypes.pointer(self._lm_head), self._layers,
+            num_layers=cfg.num_layers, hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, block_size=k_cache.shape[1],
+            eps=cfg.rms_norm_eps, attn_scale=cfg.head_dim**-0.5, embed_rows=model.model.embed_tokens.weight.shape[0],
+            num_blocks=k_cache.shape[0], max_position=rotary.cos.shape[0], embed=model.model.embed_tokens.weight.data_ptr(),
+            cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(), final_norm=model.model.norm.weight.data_ptr(),
+            lm_head=ctypes.pointer(self._lm_head), layers=self._layers,
         )
 
     @staticmethod
@@ -198,8 +175,10 @@ class FusedDecoder:
             raise ValueError(f"a fused step's ids, positions, slots and lengths must be [{num_rows}] and its block tables "
                              f"[{num_rows}, max_blocks]")
         logits = torch.empty(rows.shape[0], self.vocab_size, dtype=torch.float32, device=ids.device)
-        step = StepStruct(num_rows, ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), lens.data_ptr(), tables.data_ptr(),
-                          tables.shape[1], rows.data_ptr(), rows.shape[0], logits.data_ptr(), logits.numel())
+        step = StepStruct(rows=num_rows, token_ids=ids.data_ptr(), positions=pos.data_ptr(), slots=slots.data_ptr(),
+                          ctx_lens=lens.data_ptr(), block_tables=tables.data_ptr(), max_blocks=tables.shape[1],
+                          logit_rows=rows.data_ptr(), num_logits=rows.shape[0], logits=logits.data_ptr(),
+                          logits_capacity=logits.numel())
         return step, [*tensors, logits]
 
 

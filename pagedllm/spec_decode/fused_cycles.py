@@ -19,18 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.layers import kernels
+from pagedllm.layers.kernel_interface import Speculation as SpeculationStruct
 from pagedllm.models.fused_decode import FusedDecoder
-
-_p, _i64 = ctypes.c_void_p, ctypes.c_int64
-
-
-class SpeculationStruct(ctypes.Structure):
-    _fields_ = [
-        ("num_seqs", _i64), ("k", _i64), ("block_tables", _p), ("max_blocks", _i64), ("capacity", _p), ("budget", _p),
-        ("history", _p), ("history_ld", _i64), ("position", _p), ("draft_position", _p), ("draft_vocab", _p),
-        ("tokens", _p), ("logprobs", _p), ("out_ld", _i64), ("num_tokens", _p), ("proposed", _p), ("accepted", _p),
-        ("min_log_prob", ctypes.c_float),
-    ]
 
 
 @dataclass
@@ -90,10 +80,11 @@ class FusedCycles:
         num_tokens = (ctypes.c_int64 * S)()
         proposed, accepted = (ctypes.c_int64 * (S * num_cycles))(), (ctypes.c_int64 * (S * num_cycles))()
         spec = SpeculationStruct(
-            S, k, _address(tables), max_blocks, _address(capacity), _address(budget), _address(history), history_ld,
-            _address(position), _address(draft_position), self._vocab.data_ptr() if self._vocab is not None else None,
-            _address(tokens), _address(logprobs), out_ld, _address(num_tokens), _address(proposed), _address(accepted),
-            self.min_log_prob,
+            num_seqs=S, k=k, block_tables=_address(tables), max_blocks=max_blocks, capacity=_address(capacity),
+            budget=_address(budget), history=_address(history), history_ld=history_ld, position=_address(position),
+            draft_position=_address(draft_position), draft_vocab=self._vocab.data_ptr() if self._vocab is not None else None,
+            tokens=_address(tokens), logprobs=_address(logprobs), out_ld=out_ld, num_tokens=_address(num_tokens),
+            proposed=_address(proposed), accepted=_address(accepted), min_log_prob=self.min_log_prob,
         )
         target_key, draft_key = ("speculate", S * (k + 1)), ("speculate", S)
         plan = list(zip(self.target.threads.plan(target_key, num_cycles), self.draft.threads.plan(draft_key, num_cycles)))

@@ -116,6 +116,9 @@ BUNDLED_TOKENIZER_ALIAS = "@pagedllm-py-tiny"
 def tokenizer_files(tokenizer_path: str | Path) -> tuple[Path, Path | None]:
     """(tokenizer.json, tokenizer_config.json or None) for a tokenizer.json path or its folder
     (or the bundled tokenizer's alias)."""
+    if str(tokenizer_path) == BUNDLED_TOKENIZER_ALIAS and not TINY_MODEL.is_dir():
+        raise FileNotFoundError(f"{BUNDLED_TOKENIZER_ALIAS} is the tokenizer of the repository's models/pagedllm-py-tiny, "
+                                "which an installed package does not include: run from a checkout, or name a tokenizer.json")
     path = TINY_MODEL if str(tokenizer_path) == BUNDLED_TOKENIZER_ALIAS else Path(tokenizer_path).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"

@@ -1,9 +1,12 @@
-"""Building the CPU kernel library: once per (sources, flags, compiler, CPU), cached, the
-instruction set detected at build time, and a clean fallback with a clear message without a
-compiler."""
+"""Building the CPU kernel library: once per (sources, flags, compiler, CPU), cached in the
+user's own cache (or a private temp folder), the instruction set detected at build time, and a
+clean fallback with a clear message without a compiler."""
 from __future__ import annotations
 
 import logging
+import os
+import stat
+import tempfile
 
 import pytest
 
@@ -44,3 +47,45 @@ def test_without_a_compiler_the_engine_runs_its_pytorch_path(model_dir, monkeypa
     assert llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="could not be built"):
         LLM(str(model_dir("llama")), decode_backend="fused")
+
+
+def test_the_cache_is_the_users_own(tmp_path, monkeypatch):
+    """PAGEDLLM_CACHE_DIR, else $XDG_CACHE_HOME (absolute) or ~/.cache; without a home only the
+    temp dir's folder of this user, which always comes last."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    temp = (tmp_path / "tmp" / f"pagedllm-{os.getuid()}" / "kernels", True)
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "mine"))
+    assert kernels.cache_dirs() == [(tmp_path / "mine" / "kernels", False), temp]
+    monkeypatch.delenv("PAGEDLLM_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/is/ignored")
+    assert kernels.cache_dirs() == [(tmp_path / "home" / ".cache" / "pagedllm" / "kernels", False), temp]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernels.cache_dirs()[0] == (tmp_path / "xdg" / "pagedllm" / "kernels", False)
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", "~")  # as expanduser leaves it where no home is known: not a folder under the cwd
+    assert kernels.cache_dirs() == [temp]
+
+
+@needs_cc
+def test_an_unwritable_cache_falls_back_to_a_private_temp_folder(tmp_path, monkeypatch):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(blocked / "cache"))  # mkdir fails, even for root
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    built = kernels.build(kernels.compiler())
+    assert built.parent == tmp_path / "tmp" / f"pagedllm-{os.getuid()}" / "kernels"
+    for folder in (built.parent, built.parent.parent):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and folder.stat().st_uid == os.getuid()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a folder to another user needs root")
+def test_a_temp_folder_another_user_made_is_not_used(tmp_path, monkeypatch):
+    """A library in a folder another user can write would be their code in this process."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    squatted = tmp_path / f"pagedllm-{os.getuid()}"
+    squatted.mkdir(mode=0o777)
+    os.chown(squatted, 65534, 65534)
+    folder, private = kernels.cache_dirs()[-1]
+    with pytest.raises(PermissionError, match="belongs to another user"):
+        kernels._prepare(folder, private)

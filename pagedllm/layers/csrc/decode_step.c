@@ -235,7 +235,7 @@ static void swiglu_stage(Stage *stage, const Matrix *w, const float *x, int64_t 
 }
 
 /* One layer, run by every thread of the region; `next` is the matrix that follows the layer (the
- * next layer's qkv, or the LM head). Returns nonzero if attention ran out of memory. */
+ * next layer's qkv, or the LM head). KERNEL_OK, or KERNEL_NO_MEMORY if attention ran out of memory. */
 static int layer_step(const Model *md, const Layer *ly, const Matrix *next, const Step *st, const Scratch *sc, Stage *stages,
                       int pair, int t, int nt) {
     const int64_t R = st->rows, H = md->hidden, D = md->head_dim, Hkv = md->num_kv_heads;
@@ -253,9 +253,10 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
     const int64_t items = sc->num_groups * Hkv;
     for (int64_t i; (i = claim(&stages[2])) < items; finish(&stages[2])) {
         const int64_t r = sc->group_first[i / Hkv], h = i % Hkv;
-        failed |= attend_rows(sc->qkv + r * sc->qkv_ld, sc->qkv_ld, sc->group_count[i / Hkv], st->ctx_lens + r, ly->k_cache,
-                              ly->v_cache, st->block_tables + r * st->max_blocks, ly->window, md->attn_scale, shape, h, h + 1,
-                              sc->attn + r * q_width, q_width);
+        const int status = attend_rows(sc->qkv + r * sc->qkv_ld, sc->qkv_ld, sc->group_count[i / Hkv], st->ctx_lens + r,
+                                       ly->k_cache, ly->v_cache, st->block_tables + r * st->max_blocks, ly->window,
+                                       md->attn_scale, shape, h, h + 1, sc->attn + r * q_width, q_width);
+        failed = worse_status(failed, status);
     }
     await(&stages[2], items, o_ahead);
     matmul_stage(&stages[3], &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, pair, ahead_of(&ly->gate_up, 1, t, nt), t, nt);
@@ -369,12 +370,13 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     const int pair = fits_in_cache(model_bytes(md));
 
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+#pragma omp parallel num_threads(num_threads) reduction(max : failed)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         for (int64_t l = 0; l < md->num_layers; l++) {
             const Matrix *next = l + 1 < md->num_layers ? &md->layers[l + 1].qkv : md->lm_head;
-            failed |= layer_step(md, &md->layers[l], next, st, &sc, stages + l * STAGES_PER_LAYER, pair, t, nt);
+            const int status = layer_step(md, &md->layers[l], next, st, &sc, stages + l * STAGES_PER_LAYER, pair, t, nt);
+            failed = worse_status(failed, status);
         }
         float *norm = sc.norm + t * sc.norm_ld;
         for (int64_t i = 0; i < st->num_logits; i++) rmsnorm(sc.x + st->logit_rows[i] * H, md->final_norm, H, md->eps, norm + i * H);

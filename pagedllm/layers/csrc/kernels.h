@@ -4,13 +4,17 @@
  * The vector width follows the instruction set the library is compiled for: 16 floats where the
  * compiler targets AVX-512, 8 otherwise (AVX2; GCC/Clang lower the same vector code for any SIMD
  * width). A packed weight's panel is VW output channels wide, so weights are packed for the
- * library that will read them (`panel_width()`).
+ * library that will read them (`panel_width()`). What Python sees of the library (its structs,
+ * exported functions and status codes) is in interface.h; this header adds what the kernels
+ * share among themselves.
  */
 #ifndef PAGEDLLM_KERNELS_H
 #define PAGEDLLM_KERNELS_H
 
 #include <stdint.h>
 #include <string.h>
+
+#include "interface.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -98,44 +102,17 @@ static inline vf int_to_float(vi v) {
 #endif
 }
 
-/* A weight matrix [n, k] (y = x W^T) packed for small-M matmuls: panels of VW output channels,
- * each stored k-major ([k][VW]) so that one panel is one sequential stream and every load is a
- * full vector of VW channels for one input. Channels past n are zero. int8 panels hold the
- * symmetric per-channel quantization q = round(w / scale). scale and bias are stored per panel
- * lane ([num_panels * VW]); for a fused gate/up matrix the panels alternate gate, up.
- *
- * Block-quantized panels keep llama.cpp's blocks of 32 inputs (GGUF Q8_0, Q4_1, and Q4_0 as Q4_1
- * with min -8d, which dequantizes to the same values), their bits unchanged, laid out per panel
- * block by block, each block k-major over the panel's VW channels:
- *   Q8_0: d[VW] (fp16), q[32][VW] (int8)                     w = d q
- *   Q4:   d[VW] (fp16), m[VW] (fp16), q[16][VW] (two nibbles) w = d q + m
- * A Q4 byte holds inputs j (low nibble) and j + 16 (high nibble) of its block, as in GGUF's Q4_1.
- * k is a multiple of 32. */
-enum { WEIGHT_F32 = 0, WEIGHT_I8 = 1, WEIGHT_Q8_0 = 2, WEIGHT_Q4 = 3 };
-#define QBLOCK 32
-
-typedef struct {
-    const void *panels;
-    const float *scale; /* int8: per channel; NULL for fp32 */
-    const float *bias;  /* per channel, or NULL */
-    int64_t n, k, num_panels;
-    int32_t dtype;
-    int32_t reserved;
-    int64_t panel_capacity; /* bytes the caller allocated at panels */
-    int64_t lane_capacity;  /* floats the caller allocated at scale and at bias (where given) */
-} Matrix;
+#define QBLOCK 32 /* inputs per block of a block-quantized panel (Matrix, interface.h) */
 
 enum { STORE = 0, ACCUMULATE = 1 };
 
-/* What every exported kernel returns. A kernel checks each size and index it is given against
- * the capacity its caller passed before it touches memory, and refuses with KERNEL_REFUSED (the
- * reason in kernel_last_error()) rather than read or write past a buffer: a wrong step
- * description from the engine becomes a Python exception, not a corrupted heap (checks.c). */
-enum { KERNEL_OK = 0, KERNEL_NO_MEMORY = 1, KERNEL_BAD_SHAPE = 2, KERNEL_REFUSED = 4 };
+/* The status to report of two (a parallel region's workers, or successive stages): the higher.
+ * Statuses are distinct outcomes, not flags (interface.h): or'ed, two of them would read as a
+ * third. */
+static inline int worse_status(int a, int b) { return a > b ? a : b; }
 
 /* Records why a call was refused (printf-style) for kernel_last_error(); returns KERNEL_REFUSED. */
 int refuse(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-const char *kernel_last_error(void);
 #define REQUIRE(cond, ...)                                                                                                   \
     do {                                                                                                                   \
         if (!(cond)) return refuse(__VA_ARGS__);                                                                           \
@@ -194,7 +171,7 @@ typedef struct {
 } Shape;
 
 /* Decode attention of one sequence for KV heads [h0, h1): q and out point at the sequence's
- * row ([Hkv, G, D]). 0 on success, 1 if the scores could not be allocated. */
+ * row ([Hkv, G, D]). KERNEL_OK, or KERNEL_NO_MEMORY if the scores could not be allocated. */
 int attend_sequence(const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
                     int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out);
 /* The same for `rows` query rows of one sequence at consecutive positions (row j at

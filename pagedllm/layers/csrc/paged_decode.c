@@ -208,8 +208,8 @@ int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *l
         for (int64_t j = 0; j < rows; j++)
             if (attend_rows(q + j * q_stride, q_stride, 1, lens + j, k_cache, v_cache, table, window, scale, s, h0, h1,
                             out + j * out_stride, out_stride))
-                return 1;
-        return 0;
+                return KERNEL_NO_MEMORY;
+        return KERNEL_OK;
     }
     const int64_t heads = (h1 - h0) * s.group;
     float *scores = malloc(sizeof(float) * (rows * heads * (len - first) - PAGEDLLM_TEST_OFF_BY_ONE));
@@ -224,7 +224,7 @@ int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *l
     }
     for_each_tile(v_cache, table, first, len, s, weigh_tile, &pass);
     free(scores);
-    return 0;
+    return KERNEL_OK;
 }
 
 int attend_sequence(const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
@@ -261,9 +261,9 @@ int paged_decode_f32(const float *q, int64_t q_stride, int64_t q_capacity, const
         if (status) return status;
     }
     int failed = 0;
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(| : failed)
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(max : failed)
     for (int64_t b = 0; b < batch; b++)
-        failed |= attend_sequence(q + b * q_stride, k_cache, v_cache, block_tables + b * max_blocks, ctx_lens[b], window,
-                                  scale, s, 0, num_kv_heads, out + b * out_stride);
+        failed = worse_status(failed, attend_sequence(q + b * q_stride, k_cache, v_cache, block_tables + b * max_blocks,
+                                                      ctx_lens[b], window, scale, s, 0, num_kv_heads, out + b * out_stride));
     return failed;
 }

@@ -161,7 +161,7 @@ static int attend_tile(const float *q, int64_t q_stride, int64_t n, int64_t p0, 
         }
     }
     free(buffer);
-    return 0;
+    return KERNEL_OK;
 }
 
 /* The exported kernel. Every size is checked against what the caller allocated (q_capacity /
@@ -187,12 +187,12 @@ int prefill_attention_f32(const float *q, int64_t q_stride, int64_t q_capacity, 
     const Pool p = {k_cache, v_cache, table, {block_size, num_kv_heads, group, head_dim}, window, scale};
     const int64_t heads = num_kv_heads * group, tiles = (q_len + VW - 1) / VW, items = tiles * heads;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(| : failed)
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(max : failed)
     for (int64_t i = 0; i < items; i++) {
         const int64_t tile = tiles - 1 - i / heads, qh = i % heads; /* longest contexts first */
         const int64_t r0 = tile * VW, n = q_len - r0 < VW ? q_len - r0 : VW;
-        failed |= attend_tile(q + r0 * q_stride, q_stride, n, ctx_len - q_len + r0, qh, &p, out + r0 * out_stride,
-                              out_stride);
+        failed = worse_status(failed, attend_tile(q + r0 * q_stride, q_stride, n, ctx_len - q_len + r0, qh, &p,
+                                                  out + r0 * out_stride, out_stride));
     }
     return failed;
 }

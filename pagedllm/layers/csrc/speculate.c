@@ -28,26 +28,6 @@
 
 #include "decode_step.h"
 
-typedef struct {
-    int64_t num_seqs, k;
-    const int64_t *block_tables; /* [num_seqs, max_blocks]: each covers its sequence's writes */
-    int64_t max_blocks;
-    const int64_t *capacity; /* [num_seqs]: positions its block table covers */
-    const int64_t *budget;   /* [num_seqs]: the most tokens to produce (<= out_ld) */
-    const int64_t *history;  /* [num_seqs, history_ld]: tokens at draft_position .. position */
-    int64_t history_ld;
-    int64_t *position;          /* [num_seqs] in/out: the newest token's position */
-    int64_t *draft_position;    /* [num_seqs] in/out: the draft's KV is valid below it */
-    const int64_t *draft_vocab; /* the draft's logit column -> token id; NULL: the same ids */
-    int64_t *tokens;            /* [num_seqs, out_ld] out: the tokens produced */
-    float *logprobs;            /* [num_seqs, out_ld] out: each one's logprob under the target */
-    int64_t out_ld;
-    int64_t *num_tokens; /* [num_seqs] out */
-    int64_t *proposed;   /* [num_seqs, num_cycles] out: proposals verified per cycle, -1: none ran */
-    int64_t *accepted;   /* [num_seqs, num_cycles] out: of them accepted */
-    float min_log_prob;  /* a proposal with a lower draft log-probability is not made (-inf: all are) */
-} Speculation;
-
 /* The rows of one fused step, built up row by row. */
 typedef struct {
     int64_t *ids, *pos, *slots, *lens, *tables, *logit_rows;
@@ -78,7 +58,7 @@ static int run_rows(const Model *md, Rows *b, int threads, const int64_t *vocab,
     argmax_rows(b->logits, b->num_logits, md->vocab, out, logprobs);
     if (vocab != NULL)
         for (int64_t i = 0; i < b->num_logits; i++) out[i] = vocab[out[i]];
-    return 0;
+    return KERNEL_OK;
 }
 
 typedef struct {
@@ -123,7 +103,7 @@ static int propose(const Model *draft, const Known *kn, int64_t *kk, int64_t *fe
             d[s * k + j] = scratch[i++];
         }
     }
-    return 0;
+    return KERNEL_OK;
 }
 
 /* The target's verification of one cycle, and the tokens it yields. */
@@ -156,7 +136,7 @@ static int verify(const Model *target, const Known *kn, const int64_t *kk, const
         sp->position[s] += m + 1;
         first += kk[s] + 1;
     }
-    return 0;
+    return KERNEL_OK;
 }
 
 /* What speculate_greedy is given, checked before it runs: both models, and per sequence a block
