@@ -95,4 +95,5 @@ def test_a_wheel_installed_elsewhere_generates_with_the_c_kernels(installed, mod
     script = ("import importlib.util as u; s = u.spec_from_file_location('paths', %r); m = u.module_from_spec(s); "
               "s.loader.exec_module(m); print(m.default_model())" % str(paths))
     found = run([str(installed), "-c", script], cwd=outside, env=fresh_env(home)).stdout.strip()
-    assert Path(found).is_file() and found.endswith(".gguf") and not Path(found).is_relative_to(REPO_ROOT)
+    # from an installed distribution's folder (the checkout's own venv may sit inside it), not the checkout's models/
+    assert Path(found).is_file() and found.endswith(".gguf") and "site-packages" in Path(found).parts, found

@@ -518,7 +518,7 @@ class JobService:
         if world > self.capacity():
             raise ConfigError("data_parallel_size", f"the job would need {world} processes, more than the "
                                                     f"{self.capacity()} {self._slots_name()}")
-        check_runnable(config, world, JobPaths.of(self.config.data_dir, job.job_id).root)
+        check_runnable(config, world)
         return config, world
 
     def _resume_point(self, job: JobRecord, checkpoint_id: str | None) -> dict:

@@ -82,6 +82,27 @@ if triton is not None:
         tl.store(v_cache + target, v, mask=mask)
 
     @triton.jit
+    def _attend_tile(q, k_cache, v_cache, kv_offsets, kv_mask, visible, scale, m_i, l_i, acc, IEEE: tl.constexpr):
+        """One tile of keys/values folded into the running (max, sum, output) of an online softmax;
+        `visible` masks the scores ([queries, keys]). Shared by the decode and prefill kernels."""
+        k = tl.load(k_cache + kv_offsets, mask=kv_mask, other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(visible, scores * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + kv_offsets, mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _decode_kernel(q_ptr, k_cache, v_cache, out_ptr, tables, ctx_lens, scale,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_table, stride_cs, stride_ch,
                        GROUP, HEAD_DIM, BLOCK_SIZE, WINDOW: tl.constexpr,
@@ -106,22 +127,8 @@ if triton is not None:
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_offsets = slot[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
             kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
-            k = tl.load(k_cache + kv_offsets, mask=kv_mask, other=0.0)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = tl.where(valid[None, :], scores * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache + kv_offsets, mask=kv_mask, other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k_cache, v_cache, kv_offsets, kv_mask, valid[None, :], scale,
+                                         m_i, l_i, acc, IEEE)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -160,25 +167,10 @@ if triton is not None:
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_offsets = slot[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
             kv_mask = in_ctx[:, None] & (dims[None, :] < HEAD_DIM)
-            k = tl.load(k_cache + kv_offsets, mask=kv_mask, other=0.0)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
             visible = in_ctx[None, :] & (pos[None, :] <= q_pos[:, None])
             if WINDOW > 0:
                 visible = visible & (q_pos[:, None] - pos[None, :] < WINDOW)
-            scores = tl.where(visible, scores * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache + kv_offsets, mask=kv_mask, other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k_cache, v_cache, kv_offsets, kv_mask, visible, scale, m_i, l_i, acc, IEEE)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -5,6 +5,7 @@ until it completes (plus one submitted from the form and cancelled). Screenshots
 the artifacts folder."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import time
 
@@ -69,6 +70,21 @@ def wait_count(page, chart: str, series: str, predicate: str, timeout: float = 3
 
 def total(page, label: str) -> str:
     return page.inner_text(f"#metrics-totals [data-total='{label}'] b")
+
+
+@contextlib.contextmanager
+def long_stream(server):
+    """A LONG-token streaming completion: the body runs once its first chunk has arrived, then the
+    rest is read to the end."""
+    with httpx.Client(base_url=server.url, headers=server.http.headers, timeout=60) as client:
+        stream = client.stream("POST", "/v1/completions", json={
+            "model": MODEL, "prompt": "x", "max_tokens": LONG, "ignore_eos": True, "stream": True})
+        with stream as response:
+            lines = response.iter_lines()
+            next(lines)
+            yield
+            for _ in lines:
+                pass
 
 
 def test_page_and_assets_are_open_and_the_api_is_not(server):
@@ -216,17 +232,10 @@ def test_metrics_move_with_requests(page, server, artifacts):
 
     # a long request (a few seconds) shows up as running, then its KV blocks come back
     p.select_option("#metrics-period", "500")
-    with httpx.Client(base_url=server.url, headers=server.http.headers, timeout=60) as client:
-        stream = client.stream("POST", "/v1/completions", json={
-            "model": MODEL, "prompt": "x", "max_tokens": LONG, "ignore_eos": True, "stream": True})
-        with stream as response:
-            lines = response.iter_lines()
-            next(lines)
-            p.wait_for_function("document.querySelector(\"#chart-requests .legend [data-series='running'] b\").textContent === '1'")
-            p.wait_for_function("document.querySelector(\"#chart-kv .legend [data-series='used'] b\").textContent !== '0'")
-            p.screenshot(path=artifacts / "metrics.png", full_page=True)
-            for _ in lines:
-                pass
+    with long_stream(server):
+        p.wait_for_function("document.querySelector(\"#chart-requests .legend [data-series='running'] b\").textContent === '1'")
+        p.wait_for_function("document.querySelector(\"#chart-kv .legend [data-series='used'] b\").textContent !== '0'")
+        p.screenshot(path=artifacts / "metrics.png", full_page=True)
     p.wait_for_function("document.querySelector(\"#chart-requests .legend [data-series='running'] b\").textContent === '0'")
     p.wait_for_function("document.querySelector(\"#chart-kv .legend [data-series='used'] b\").textContent === '0'")
 
@@ -237,17 +246,10 @@ def test_requests_panel_shows_a_running_request(page, server, artifacts):
     signed_in(p)
     p.click("#tabs a[data-tab='requests']")
     p.wait_for_selector("#requests-table tbody td.hint")
-    with httpx.Client(base_url=server.url, headers=server.http.headers, timeout=60) as client:
-        stream = client.stream("POST", "/v1/completions", json={
-            "model": MODEL, "prompt": "x", "max_tokens": LONG, "ignore_eos": True, "stream": True})
-        with stream as response:
-            lines = response.iter_lines()
-            next(lines)
-            p.wait_for_selector("#requests-table tr[data-status='decoding']")
-            assert MODEL in p.inner_text("#requests-table tbody")
-            p.screenshot(path=artifacts / "requests.png")
-            for _ in lines:
-                pass
+    with long_stream(server):
+        p.wait_for_selector("#requests-table tr[data-status='decoding']")
+        assert MODEL in p.inner_text("#requests-table tbody")
+        p.screenshot(path=artifacts / "requests.png")
     p.wait_for_selector("#requests-table tbody td.hint")
 
 
