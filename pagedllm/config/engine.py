@@ -63,6 +63,9 @@ class EngineConfig:
     watermark: float = 0.01
     # The most tokens one prefill chunk may take in a step (vLLM's name); 0: no cap beyond the budget
     long_prefill_token_threshold: int = 0
+    # Zero a freed KV block (device pool and swap space) before it can be handed to another
+    # sequence; prefix-cached blocks are zeroed when evicted (design 001, SECURE_MODE)
+    secure_kv_blocks: bool = False
     swap_space: int = 1 << 30
     seed: int = 0
     # auto | kernel | triton | sdpa: the C attention kernels (CPU), the Triton ones (GPU) or SDPA;

@@ -60,6 +60,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size) if self.tokenizer else None
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks, config.enable_prefix_caching,
+            secure=config.secure_kv_blocks,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -34,7 +34,9 @@ status, `num_computed_tokens` and token ids. `schedule()` hands the runner plain
 (`SchedulerOutput`): each scheduled sequence's chunk and token budget, and only what changed
 of each since the runner last saw it (engine/runner_mirror.py); how far a sequence may advance
 (proposals verified, lookahead slots, bursts of several tokens) is the planner's answer
-(step/planner.py). `update_from_output()` takes the runner's tokens back, advances progress,
+(step/planner.py). It also passes on the blocks the block manager wants zeroed (secure mode)
+and stamps the blocks each scheduled sequence reads (LRU eviction of the prefix cache).
+`update_from_output()` takes the runner's tokens back, advances progress,
 publishes full blocks to the prefix cache, and finishes sequences when the output processor's
 stop rules say so. Extra samples of a request (n / best_of) are forked here, when the first
 sample's prompt completes: they share its blocks and sample from the same logits row.
@@ -187,6 +189,7 @@ class Scheduler:
 
     # ---- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.block_manager.tick()
         step = _Step()
         self._preempt_under_watermark(step)
         step.fusing = self.planner.fuses_speculation(self.running, bool(self.waiting or self.swapped))
@@ -220,6 +223,9 @@ class Scheduler:
         if not forks and len(sampled) == len(step.scheduled):
             self._plan_burst(step)
         self._describe(step, forks)  # after the burst's reservation: the tables as the runner will use them
+        for seq in [item.seq for item in step.scheduled] + [child for child, _ in forks]:
+            self.block_manager.touch(seq.seq_id)
+        out.blocks_to_zero, out.host_blocks_to_zero = self.block_manager.take_blocks_to_zero()
         self._attach_masks(out, sampled + [child for child, _ in forks])
         out.finished_seq_ids, self._finished_ids = self._finished_ids, []
         self._scheduled = step.scheduled

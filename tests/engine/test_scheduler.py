@@ -11,8 +11,8 @@ from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=64, chunked=True, mode="recompute", policy="priority", cpu_blocks=64,
-                   max_num_seqs=16, watermark=0.0, cap=0):
-    bm = BlockManager(num_blocks, block_size, cpu_blocks if mode == "swap" else 0)
+                   max_num_seqs=16, watermark=0.0, cap=0, secure=False):
+    bm = BlockManager(num_blocks, block_size, cpu_blocks if mode == "swap" else 0, secure=secure)
     config = SchedulerConfig(max_num_seqs, budget, 4096, chunked, mode, policy, watermark=watermark,
                              long_prefill_token_threshold=cap)
     return Scheduler(config, bm)
