@@ -15,6 +15,8 @@ from pagedllm.config.model import ModelConfig
 from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 
+PREEMPTION_POLICIES = ("priority", "fcfs", "longest", "shortest_remaining", "recompute_cost")
+
 _DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -51,7 +53,19 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
-    preemption_policy: str = "fcfs"
+    # Whom preemption takes first: priority (lowest priority, then latest arrival: the design's
+    # default) | fcfs (latest admitted) | longest (most tokens held) | shortest_remaining |
+    # recompute_cost (cheapest recompute per block freed); engine/scheduler.py
+    preemption_policy: str = "priority"
+    # Share of the KV pool kept free (vLLM's BlockSpaceManager watermark): no admission or swap-in
+    # may leave fewer free blocks while something runs, and a step that starts below it preempts
+    # first (design 000, Algorithm 2 phase 4); int(watermark * blocks), so 0 blocks on small pools
+    watermark: float = 0.01
+    # The most tokens one prefill chunk may take in a step (vLLM's name); 0: no cap beyond the budget
+    long_prefill_token_threshold: int = 0
+    # Zero a freed KV block (device pool and swap space) before it can be handed to another
+    # sequence; prefix-cached blocks are zeroed when evicted (design 001, SECURE_MODE)
+    secure_kv_blocks: bool = False
     swap_space: int = 1 << 30
     seed: int = 0
     # auto | kernel | triton | sdpa: the C attention kernels (CPU), the Triton ones (GPU) or SDPA;
@@ -96,11 +110,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {[*_DTYPES, 'auto']}, got {self.dtype!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.preemption_policy not in ("fcfs", "priority", "shortest_remaining"):
-            raise ValueError(
-                "preemption_policy must be 'fcfs', 'priority' or 'shortest_remaining', "
-                f"got {self.preemption_policy!r}"
-            )
+        if self.preemption_policy not in PREEMPTION_POLICIES:
+            raise ValueError(f"preemption_policy must be one of {list(PREEMPTION_POLICIES)}, got {self.preemption_policy!r}")
+        if not isinstance(self.watermark, (int, float)) or isinstance(self.watermark, bool) or not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be a share of the KV pool in [0, 1), got {self.watermark!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {self.long_prefill_token_threshold!r}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold caps prefill chunks; it needs enable_chunked_prefill=True")
         if self.attention_backend not in ("auto", "kernel", "triton", "sdpa"):
             raise ValueError(f"attention_backend must be 'auto', 'kernel', 'triton' or 'sdpa', got {self.attention_backend!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

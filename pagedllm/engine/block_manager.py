@@ -2,8 +2,20 @@
 
 Allocation, append, free and fork of block tables. Physical device blocks are shared by ref count; a block is
 *free* when nothing references it. Free blocks that still hold a full, hashed prefix stay in the
-prefix cache until they are reused: those are evicted least-recently-freed first, after every
-free block without cached content has been used.
+prefix cache until they are reused: those are evicted after every free block without cached
+content has been used, least recently *accessed* first (the design's `last_accessed`): the
+scheduler stamps every block of a sequence it schedules with its step clock (`touch`, `tick`),
+so a prefix that a sequence kept reading stays cached longer than one that sat unread in a
+table until its sequence ended. Ties (blocks last read in the same step) go least recently
+freed first, so a sequence's head, freed last, outlives its tail.
+
+Secure mode (design 001 Algorithm 2, SECURE_MODE) keeps one tenant's KV from being read by the
+next: a block whose last reference goes and that holds no cached prefix is queued for zeroing,
+and so is a cached block when it is evicted to be handed out; host swap blocks are queued when
+freed. The block manager only decides: the scheduler passes the queues to the runner in the
+step (`SchedulerOutput.blocks_to_zero`, `host_blocks_to_zero`), which zeroes them before the
+step writes anything into them. A cached block stays intact while cached: its content is what
+a later prefix hit reuses.
 
 The prefix cache is keyed by a hash chained over the parent block (nano-vLLM's scheme), and the
 block's token ids are compared on a hit so that a hash collision can never serve wrong KV.
@@ -12,8 +24,8 @@ tables holding the block, used + free == total) can be checked in one place.
 """
 from __future__ import annotations
 
+import heapq
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import xxhash
@@ -34,7 +46,8 @@ class _CachedContent:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, enable_prefix_caching: bool = True,
+                 secure: bool = False):
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -44,7 +57,16 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.content: list[_CachedContent | None] = [None] * num_blocks
         self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Cached free blocks -> their entry's release number; the heap orders them for eviction by
+        # (last access, release number). An entry whose number no longer matches is stale.
+        self._evictable: dict[int, int] = {}
+        self._eviction_heap: list[tuple[int, int, int]] = []
+        self._releases = 0
+        self.clock = 0  # the scheduler's step counter
+        self.last_access = [0] * num_blocks
+        self.secure = secure
+        self._to_zero: dict[int, None] = {}  # device blocks to zero before reuse (an ordered set)
+        self._to_zero_cpu: dict[int, None] = {}
         self._hash_to_block: dict[int, int] = {}
         self.tables: dict[int, list[int]] = {}
         self._seq_hashes: dict[int, list[int]] = {}
@@ -135,12 +157,23 @@ class BlockManager:
         if self._free_uncached:
             block = self._free_uncached.pop()
         else:
-            block, _ = self._evictable.popitem(last=False)
-            cached = self.content[block]
-            del self._hash_to_block[cached.hash]
-            self.content[block] = None
+            block = self._evict()
         assert self.ref_counts[block] == 0
         self.ref_counts[block] = 1
+        return block
+
+    def _evict(self) -> int:
+        """The cached free block read least recently (then freed least recently), its cache entry
+        dropped; in secure mode its content is queued for zeroing, as it leaves the cache."""
+        while True:
+            _, release, block = heapq.heappop(self._eviction_heap)
+            if self._evictable.get(block) == release:
+                break
+        del self._evictable[block]
+        del self._hash_to_block[self.content[block].hash]
+        self.content[block] = None
+        if self.secure:
+            self._to_zero[block] = None
         return block
 
     def _release(self, block: int) -> None:
@@ -148,9 +181,49 @@ class BlockManager:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             if self.content[block] is not None:
-                self._evictable[block] = None
+                self._releases += 1
+                self._evictable[block] = self._releases
+                heapq.heappush(self._eviction_heap, (self.last_access[block], self._releases, block))
+                self._compact_eviction_heap()
             else:
                 self._free_uncached.append(block)
+                if self.secure:
+                    self._to_zero[block] = None
+
+    def _compact_eviction_heap(self) -> None:
+        """Drop stale entries (blocks taken back by prefix hits) once they outnumber live ones, so
+        the heap stays proportional to the cached free blocks however long the engine runs."""
+        if len(self._eviction_heap) > 2 * len(self._evictable) + 64:
+            self._eviction_heap = [e for e in self._eviction_heap if self._evictable.get(e[2]) == e[1]]
+            heapq.heapify(self._eviction_heap)
+
+    # ---- access times and zeroing ------------------------------------------------------------
+    def tick(self) -> None:
+        """A new scheduler step: accesses from now on are stamped with a later time."""
+        self.clock += 1
+
+    def touch(self, seq_id: int) -> None:
+        """The sequence's blocks are read this step (it is scheduled): stamp them."""
+        for block in self.tables[seq_id]:
+            self.last_access[block] = self.clock
+
+    def take_blocks_to_zero(self) -> tuple[list[int], list[int]]:
+        """(device blocks, host blocks) queued for zeroing since the last call; empty unless secure."""
+        device, host = list(self._to_zero), list(self._to_zero_cpu)
+        self._to_zero.clear()
+        self._to_zero_cpu.clear()
+        return device, host
+
+    def _free_cpu(self, cpu_blocks: list[int]) -> None:
+        self._cpu_free.extend(cpu_blocks)
+        if self.secure:
+            self._to_zero_cpu.update(dict.fromkeys(cpu_blocks))
+
+    def _pop_cpu(self) -> int:
+        """A host block for a swap-out, which overwrites all of it: no zeroing needed any more."""
+        block = self._cpu_free.pop()
+        self._to_zero_cpu.pop(block, None)
+        return block
 
     def slots_needed(self, seq_id: int, num_computed: int, num_new: int) -> int:
         """New blocks needed to write tokens [num_computed, num_computed + num_new)."""
@@ -192,8 +265,7 @@ class BlockManager:
         for block in reversed(self.tables.pop(seq_id, [])):
             self._release(block)
         self._seq_hashes.pop(seq_id, None)
-        for cpu_block in self.cpu_tables.pop(seq_id, []):
-            self._cpu_free.append(cpu_block)
+        self._free_cpu(self.cpu_tables.pop(seq_id, []))
 
     # ---- swap --------------------------------------------------------------------------------
     def swap_out(self, seq_id: int) -> BlockPairs | None:
@@ -201,7 +273,7 @@ class BlockManager:
         table = self.tables[seq_id]
         if len(table) > len(self._cpu_free):
             return None
-        pairs = [(block, self._cpu_free.pop()) for block in table]
+        pairs = [(block, self._pop_cpu()) for block in table]
         self.cpu_tables[seq_id] = [cpu for _, cpu in pairs]
         for block in reversed(self.tables.pop(seq_id)):
             self._release(block)
@@ -217,7 +289,7 @@ class BlockManager:
         cpu_table = self.cpu_tables.pop(seq_id)
         pairs = [(cpu, self._pop_free()) for cpu in cpu_table]
         self.tables[seq_id] = [device for _, device in pairs]
-        self._cpu_free.extend(reversed(cpu_table))
+        self._free_cpu(list(reversed(cpu_table)))
         return pairs
 
     # ---- invariants (tests) ------------------------------------------------------------------
@@ -232,6 +304,7 @@ class BlockManager:
         assert all(self.ref_counts[b] == 0 for b in free), "a free block is referenced"
         assert self.num_used_blocks + self.num_free_blocks == self.num_blocks
         assert sum(1 for r in self.ref_counts if r > 0) == self.num_used_blocks
+        assert all(self.content[b] is not None for b in self._evictable), "an uncached block is evictable"
         for block_hash, block in self._hash_to_block.items():
             assert self.content[block] is not None and self.content[block].hash == block_hash
         cpu_used = [b for t in self.cpu_tables.values() for b in t]

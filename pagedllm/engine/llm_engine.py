@@ -59,7 +59,8 @@ class LLMEngine:
         self.runner = _make_runner(config, self.model_config, self.max_model_len, self.planner)
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size) if self.tokenizer else None
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks, config.enable_prefix_caching
+            self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks, config.enable_prefix_caching,
+            secure=config.secure_kv_blocks,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -70,6 +71,8 @@ class LLMEngine:
                 preemption_mode=config.preemption_mode,
                 preemption_policy=config.preemption_policy,
                 max_step_blocks=self.runner.max_step_blocks,
+                watermark=config.watermark,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
             ),
             self.block_manager,
             self.structured,

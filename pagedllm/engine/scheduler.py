@@ -1,23 +1,42 @@
 """Continuous-batching scheduler: one token budget per step (scheduling, chunked prefill and preemption).
 
-Each step serves, in order: running sequences (decodes and unfinished prefill chunks), then
-swapped-out sequences coming back, then waiting sequences by priority then arrival. A step can
-therefore mix prefill chunks with decodes. When the pool cannot hold a running sequence's next
-tokens, the scheduler preempts the running sequence its policy values least:
+Each step spends its token budget in this order (design 001, Algorithm 6):
 
-- fcfs: the latest arrival (older requests keep their progress);
-- priority: the lowest priority (higher number = more important, as the platform's data model defines it), then latest;
-- shortest_remaining: the one closest to its max_tokens, as the engine design specifies.
+1. running decodes, each its one token (and the proposals it verifies, as far as the budget
+   leaves one token for every decode after it), so that a long prompt never stalls the
+   sequences already generating;
+2. running prefill chunks (unfinished prompts, recomputes), by priority then arrival, each
+   at most `long_prefill_token_threshold` tokens (vLLM's per-sequence cap; 0: no cap), so one
+   long prompt cannot take the whole budget from the prompts behind it;
+3. swapped-out sequences coming back, then waiting sequences by priority then arrival.
 
-Running sequences are visited from most to least worth keeping and victims are taken from the
-other end, so a victim has never been scheduled earlier in the same step.
+A step can therefore mix prefill chunks with decodes. Preemption (design 000 Algorithm 2 phase
+4, 001 Algorithm 8) takes the running sequence the policy values least:
+
+- priority (the default): the lowest priority (higher number = more important, as the
+  platform's data model defines it), then the latest arrival;
+- fcfs: the latest admitted (first scheduled), older admissions keep their progress;
+- longest: the one holding the most tokens' KV, which frees the most blocks;
+- shortest_remaining: the one closest to its max_tokens, as the engine design specifies;
+- recompute_cost: the one whose recompute is cheapest per block its preemption frees (tokens
+  to recompute = computed tokens not kept in the prefix cache; `_recompute_cost`).
+
+It preempts when a running sequence's next tokens do not fit the pool, and, before that can
+happen, when a step starts with fewer free blocks than the watermark (`watermark_blocks`);
+admissions and swap-ins must leave the watermark free while anything runs, so a sequence is
+not admitted only to be preempted at the next step. Running sequences are ranked from most to
+least worth keeping and a victim is always the least worth keeping of those not scheduled yet
+this step (at worst the sequence asking, which then preempts itself), so a victim has never been
+scheduled earlier in the same step.
 
 The scheduler is the single owner of the step: it alone changes the block manager, sequence
 status, `num_computed_tokens` and token ids. `schedule()` hands the runner plain metadata
 (`SchedulerOutput`): each scheduled sequence's chunk and token budget, and only what changed
 of each since the runner last saw it (engine/runner_mirror.py); how far a sequence may advance
 (proposals verified, lookahead slots, bursts of several tokens) is the planner's answer
-(step/planner.py). `update_from_output()` takes the runner's tokens back, advances progress,
+(step/planner.py). It also passes on the blocks the block manager wants zeroed (secure mode)
+and stamps the blocks each scheduled sequence reads (LRU eviction of the prefix cache).
+`update_from_output()` takes the runner's tokens back, advances progress,
 publishes full blocks to the prefix cache, and finishes sequences when the output processor's
 stop rules say so. Extra samples of a request (n / best_of) are forked here, when the first
 sample's prompt completes: they share its blocks and sample from the same logits row.
@@ -80,6 +99,8 @@ class SchedulerConfig:
     preemption_policy: str
     # The most KV blocks one step may use (layer-wise KV offload's device buffer); None: the pool.
     max_step_blocks: int | None = None
+    watermark: float = 0.0  # share of the pool kept free (module docstring)
+    long_prefill_token_threshold: int = 0  # the most tokens of one prefill chunk; 0: no cap
 
 
 class Scheduler:
@@ -105,6 +126,9 @@ class Scheduler:
         self.num_swap_outs = 0
         self.num_prompt_tokens_total = 0
         self.spec_stats = SpecDecodeStats()
+        self._admissions = 0  # admission counter: fcfs preempts the latest admitted
+        # vLLM's rounding: int(watermark * blocks), so small pools keep no watermark.
+        self.watermark_blocks = int(config.watermark * block_manager.num_blocks)
 
     # ---- queues ------------------------------------------------------------------------------
     @staticmethod
@@ -112,14 +136,35 @@ class Scheduler:
         return (-seq.request.priority, seq.request.arrival_time, seq.request.request_id, seq.index)
 
     def _keep_key(self, seq: Sequence) -> tuple:
-        """Sort key: sequences worth keeping most come first; victims come from the end."""
-        policy = self.config.preemption_policy
+        """Sort key: sequences worth keeping most come first; victims come from the end. Every
+        policy breaks its ties as `priority` does."""
+        policy, arrival = self.config.preemption_policy, self._arrival_key(seq)
+        if policy == "fcfs":
+            return (seq.request.admission_index, *arrival)
+        if policy == "longest":
+            return (seq.num_computed_tokens, *arrival)
         if policy == "shortest_remaining":
             remaining = (seq.request.params.max_tokens or self.config.max_model_len) - seq.num_output_tokens
-            return (-remaining, *self._arrival_key(seq))
-        if policy == "priority":
-            return self._arrival_key(seq)
-        return self._arrival_key(seq)[1:]  # fcfs: arrival order only
+            return (-remaining, *arrival)
+        if policy == "recompute_cost":
+            return (-self._recompute_cost(seq), *arrival)
+        return arrival  # priority
+
+    def _recompute_cost(self, seq: Sequence) -> float:
+        """Tokens a recompute preemption would make the sequence compute again, per block it
+        frees (design 001 Algorithm 8 prefers the victim with the most recomputable prefix: a
+        prefix-cache hit makes its restart cheap). Its full blocks published in the prefix cache
+        stay cached when freed, so only the computed tokens past them are lost; blocks shared
+        with other sequences are not freed. Nothing freed: infinitely costly, kept."""
+        bm = self.block_manager
+        table = bm.tables.get(seq.seq_id, [])
+        freed = sum(1 for block in table if bm.ref_counts[block] == 1)
+        if not freed:
+            return float("inf")
+        cached = 0
+        while cached < len(table) and bm.content[table[cached]] is not None:
+            cached += 1
+        return max(seq.num_computed_tokens - cached * bm.block_size, 0) / freed
 
     def add(self, seq: Sequence) -> None:
         self.live[seq.seq_id] = seq
@@ -144,7 +189,10 @@ class Scheduler:
 
     # ---- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        step = _Step(fusing=self.planner.fuses_speculation(self.running, bool(self.waiting or self.swapped)))
+        self.block_manager.tick()
+        step = _Step()
+        self._preempt_under_watermark(step)
+        step.fusing = self.planner.fuses_speculation(self.running, bool(self.waiting or self.swapped))
         budget = self._schedule_running(step, self.config.max_num_batched_tokens)
         if not step.preempted:
             budget = self._schedule_swapped(step, budget)
@@ -175,6 +223,9 @@ class Scheduler:
         if not forks and len(sampled) == len(step.scheduled):
             self._plan_burst(step)
         self._describe(step, forks)  # after the burst's reservation: the tables as the runner will use them
+        for seq in [item.seq for item in step.scheduled] + [child for child, _ in forks]:
+            self.block_manager.touch(seq.seq_id)
+        out.blocks_to_zero, out.host_blocks_to_zero = self.block_manager.take_blocks_to_zero()
         self._attach_masks(out, sampled + [child for child, _ in forks])
         out.finished_seq_ids, self._finished_ids = self._finished_ids, []
         self._scheduled = step.scheduled
@@ -297,46 +348,67 @@ class Scheduler:
                 self.finish(seq, status)
 
     def _chunk(self, seq: Sequence, num_new: int, budget: int) -> int:
+        """How many of `num_new` known tokens to compute now: all when they fit the budget and
+        the per-sequence cap, else (with chunked prefill) as many as both allow."""
+        cap = self.config.long_prefill_token_threshold
+        if cap and num_new > cap:
+            num_new, budget = cap, min(cap, budget)  # the cap needs chunked prefill (EngineConfig)
         if num_new <= budget:
             return num_new
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _plan(self, seq: Sequence, budget: int, fusing: bool) -> tuple[int, int]:
+    def _plan(self, seq: Sequence, budget: int, fusing: bool, reserved: int = 0) -> tuple[int, int]:
         """(tokens to compute, proposals verified among them): a decode also verifies its
-        proposals, as many as the planner allows."""
+        proposals, as many as the planner allows within the budget less `reserved` (the tokens
+        kept for the decodes still to come)."""
         num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
-        num_spec = self.planner.num_to_verify(seq, budget, fusing) if num_new == 1 else 0
+        num_spec = self.planner.num_to_verify(seq, budget - reserved, fusing) if num_new == 1 else 0
         return num_new + num_spec, num_spec
 
     def _schedule_running(self, step: _Step, budget: int) -> int:
-        queue = deque(sorted(self.running, key=self._keep_key))
-        kept: list[Sequence] = []
-        while queue:
-            seq = queue.popleft()
-            if self._exceeds_pool(seq):
-                self._end_for_capacity(seq)
-                continue
-            num_new, num_spec = self._plan(seq, budget, step.fusing)
-            slots = num_new + self.planner.lookahead_slots(seq)
-            if num_new == 0 or not self._fits_step(step, seq.num_computed_tokens + slots):
-                kept.append(seq)  # no budget left this step; it keeps its blocks
-                continue
-            copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, slots)
-            while copies is None:
-                victim = queue.pop() if queue else seq
-                self._preempt(victim, step)
-                if victim is seq:
-                    break
-                copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, slots)
-            if copies is None:
-                continue
-            step.out.blocks_to_copy.extend(copies)
-            step.scheduled.append(ScheduledSequence(seq, num_new, num_spec))
-            step.num_blocks += len(self.block_manager.block_table(seq.seq_id))
-            kept.append(seq)
-            budget -= num_new
-        self.running = kept
+        """Decodes first, in keep order, then prefill chunks by priority and arrival. `pending`
+        holds the running sequences in keep order: victims are popped from its end, skipping
+        those already scheduled (`done`), so a victim is never one scheduled earlier this step."""
+        pending = sorted(self.running, key=self._keep_key)
+        decodes = [seq for seq in pending if not seq.is_prefill]
+        prefills = sorted((seq for seq in pending if seq.is_prefill), key=self._arrival_key)
+        done: set[int] = set()
+        for index, seq in enumerate(decodes):
+            budget = self._schedule_one(step, seq, budget, pending, done, reserved=len(decodes) - index - 1)
+        for seq in prefills:
+            budget = self._schedule_one(step, seq, budget, pending, done)
+        self.running = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING]
         return budget
+
+    def _schedule_one(self, step: _Step, seq: Sequence, budget: int, pending: list[Sequence], done: set[int],
+                      reserved: int = 0) -> int:
+        """Schedule one running sequence if the budget and the pool allow, preempting the least
+        worth keeping of `pending` (itself at worst) while its blocks do not fit; returns the
+        budget left. `reserved`: tokens kept for the decodes after it."""
+        if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
+            return budget
+        if self._exceeds_pool(seq):
+            done.add(seq.seq_id)
+            self._end_for_capacity(seq)
+            return budget
+        num_new, num_spec = self._plan(seq, budget, step.fusing, reserved)
+        slots = num_new + self.planner.lookahead_slots(seq)
+        if num_new == 0 or not self._fits_step(step, seq.num_computed_tokens + slots):
+            return budget  # no budget left this step; it keeps its blocks
+        copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, slots)
+        while copies is None:
+            victim = pending.pop()
+            if victim.seq_id in done or victim.status is not SequenceStatus.RUNNING:
+                continue
+            self._preempt(victim, step)
+            if victim is seq:
+                return budget
+            copies = self.block_manager.allocate_slots(seq.seq_id, seq.num_computed_tokens, slots)
+        done.add(seq.seq_id)
+        step.out.blocks_to_copy.extend(copies)
+        step.scheduled.append(ScheduledSequence(seq, num_new, num_spec))
+        step.num_blocks += len(self.block_manager.block_table(seq.seq_id))
+        return budget - num_new
 
     def _schedule_swapped(self, step: _Step, budget: int) -> int:
         self.swapped.sort(key=self._keep_key)
@@ -347,7 +419,7 @@ class Scheduler:
                 self._end_for_capacity(seq)
                 continue
             extra = self.block_manager.blocks_for(seq.num_tokens) - len(self.block_manager.cpu_tables[seq.seq_id])
-            if not self.block_manager.can_swap_in(seq.seq_id, max(extra, 0)):
+            if not self.block_manager.can_swap_in(seq.seq_id, max(extra, 0) + self._watermark_kept()):
                 break
             self.swapped.remove(seq)
             step.out.blocks_to_swap_in.extend(self.block_manager.swap_in(seq.seq_id))
@@ -381,12 +453,15 @@ class Scheduler:
             num_new = self._chunk(seq, seq.num_tokens - cached, budget)
             fits = self._fits_step(step, cached + num_new)
             copies = bm.allocate_slots(seq.seq_id, cached, num_new) if num_new and fits else None
-            if copies is None:
+            if copies is None or bm.num_free_blocks < self._watermark_kept():
                 bm.free(seq.seq_id)
                 break
             if use_cache:
                 bm.record_prefix_query(seq.num_tokens, cached)
             self.waiting.remove(seq)
+            if seq.request.admission_index < 0:
+                seq.request.admission_index = self._admissions
+                self._admissions += 1
             seq.num_computed_tokens = seq.num_draft_computed = cached
             if not seq.request.forked:
                 seq.request.num_cached_tokens = cached
@@ -397,6 +472,24 @@ class Scheduler:
             budget -= num_new
 
     # ---- preemption --------------------------------------------------------------------------
+    def _watermark_kept(self) -> int:
+        """Free blocks an admission or swap-in must leave: the watermark while anything runs
+        (else nothing would make room, and the sequence is the only way forward)."""
+        return self.watermark_blocks if self.running else 0
+
+    def _preempt_under_watermark(self, step: _Step) -> None:
+        """Design 000 Algorithm 2 phase 4: while fewer blocks than the watermark are free, preempt
+        the least worth keeping — at the start of the step, before anything is scheduled, so the
+        step's allocations rarely fail. The last running sequence is kept: preempting it would
+        make room for nothing."""
+        if not self.watermark_blocks:
+            return
+        keep = sorted(self.running, key=self._keep_key)
+        while self.block_manager.num_free_blocks < self.watermark_blocks and len(keep) > 1:
+            victim = keep.pop()
+            self.running.remove(victim)
+            self._preempt(victim, step)
+
     def _fits_step(self, step: _Step, num_tokens: int) -> bool:
         """Whether a sequence with `num_tokens` positions fits the step's block bound too."""
         limit = self.config.max_step_blocks

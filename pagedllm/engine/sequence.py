@@ -124,6 +124,7 @@ class Request:
     num_cached_tokens: int = 0
     forked: bool = False
     num_preemptions: int = 0  # times one of its samples was preempted
+    admission_index: int = -1  # the order in which the scheduler first admitted it (-1: not yet)
     error: str | None = None  # why the engine failed it (its samples then finish with reason "error")
     metrics: RequestMetrics = field(init=False)
 

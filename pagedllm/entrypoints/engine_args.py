@@ -10,8 +10,11 @@ import dataclasses
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.config.engine import PREEMPTION_POLICIES
 
 _NOT_FLAGS = {"model", "extra"}
+# Flags whose values are a fixed set: argparse names them in --help and refuses others early.
+_CHOICES = {"preemption_policy": PREEMPTION_POLICIES, "preemption_mode": ("recompute", "swap")}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +31,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"default: {default}")
         else:
             convert = int if "int" in kind else float if "float" in kind else str
-            group.add_argument(flag, type=convert, default=None, metavar=f.name.upper(), help=f"default: {default}")
+            choices = _CHOICES.get(f.name)
+            group.add_argument(flag, type=convert, default=None, choices=choices,
+                               metavar=None if choices else f.name.upper(), help=f"default: {default}")
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -91,6 +91,11 @@ class SchedulerOutput:
     preempted_seq_ids: list[int] = field(default_factory=list)
     # Sequences that finished since the previous step: the runner drops its state for them.
     finished_seq_ids: list[int] = field(default_factory=list)
+    # Secure mode (secure_kv_blocks): freed blocks whose K/V the runner zeroes, in every pool that
+    # mirrors the device pool, after the swap-outs have read them and before anything is written
+    # to them (swap-ins, copies, this step's tokens); and freed host swap blocks, after the swap-ins.
+    blocks_to_zero: list[int] = field(default_factory=list)
+    host_blocks_to_zero: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -61,3 +61,13 @@ class KVCache:
         """Copy-on-write: device blocks to device blocks, across every layer."""
         self.k[:, destinations] = self.k[:, sources]
         self.v[:, destinations] = self.v[:, sources]
+
+    def zero(self, blocks: torch.Tensor) -> None:
+        """Secure mode: wipe freed device blocks (an index on the pool's device), every layer."""
+        self.k[:, blocks] = 0
+        self.v[:, blocks] = 0
+
+    def zero_host(self, host_blocks: list[int]) -> None:
+        """Secure mode: wipe freed host swap blocks."""
+        self.k_cpu[:, host_blocks] = 0
+        self.v_cpu[:, host_blocks] = 0

@@ -302,11 +302,14 @@ class ModelRunner:
         return result
 
     def _offload_step(self, sched: SchedulerOutput, chunks: list[BatchChunk]) -> tuple[SchedulerOutput, list[BatchChunk]]:
-        """Copy-on-write happens in the host pool; the step then sees its blocks renumbered."""
+        """Zeroing (secure mode) and copy-on-write happen in the host pool, in that order; the
+        step then sees its blocks renumbered."""
+        if sched.blocks_to_zero:
+            self.kv_cache.zero(torch.tensor(sched.blocks_to_zero))
         if sched.blocks_to_copy:
             sources, destinations = zip(*sched.blocks_to_copy)
             self.kv_cache.copy(torch.tensor(sources), torch.tensor(destinations))
-        return replace(sched, blocks_to_copy=[]), self.offload.plan(chunks)
+        return replace(sched, blocks_to_copy=[], blocks_to_zero=[]), self.offload.plan(chunks)
 
     def _apply(self, sched: SchedulerOutput) -> None:
         """The step's changes to the sequences held; a finished sequence's generator goes too (a
@@ -318,15 +321,21 @@ class ModelRunner:
             self.speculator.apply(sched)
 
     def _apply_block_maps(self, sched: SchedulerOutput, views: dict[str, torch.Tensor]) -> None:
-        """Swap-outs first: the blocks they free may be reused by this step's swap-ins. A draft
-        model's mirror pool moves with the target's."""
+        """Swap-outs first: the blocks they free may be reused by this step's swap-ins. Secure
+        mode's zeroing comes after the swap-outs have read the blocks they free and before
+        anything is written (swap-ins, copies, the step's tokens); host blocks are zeroed after
+        the swap-ins have read them. A draft model's mirror pool moves with the target's."""
         for cache in self.kv_caches:
             if sched.blocks_to_swap_out:
                 cache.swap_out(views["swap_out.device"], [host for _, host in sched.blocks_to_swap_out])
+            if sched.blocks_to_zero:
+                cache.zero(views["zero.device"])
             if sched.blocks_to_swap_in:
                 cache.swap_in([host for host, _ in sched.blocks_to_swap_in], views["swap_in.device"])
             if sched.blocks_to_copy:
                 cache.copy(views["copy.pairs"][:, 0], views["copy.pairs"][:, 1])
+            if sched.host_blocks_to_zero:
+                cache.zero_host(sched.host_blocks_to_zero)
 
     @property
     def kv_caches(self) -> list[KVCache]:
@@ -377,3 +386,5 @@ def _stage_block_maps(sched: SchedulerOutput, staging: Staging) -> None:
         staging.add("swap_in.device", [device for _, device in sched.blocks_to_swap_in])
     if sched.blocks_to_copy:
         staging.add("copy.pairs", sched.blocks_to_copy, shape=(len(sched.blocks_to_copy), 2))
+    if sched.blocks_to_zero:
+        staging.add("zero.device", sched.blocks_to_zero)

@@ -208,3 +208,72 @@ def test_failed_allocation_changes_nothing():
 def test_pool_must_have_blocks(bad):
     with pytest.raises(ValueError, match="at least one block"):
         BlockManager(num_blocks=bad, block_size=16)
+
+
+# ---- last-access LRU and secure mode (issue 31, item 5) -------------------------------------------
+def cached_seq(bm: BlockManager, seq_id: int, tokens: list[int]) -> list[int]:
+    """A sequence whose tokens are all computed and its full blocks published; its table."""
+    bm.allocate_prefix(seq_id, tokens)
+    bm.allocate_slots(seq_id, 0, len(tokens))
+    bm.cache_full_blocks(seq_id, tokens, len(tokens))
+    return list(bm.tables[seq_id])
+
+
+def test_eviction_takes_the_least_recently_accessed_not_the_least_recently_freed():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    old = cached_seq(bm, 1, [1, 2, 3, 4])  # read at step 1 only
+    bm.touch(1)
+    bm.tick()
+    recent = cached_seq(bm, 2, [5, 6, 7, 8])  # read at step 2
+    bm.touch(2)
+    bm.free(2)  # freed first, but read last
+    bm.free(1)
+    assert bm.num_free_blocks == 4 and all(bm.content[b] is not None for b in old + recent)
+    bm.allocate_prefix(3, [9, 9, 9, 9, 9])
+    bm.allocate_slots(3, 0, 4)  # two blocks: least-recently-freed would take `recent`'s
+    assert sorted(bm.tables[3]) == sorted(old)
+    assert bm.allocate_prefix(4, [5, 6, 7, 8, 0]) == 4  # `recent` is still a hit
+    bm.check_invariants()
+
+
+def test_blocks_read_in_the_same_step_go_tail_first():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    head, tail = cached_seq(bm, 1, [1, 2, 3, 4])
+    bm.touch(1)
+    bm.free(1)
+    bm.allocate_prefix(2, [7])
+    bm.allocate_slots(2, 0, 1)  # the uncached block
+    bm.allocate_slots(2, 1, 2)  # then the tail (freed before the head)
+    assert bm.tables[2][1] == tail and bm.content[head] is not None
+
+
+def test_secure_mode_zeroes_freed_blocks_but_not_cached_ones_until_evicted():
+    bm = BlockManager(num_blocks=4, block_size=2, secure=True)
+    head, tail = cached_seq(bm, 1, [1, 2, 3])  # [1, 2] cached, [3] partial
+    bm.free(1)
+    assert bm.take_blocks_to_zero() == ([tail], [])  # the cached head keeps its content
+    assert bm.take_blocks_to_zero() == ([], [])
+    bm.allocate_prefix(2, [5, 6, 7, 8, 9, 9, 9])
+    bm.allocate_slots(2, 0, 7)  # four blocks: the three uncached, then the head is evicted
+    assert head in bm.tables[2] and bm.content[head] is None
+    assert bm.take_blocks_to_zero() == ([head], [])
+    plain = BlockManager(num_blocks=4, block_size=2)
+    cached_seq(plain, 1, [1, 2, 3])
+    plain.free(1)
+    assert plain.take_blocks_to_zero() == ([], [])
+
+
+def test_secure_mode_zeroes_freed_host_blocks_unless_a_swap_out_overwrites_them():
+    bm = BlockManager(num_blocks=4, block_size=2, num_cpu_blocks=4, secure=True, enable_prefix_caching=False)
+    cached_seq(bm, 1, [1, 2, 3])
+    bm.swap_out(1)
+    bm.take_blocks_to_zero()
+    read_back = [host for host, _ in bm.swap_in(1)]
+    assert sorted(bm.take_blocks_to_zero()[1]) == sorted(read_back)  # zeroed after the swap-in read them
+    bm.swap_out(1)
+    bm.free(1)  # ends while swapped out: its two host blocks are queued
+    cached_seq(bm, 2, [4])
+    (_, taken), = bm.swap_out(2)  # takes one of them, and overwrites all of it
+    host = bm.take_blocks_to_zero()[1]
+    assert len(host) == 1 and taken not in host
+    bm.check_invariants()

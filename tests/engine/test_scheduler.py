@@ -10,9 +10,11 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=64, chunked=True, mode="recompute", policy="fcfs", cpu_blocks=64, max_num_seqs=16):
-    bm = BlockManager(num_blocks, block_size, cpu_blocks if mode == "swap" else 0)
-    config = SchedulerConfig(max_num_seqs, budget, 4096, chunked, mode, policy)
+def make_scheduler(num_blocks=64, block_size=4, budget=64, chunked=True, mode="recompute", policy="priority", cpu_blocks=64,
+                   max_num_seqs=16, watermark=0.0, cap=0, secure=False):
+    bm = BlockManager(num_blocks, block_size, cpu_blocks if mode == "swap" else 0, secure=secure)
+    config = SchedulerConfig(max_num_seqs, budget, 4096, chunked, mode, policy, watermark=watermark,
+                             long_prefill_token_threshold=cap)
     return Scheduler(config, bm)
 
 
@@ -88,9 +90,11 @@ def fill_pool(policy: str, mode: str = "recompute"):
     return scheduler, {s.request.request_id: s for s in seqs}
 
 
+# All three are admitted in the same step, in the waiting queue's order (third, first, second), so
+# fcfs (latest admitted) preempts "second" too; test_fcfs_preempts_the_latest_admitted separates them.
 @pytest.mark.parametrize(
     "policy, victim",
-    [("fcfs", "third"), ("priority", "second"), ("shortest_remaining", "second")],
+    [("fcfs", "second"), ("priority", "second"), ("shortest_remaining", "second")],
 )
 def test_preemption_policy_picks_its_victim(policy, victim):
     scheduler, seqs = fill_pool(policy)
@@ -103,16 +107,16 @@ def test_preemption_policy_picks_its_victim(policy, victim):
 
 
 def test_swap_preemption_moves_blocks_and_swaps_back_before_admitting():
-    scheduler, seqs = fill_pool("fcfs", mode="swap")
+    scheduler, seqs = fill_pool("priority", mode="swap")
     out = run_step(scheduler)
-    third = seqs["third"]
-    assert third.status is SequenceStatus.SWAPPED and len(out.blocks_to_swap_out) == 2
-    assert third.num_computed_tokens == 8  # its KV is kept, on the host
+    victim = seqs["second"]
+    assert out.preempted_seq_ids == [] and victim.status is SequenceStatus.SWAPPED and len(out.blocks_to_swap_out) == 2
+    assert victim.num_computed_tokens == 8  # its KV is kept, on the host
     newcomer = make_seq("newcomer", 2, arrival=5, priority=9)
     scheduler.add(newcomer)
     scheduler.finish(seqs["first"], SequenceStatus.FINISHED_ABORTED)  # frees room
     out = run_step(scheduler)
-    assert third.status is SequenceStatus.RUNNING and len(out.blocks_to_swap_in) == 2
+    assert victim.status is SequenceStatus.RUNNING and len(out.blocks_to_swap_in) == 2
     assert newcomer.status is SequenceStatus.WAITING  # swapped sequences come back first
     scheduler.block_manager.check_invariants()
 
@@ -143,4 +147,181 @@ def test_swapped_sequence_that_outgrew_the_pool_ends_instead_of_blocking():
     out = run_step(scheduler)
     assert out.finished_seq_ids == [seq.seq_id] and seq.status is SequenceStatus.FINISHED_LENGTH
     assert scheduled(out) == [(newcomer.seq_id, 3)]
+    scheduler.block_manager.check_invariants()
+
+
+# ---- decode-first budget and the per-sequence prefill cap (issue 31, item 1) ----------------------
+def finish_at_max_tokens(seq, token):
+    return SequenceStatus.FINISHED_LENGTH if seq.num_output_tokens >= seq.request.params.max_tokens else None
+
+
+def test_running_decodes_get_their_token_before_a_higher_priority_prefill():
+    """A prefill that outranks a decode (priority here) once took the whole budget from it."""
+    scheduler = make_scheduler(budget=10)
+    low = make_seq("low", 3, arrival=0, priority=0)
+    scheduler.add(low)
+    run_step(scheduler)  # low decodes from now on
+    high = make_seq("high", 40, arrival=1, priority=5, first_token=100)
+    scheduler.add(high)
+    while high.is_prefill or high.num_computed_tokens == 0:
+        out = run_step(scheduler)
+        assert scheduled(out)[0] == (low.seq_id, 1)
+        assert out.num_batched_tokens <= 10
+
+
+def test_prefill_chunks_are_capped_per_sequence():
+    scheduler = make_scheduler(budget=100, cap=4)
+    a, b = make_seq("a", 10), make_seq("b", 10, arrival=1, first_token=100)
+    scheduler.add(a)
+    scheduler.add(b)
+    assert scheduled(run_step(scheduler)) == [(a.seq_id, 4), (b.seq_id, 4)]
+    assert scheduled(run_step(scheduler)) == [(a.seq_id, 4), (b.seq_id, 4)]
+    assert scheduled(run_step(scheduler)) == [(a.seq_id, 2), (b.seq_id, 2)]  # both sample now
+    assert scheduled(run_step(scheduler)) == [(a.seq_id, 1), (b.seq_id, 1)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_decodes_first_and_capped_chunks_over_random_workloads(seed):
+    """Random arrivals, priorities, lengths, pools, policies, modes, caps and watermarks: each
+    step, every decode that was running when the step began (and was not preempted) gets its
+    token, every decode chunk comes before every prefill chunk, no prefill chunk exceeds the
+    cap, the budget holds, and every request finishes."""
+    import random
+
+    rng = random.Random(seed)
+    max_num_seqs = rng.randint(1, 6)
+    cap = rng.choice([0, 1, 3, 8])
+    scheduler = make_scheduler(num_blocks=rng.randint(8, 40), block_size=rng.choice([1, 2, 4]),
+                               budget=rng.randint(max_num_seqs, 40), mode=rng.choice(["recompute", "swap"]),
+                               policy=rng.choice(["priority", "fcfs", "longest", "shortest_remaining", "recompute_cost"]),
+                               cpu_blocks=rng.randint(0, 30), max_num_seqs=max_num_seqs,
+                               watermark=rng.choice([0.0, 0.1, 0.25]), cap=cap)
+    arrivals = sorted((rng.randint(0, 30), i) for i in range(rng.randint(1, 12)))
+    seqs = []
+    for step in range(2000):
+        while arrivals and arrivals[0][0] <= step:
+            _, i = arrivals.pop(0)
+            seq = make_seq(f"r{i}", rng.randint(1, 20), arrival=step + i / 100, priority=rng.randint(0, 3),
+                           max_tokens=rng.randint(1, 12), first_token=rng.choice([10, 10 * (i + 2)]))
+            scheduler.add(seq)
+            seqs.append(seq)
+        if not arrivals and not scheduler.num_unfinished:
+            break
+        decodes = {s.seq_id for s in scheduler.running if not s.is_prefill}
+        out = scheduler.schedule()
+        gone = set(out.preempted_seq_ids) | set(out.finished_seq_ids)
+        gone |= {s.seq_id for s in seqs if s.status is SequenceStatus.SWAPPED}
+        chunks = {c.seq_id: c.num_tokens for c in out.chunks}
+        assert decodes - gone <= set(chunks), "a running decode got no token"
+        kinds = [c.seq_id in decodes for c in out.chunks]
+        assert kinds == sorted(kinds, reverse=True), "a prefill chunk came before a decode"
+        assert out.num_batched_tokens <= scheduler.config.max_num_batched_tokens
+        if cap:
+            assert all(n <= cap for sid, n in chunks.items() if sid not in decodes)
+        sampled = {c.seq_id: [SampledToken(7, 0.0)] for c in out.chunks if c.token_budget}
+        scheduler.update_from_output(ModelRunnerOutput(sampled), finish_at_max_tokens)
+        scheduler.block_manager.check_invariants()
+    assert all(s.finished for s in seqs) and not arrivals, "a request never finished"
+
+
+# ---- preemption: policies and the watermark (issue 31, item 2) ------------------------------------
+def two_admissions(policy: str, scenario: str):
+    """Two sequences admitted in different steps filling a 4-block pool; at the third step the
+    one admitted second needs a block. A: the later arrival (high priority) is admitted first;
+    B: the earlier arrival (low priority) is admitted first, the later one after it."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=8, policy=policy)
+    early = make_seq("early", 8 if scenario == "B" else 4, arrival=0, priority=0)
+    late = make_seq("late", 8 if scenario == "A" else 4, arrival=1, priority=5, first_token=100)
+    if scenario == "A":
+        scheduler.add(late)
+        scheduler.add(early)  # waits a step: late takes the whole budget
+        run_step(scheduler)
+    else:
+        scheduler.add(early)
+        run_step(scheduler)
+        scheduler.add(late)
+    run_step(scheduler)
+    assert scheduler.block_manager.num_free_blocks == 0
+    return scheduler, early, late
+
+
+@pytest.mark.parametrize("scenario, policy, victim", [
+    ("A", "fcfs", "early"), ("B", "fcfs", "late"),  # the latest admitted, whatever its arrival
+    ("A", "priority", "early"), ("B", "priority", "early"),  # the lowest priority
+])
+def test_fcfs_preempts_the_latest_admitted(scenario, policy, victim):
+    scheduler, early, late = two_admissions(policy, scenario)
+    out = run_step(scheduler)
+    assert out.preempted_seq_ids == [{"early": early, "late": late}[victim].seq_id]
+    scheduler.block_manager.check_invariants()
+
+
+def three_in_a_full_pool(policy: str, lengths: list[int]):
+    """Three sequences with these prompt lengths (arrivals 0, 1, 2; distinct tokens) in a 6-block
+    pool of 4-token blocks that they fill; the next step's first decode to cross a block preempts."""
+    scheduler = make_scheduler(num_blocks=6, block_size=4, budget=100, policy=policy)
+    seqs = [make_seq(f"s{i}", n, arrival=i, max_tokens=50, first_token=100 * (i + 1)) for i, n in enumerate(lengths)]
+    for seq in seqs:
+        scheduler.add(seq)
+    run_step(scheduler)
+    assert scheduler.block_manager.num_free_blocks == 0
+    return scheduler, seqs
+
+
+@pytest.mark.parametrize("policy, victim", [("longest", 1), ("priority", 2)])
+def test_longest_preempts_the_sequence_holding_most_tokens(policy, victim):
+    scheduler, seqs = three_in_a_full_pool(policy, [3, 12, 7])  # 1 + 3 + 2 blocks; s1 needs a 4th
+    out = run_step(scheduler)
+    assert out.preempted_seq_ids == [seqs[victim].seq_id]
+
+
+@pytest.mark.parametrize("policy, victim", [("recompute_cost", 0), ("priority", 2)])
+def test_recompute_cost_preempts_the_cheapest_recompute_per_block_freed(policy, victim):
+    """s0 (8 computed, both blocks in the prefix cache) loses nothing; s1 (5 computed, one cached
+    block) would recompute 1 token per 2 blocks freed, s2 (7 computed) 3 per 2."""
+    scheduler, seqs = three_in_a_full_pool(policy, [8, 5, 7])
+    costs = [scheduler._recompute_cost(seq) for seq in seqs]
+    assert costs == [0.0, 0.5, 1.5]
+    out = run_step(scheduler)  # s0's 9th token needs a third block
+    assert out.preempted_seq_ids == [seqs[victim].seq_id]
+
+
+def test_recompute_cost_of_a_sequence_that_frees_nothing_is_infinite():
+    scheduler = make_scheduler()
+    seq = make_seq("a", 6, max_tokens=3)
+    scheduler.add(seq)
+    run_step(scheduler)
+    scheduler.block_manager.fork(seq.seq_id, 999)  # another holder of every block
+    assert scheduler._recompute_cost(seq) == float("inf")
+
+
+def test_admission_leaves_the_watermark_free_while_something_runs():
+    scheduler = make_scheduler(num_blocks=10, block_size=4, budget=100, watermark=0.2)  # 2 blocks
+    assert scheduler.watermark_blocks == 2
+    big = make_seq("big", 24, arrival=0)  # 6 blocks, admitted alone: nothing else runs
+    scheduler.add(big)
+    run_step(scheduler)
+    small = make_seq("small", 8, arrival=1, first_token=100)  # would leave 10 - 7 - 2 = 1 free
+    scheduler.add(small)
+    out = run_step(scheduler)
+    assert scheduled(out) == [(big.seq_id, 1)] and small.status is SequenceStatus.WAITING
+    alone = make_scheduler(num_blocks=10, block_size=4, budget=100, watermark=0.2)
+    whole = make_seq("whole", 39)  # 10 blocks: with nothing running, the watermark does not block it
+    alone.add(whole)
+    assert scheduled(run_step(alone)) == [(whole.seq_id, 39)]
+
+
+def test_a_step_that_starts_under_the_watermark_preempts_before_scheduling():
+    scheduler = make_scheduler(num_blocks=10, block_size=4, budget=100, watermark=0.2)
+    a, b = make_seq("a", 16, arrival=0), make_seq("b", 15, arrival=1, first_token=100)
+    scheduler.add(a)
+    scheduler.add(b)
+    run_step(scheduler)  # 4 + 4 blocks: 2 free, as the watermark asks
+    run_step(scheduler)  # a's 17th position takes a fifth block: 1 free
+    assert scheduler.block_manager.num_free_blocks == 1
+    out = run_step(scheduler)
+    assert out.preempted_seq_ids == [b.seq_id] and scheduled(out) == [(a.seq_id, 1)]
+    assert scheduler.block_manager.num_free_blocks >= 2
+    for _ in range(3):  # the last running sequence is never preempted by the watermark
+        assert run_step(scheduler).preempted_seq_ids == []
     scheduler.block_manager.check_invariants()
