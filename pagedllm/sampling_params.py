@@ -150,14 +150,20 @@ def _int_at_least(name: str, value: object, low: int) -> None:
 class BeamSearchParams:
     """Beam search (vLLM's `BeamSearchParams`): keep the `beam_width` most likely continuations
     at every step, scored as transformers' `num_beams` generate scores them — cumulative logprob
-    divided by generated length ** `length_penalty`, early-stopping heuristic included — so the
-    results equal transformers' for the same weights. Deterministic: `temperature` must be 0."""
+    divided by generated length ** `length_penalty`, and `early_stopping` as transformers has it —
+    so the results equal transformers' for the same weights. Deterministic: `temperature` must be 0.
+
+    early_stopping: True stops as soon as `beam_width` hypotheses have finished; False (the
+    default, transformers' too) stops once the best running beam, scored at its current length,
+    cannot beat the worst kept hypothesis; "never" scores it at `max_tokens` instead when
+    length_penalty > 0 (the exact bound), so the search goes on while a better one is possible."""
 
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         _int_at_least("beam_width", self.beam_width, 1)
@@ -166,3 +172,5 @@ class BeamSearchParams:
         if self.temperature != 0:
             raise ValueError(f"beam search is deterministic: temperature must be 0, got {self.temperature}")
         _number("length_penalty", self.length_penalty)
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(f'early_stopping must be true, false or "never", got {self.early_stopping!r}')

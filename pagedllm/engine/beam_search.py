@@ -13,8 +13,9 @@ continuations by cumulative logprob and keeps the best K = max(2, 1 + #EOS) × w
 - the best `width` that did not end become next round's beams (a beam picked several times
   becomes several requests, sharing its blocks through the cache);
 - the search ends when no continuation can go on, or when all `width` hypothesis slots are full
-  and the best running beam, at its current length, cannot beat the worst of them (transformers'
-  default `early_stopping=False` heuristic).
+  and (by `early_stopping`, transformers' rules) at once (True), or once the best running beam,
+  scored at its current length, cannot beat the worst of them (False, the default heuristic), or
+  scored at `max_tokens` when length_penalty > 0 ("never": the exact bound).
 
 K > width keeps `width` beams alive even when the best continuations all end.
 """
@@ -73,6 +74,7 @@ class BeamSearch:
     def __init__(self, params: BeamSearchParams, eos_token_ids: frozenset[int], max_new_tokens: int):
         self.width = params.beam_width
         self.length_penalty = params.length_penalty
+        self.early_stopping = params.early_stopping
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.max_new_tokens = max_new_tokens
         self.num_candidates = max(2, 1 + len(self.eos_token_ids)) * self.width
@@ -116,11 +118,18 @@ class BeamSearch:
         del self.finished[self.width :]
 
     def _improvable(self, best: Continuation) -> bool:
-        """Could the best running beam still beat the worst kept hypothesis? Judged at the
-        current length, as transformers' default heuristic does."""
+        """Could the best running beam still beat the worst kept hypothesis? With all `width`
+        slots full: never with early_stopping=True; judged at the current length (False,
+        transformers' default heuristic), or at the longest length it may reach when a positive
+        length penalty favours longer ones ("never")."""
         if len(self.finished) < self.width:
             return True
-        return beam_score(best.score, self.num_generated, self.length_penalty) > self.finished[-1].score
+        if self.early_stopping is True:
+            return False
+        length = self.num_generated
+        if self.early_stopping == "never" and self.length_penalty > 0:
+            length = self.max_new_tokens
+        return beam_score(best.score, length, self.length_penalty) > self.finished[-1].score
 
 
 @dataclass
