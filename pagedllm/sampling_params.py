@@ -12,6 +12,7 @@ _GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0
 MIN_TOP_P = 1e-6
 PENALTY_RANGE = (0.01, 100.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token in effect, 100 forces it
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -68,6 +69,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    # added to the logits before sampling (greedy too), by token id (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
+    # only these tokens may be sampled (vLLM's allowed_token_ids)
+    allowed_token_ids: list[int] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -130,6 +135,31 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
+        self._validate_token_choices()
+
+    def _validate_token_choices(self) -> None:
+        """logit_bias: {token id: bias in [-100, 100]}; allowed_token_ids: a non-empty list of
+        token ids. (Whether the ids are in the vocabulary is the engine's check.)"""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            low, high = LOGIT_BIAS_RANGE
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
+                    raise ValueError(f"logit_bias values must be numbers in [{low:g}, {high:g}], got {bias!r} for token {token}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be token ids (integers >= 0)")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change this request's logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def greedy(self) -> bool:
@@ -139,6 +169,10 @@ class SamplingParams:
 def _number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _int_at_least(name: str, value: object, low: int) -> None:
