@@ -93,7 +93,7 @@ class ReplicaCore:
 
 def run_process(conn, spec: ReplicaSpec, parent_pid: int) -> None:
     """The replica process: load, say ("ready", info, pid), then serve commands until the pipe closes."""
-    from pagedllm.distributed.executor import _exit_with_parent
+    from pagedllm.worker.tensor_parallel import _exit_with_parent
 
     _exit_with_parent(parent_pid)
     logging.basicConfig(level=logging.WARNING)
