@@ -12,6 +12,7 @@ _GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0
 MIN_TOP_P = 1e-6
 PENALTY_RANGE = (0.01, 100.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token in effect, 100 forces it
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -68,6 +69,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    # added to the logits before sampling (greedy too), by token id (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
+    # only these tokens may be sampled (vLLM's allowed_token_ids)
+    allowed_token_ids: list[int] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -130,6 +135,31 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
+        self._validate_token_choices()
+
+    def _validate_token_choices(self) -> None:
+        """logit_bias: {token id: bias in [-100, 100]}; allowed_token_ids: a non-empty list of
+        token ids. (Whether the ids are in the vocabulary is the engine's check.)"""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            low, high = LOGIT_BIAS_RANGE
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not low <= bias <= high:
+                    raise ValueError(f"logit_bias values must be numbers in [{low:g}, {high:g}], got {bias!r} for token {token}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be token ids (integers >= 0)")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change this request's logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def greedy(self) -> bool:
@@ -141,6 +171,10 @@ def _number(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a number, got {value!r}")
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _int_at_least(name: str, value: object, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -150,14 +184,20 @@ def _int_at_least(name: str, value: object, low: int) -> None:
 class BeamSearchParams:
     """Beam search (vLLM's `BeamSearchParams`): keep the `beam_width` most likely continuations
     at every step, scored as transformers' `num_beams` generate scores them — cumulative logprob
-    divided by generated length ** `length_penalty`, early-stopping heuristic included — so the
-    results equal transformers' for the same weights. Deterministic: `temperature` must be 0."""
+    divided by generated length ** `length_penalty`, and `early_stopping` as transformers has it —
+    so the results equal transformers' for the same weights. Deterministic: `temperature` must be 0.
+
+    early_stopping: True stops as soon as `beam_width` hypotheses have finished; False (the
+    default, transformers' too) stops once the best running beam, scored at its current length,
+    cannot beat the worst kept hypothesis; "never" scores it at `max_tokens` instead when
+    length_penalty > 0 (the exact bound), so the search goes on while a better one is possible."""
 
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         _int_at_least("beam_width", self.beam_width, 1)
@@ -166,3 +206,5 @@ class BeamSearchParams:
         if self.temperature != 0:
             raise ValueError(f"beam search is deterministic: temperature must be 0, got {self.temperature}")
         _number("length_penalty", self.length_penalty)
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(f'early_stopping must be true, false or "never", got {self.early_stopping!r}')

@@ -13,8 +13,9 @@ continuations by cumulative logprob and keeps the best K = max(2, 1 + #EOS) × w
 - the best `width` that did not end become next round's beams (a beam picked several times
   becomes several requests, sharing its blocks through the cache);
 - the search ends when no continuation can go on, or when all `width` hypothesis slots are full
-  and the best running beam, at its current length, cannot beat the worst of them (transformers'
-  default `early_stopping=False` heuristic).
+  and (by `early_stopping`, transformers' rules) at once (True), or once the best running beam,
+  scored at its current length, cannot beat the worst of them (False, the default heuristic), or
+  scored at `max_tokens` when length_penalty > 0 ("never": the exact bound).
 
 K > width keeps `width` beams alive even when the best continuations all end.
 """
@@ -73,6 +74,7 @@ class BeamSearch:
     def __init__(self, params: BeamSearchParams, eos_token_ids: frozenset[int], max_new_tokens: int):
         self.width = params.beam_width
         self.length_penalty = params.length_penalty
+        self.early_stopping = params.early_stopping
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.max_new_tokens = max_new_tokens
         self.num_candidates = max(2, 1 + len(self.eos_token_ids)) * self.width
@@ -116,11 +118,52 @@ class BeamSearch:
         del self.finished[self.width :]
 
     def _improvable(self, best: Continuation) -> bool:
-        """Could the best running beam still beat the worst kept hypothesis? Judged at the
-        current length, as transformers' default heuristic does."""
+        """Could the best running beam still beat the worst kept hypothesis? With all `width`
+        slots full: never with early_stopping=True; judged at the current length (False,
+        transformers' default heuristic), or at the longest length it may reach when a positive
+        length penalty favours longer ones ("never")."""
         if len(self.finished) < self.width:
             return True
-        return beam_score(best.score, self.num_generated, self.length_penalty) > self.finished[-1].score
+        if self.early_stopping is True:
+            return False
+        length = self.num_generated
+        if self.early_stopping == "never" and self.length_penalty > 0:
+            length = self.max_new_tokens
+        return beam_score(best.score, length, self.length_penalty) > self.finished[-1].score
+
+
+# ---- one search's rounds, whoever drives the engine (BeamSearcher here, the server's async loop) ----
+def new_search(params: BeamSearchParams, eos_token_ids: frozenset[int], max_model_len: int, vocab_size: int,
+               prompt_len: int) -> BeamSearch:
+    """A prompt's search; ValueError for a width with more candidates per beam than a request's
+    logprobs can give."""
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    search = BeamSearch(params, eos_token_ids, min(params.max_tokens, max_model_len - prompt_len))
+    limit = min(MAX_LOGPROBS, vocab_size)
+    if search.num_candidates > limit:
+        raise ValueError(f"beam_width={params.beam_width} is too wide: each step ranks {search.num_candidates} "
+                         f"continuations per beam, and at most {limit} are available")
+    return search
+
+
+def round_params(search: BeamSearch) -> SamplingParams:
+    """What each beam of a round asks the engine for: one greedy token and its top-K logprobs."""
+    return SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=search.num_candidates)
+
+
+def candidates(output: RequestOutput) -> list[tuple[int, float]]:
+    """A beam's finished round request as its next tokens (token, logprob), best first."""
+    ranked = sorted(output.outputs[0].logprobs[0].items(), key=lambda item: item[1].rank)
+    return [(token, entry.logprob) for token, entry in ranked]
+
+
+def advance(search: BeamSearch, beams: list[Beam]) -> list[Beam]:
+    """The search's step over a round whose beams all have their candidates: next round's beams
+    (none once `search.done`)."""
+    going_on = search.step(beams)
+    return [Beam(c.parent.output_ids + [c.token_id], c.parent.token_logprobs + [(c.logprob, c.rank)], c.score)
+            for c in going_on]
 
 
 @dataclass
@@ -146,15 +189,9 @@ class BeamSearcher:
     def add(self, search_id: str, prompt: "PromptType", params: BeamSearchParams) -> None:
         """Start a search: its first round's single beam is the prompt itself. ValueError for
         what the engine refuses (the prompt) and for a width with too many candidates per beam."""
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         engine = self.engine
         _, prompt_ids = engine.tokenize(prompt)
-        search = BeamSearch(params, engine.eos_token_ids, min(params.max_tokens, engine.max_model_len - len(prompt_ids)))
-        limit = min(MAX_LOGPROBS, engine.model_config.vocab_size)
-        if search.num_candidates > limit:
-            raise ValueError(f"beam_width={params.beam_width} is too wide: each step ranks {search.num_candidates} "
-                             f"continuations per beam, and at most {limit} are available")
+        search = new_search(params, engine.eos_token_ids, engine.max_model_len, engine.model_config.vocab_size, len(prompt_ids))
         state = _Search(prompt_ids, search, [Beam()])
         self._submit(search_id, state)  # the engine checks the prompt
         self._searches[search_id] = state
@@ -180,7 +217,7 @@ class BeamSearcher:
 
     def _submit(self, search_id: str, state: _Search) -> None:
         """One one-token request per live beam, asking for its top-K next tokens."""
-        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=state.search.num_candidates)
+        params = round_params(state.search)
         for beam in state.beams:
             request_id = f"{search_id}/beam-{next(self._ids)}"
             self.engine.add_request(request_id, {"prompt_token_ids": state.prompt_ids + beam.output_ids}, params)
@@ -191,13 +228,10 @@ class BeamSearcher:
         """A beam's next-token distribution; with the round's last one, the search's step."""
         self._owner.pop(output.request_id)
         state = self._searches[search_id]
-        ranked = sorted(output.outputs[0].logprobs[0].items(), key=lambda item: item[1].rank)
-        state.pending.pop(output.request_id).candidates = [(token, entry.logprob) for token, entry in ranked]
+        state.pending.pop(output.request_id).candidates = candidates(output)
         if state.pending:
             return
-        going_on = state.search.step(state.beams)
-        state.beams = [Beam(c.parent.output_ids + [c.token_id], c.parent.token_logprobs + [(c.logprob, c.rank)], c.score)
-                       for c in going_on]
+        state.beams = advance(state.search, state.beams)
         if state.search.done:
             del self._searches[search_id]
             self.results[search_id] = self._output(state)

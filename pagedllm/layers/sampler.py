@@ -1,4 +1,5 @@
-"""Token sampling for a step's rows: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+"""Token sampling for a step's rows: allowed tokens, logit bias, penalties, temperature,
+top-k/top-p/min-p, seeds, logprobs.
 
 The sampler sees tensors only (`SamplingMetadata`, built by the runner once per step), so it
 runs where the logits are and never walks requests. Everything stays on the device; the runner
@@ -33,6 +34,17 @@ class Penalties:
 
 
 @dataclass
+class TokenChoices:
+    """A request's own say over its tokens, applied before penalties (vLLM's order):
+    `allowed_token_ids` (every other token of those rows gets -inf) and `logit_bias` (added)."""
+
+    restricted_rows: torch.Tensor | None  # [Rr] rows limited to their allowed tokens
+    allowed: tuple[torch.Tensor, torch.Tensor] | None  # (row, token) pairs those rows may sample
+    bias: tuple[torch.Tensor, torch.Tensor] | None  # (row, token) pairs that get a bias
+    bias_values: torch.Tensor | None  # [pairs] float
+
+
+@dataclass
 class SamplingMetadata:
     """How to sample each of a step's R rows. Tensors live on the logits' device."""
 
@@ -45,6 +57,7 @@ class SamplingMetadata:
     unseeded: torch.Tensor | None = None  # positions among random rows that use the engine's generator
     seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)  # (position, own generator)
     penalties: Penalties | None = None
+    choices: TokenChoices | None = None  # allowed_token_ids / logit_bias
     # structured output: (rows, [rows, ceil(V/32)] int32 bitmask of the tokens allowed next)
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None  # ranks and top-N are computed when any row asks
@@ -71,6 +84,18 @@ def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
         logits = logits - (penalties.frequency.unsqueeze(1) * counts + penalties.presence.unsqueeze(1) * (counts > 0).to(logits.dtype))
     if penalties.banned[0].numel():
         logits = logits.index_put(penalties.banned, torch.full_like(penalties.banned[0], float("-inf"), dtype=logits.dtype))
+    return logits
+
+
+def apply_token_choices(logits: torch.Tensor, choices: TokenChoices) -> torch.Tensor:
+    """allowed_token_ids first (a restricted row keeps only its tokens), then logit_bias."""
+    if choices.restricted_rows is not None:
+        banned = torch.zeros_like(logits, dtype=torch.bool)
+        banned.index_fill_(0, choices.restricted_rows, True)
+        banned.index_put_(choices.allowed, torch.zeros_like(choices.allowed[0], dtype=torch.bool))
+        logits = logits.masked_fill(banned, float("-inf"))
+    if choices.bias is not None:
+        logits = logits.index_put(choices.bias, choices.bias_values.to(logits.dtype), accumulate=True)
     return logits
 
 
@@ -116,7 +141,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [R, V] float32, one row per token to sample."""
-        if meta.random_rows is None and meta.penalties is None and meta.allowed is None and meta.max_num_logprobs is None:
+        if (meta.random_rows is None and meta.penalties is None and meta.allowed is None and meta.choices is None
+                and meta.max_num_logprobs is None):
             return self.greedy(logits)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = self.process(logits, meta)
@@ -141,7 +167,10 @@ class Sampler:
 
     @staticmethod
     def process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Penalties, bans and grammar masks: what greedy rows take the argmax of."""
+        """Allowed tokens and logit bias, penalties, bans and grammar masks: what greedy rows
+        take the argmax of (and random rows sample from, after temperature and filters)."""
+        if meta.choices is not None:
+            logits = apply_token_choices(logits, meta.choices)
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
         if meta.allowed is not None:

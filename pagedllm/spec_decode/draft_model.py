@@ -219,8 +219,9 @@ class DraftModel:
 
 
 def proposal_row(row: SampleRow) -> SampleRow:
-    """The row's sampling parameters without penalties or bans: the draft's q may be any
-    distribution, so it is kept simple (temperature, top-k/p, min-p)."""
+    """The row's sampling parameters without penalties, bans, logit bias or allowed tokens: the
+    draft's q may be any distribution (the target's verification applies them), so it is kept
+    simple (temperature, top-k/p, min-p)."""
     params = replace(row.params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0,
-                     n=1, best_of=None, stop=None)
+                     n=1, best_of=None, stop=None, logit_bias=None, allowed_token_ids=None)
     return replace(row, params=params)

@@ -214,8 +214,9 @@ class StepPlanner:
 
 
 def plain_greedy_decode(seq: PlannedSequence) -> bool:
-    """A greedy decode whose tokens are argmaxes and nothing more: its next input is its argmax,
-    whatever the other rows do (multi-step bursts, fused speculation cycles)."""
+    """A greedy decode whose tokens are argmaxes of the raw logits and nothing more: its next
+    input is its argmax, whatever the other rows do (multi-step bursts, fused speculation cycles,
+    whose C kernels take the argmax themselves: a logit_bias or allowed_token_ids would be lost)."""
     params = seq.params
     return (
         seq.num_tokens - seq.num_computed_tokens == 1
@@ -226,6 +227,7 @@ def plain_greedy_decode(seq: PlannedSequence) -> bool:
         and not params.frequency_penalty
         and seq.num_output_tokens >= params.min_tokens
         and seq.grammar is None
+        and not params.restricts_tokens
     )
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from pagedllm.layers.sampler import Penalties, SamplingMetadata
+from pagedllm.layers.sampler import Penalties, SamplingMetadata, TokenChoices
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.staging import Staging
 
@@ -48,6 +48,8 @@ class SamplingPlan:
     has_unseeded: bool = False
     filters: tuple[bool, bool, bool] = (False, False, False)  # top_k, top_p, min_p in use
     penalised: bool = False
+    restricted: bool = False  # some rows have allowed_token_ids
+    biased: bool = False  # some rows have a logit_bias
     constrained: bool = False  # some rows carry a grammar's mask
     max_num_logprobs: int | None = None
 
@@ -59,6 +61,7 @@ def stage_sampling(rows: list[SampleRow], staging: Staging, prefix: str = "sampl
     plan.max_num_logprobs = max(asked) if asked else None
     if plan.random:
         _stage_random(plan, rows, staging)
+    _stage_token_choices(plan, rows, staging, prefix)
     if any(_penalised(row) for row in rows):
         plan.penalised = True
         _stage_penalties(rows, staging, prefix)
@@ -87,6 +90,22 @@ def _stage_random(plan: SamplingPlan, rows: list[SampleRow], staging: Staging) -
         staging.add(prefix + "top_p", [p.top_p for p in params], np.float32)
     if plan.filters[2]:
         staging.add(prefix + "min_p", [p.min_p for p in params], np.float32)
+
+
+def _stage_token_choices(plan: SamplingPlan, rows: list[SampleRow], staging: Staging, prefix: str) -> None:
+    """allowed_token_ids as the restricted rows and their (row, token) pairs; logit_bias as
+    (row, token) pairs and their values."""
+    restricted = [r for r, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if restricted:
+        plan.restricted = True
+        pairs = [(r, t) for r in restricted for t in rows[r].params.allowed_token_ids]
+        staging.add(prefix + "restricted_rows", restricted)
+        staging.add(prefix + "allowed_pairs", pairs, shape=(len(pairs), 2))
+    biased = [(r, t, b) for r, row in enumerate(rows) for t, b in (row.params.logit_bias or {}).items()]
+    if biased:
+        plan.biased = True
+        staging.add(prefix + "bias_pairs", [(r, t) for r, t, _ in biased], shape=(len(biased), 2))
+        staging.add(prefix + "bias_values", [b for _, _, b in biased], np.float32)
 
 
 def _penalised(row: SampleRow) -> bool:
@@ -127,6 +146,13 @@ def sampling_metadata(plan: SamplingPlan, views: dict[str, torch.Tensor], genera
         factors = views[prefix + "penalty_factors"]
         pairs = {name: (views[prefix + name][:, 0], views[prefix + name][:, 1]) for name in ("seen", "output", "banned")}
         meta.penalties = Penalties(factors[:, 0], factors[:, 1], factors[:, 2], pairs["seen"], pairs["output"], pairs["banned"])
+    if plan.restricted or plan.biased:
+        allowed = views.get(prefix + "allowed_pairs")
+        bias = views.get(prefix + "bias_pairs")
+        meta.choices = TokenChoices(views.get(prefix + "restricted_rows"),
+                                    (allowed[:, 0], allowed[:, 1]) if allowed is not None else None,
+                                    (bias[:, 0], bias[:, 1]) if bias is not None else None,
+                                    views.get(prefix + "bias_values"))
     if plan.constrained:
         meta.allowed = (views[prefix + "allowed_rows"], views[prefix + "allowed"])
     return meta

@@ -30,8 +30,10 @@ MODES = {
     "preempt_swap": dict(block_size=4, num_kv_blocks=10, preemption_mode="swap", swap_space=1 << 20),
 }
 
-# (beam width, max tokens, length penalty); the engine modes run the first only.
+# (beam width, max tokens, length penalty[, early_stopping]); the engine modes run the first only.
 SEARCHES = [(4, 9, 0.0), (3, 10, 1.0), (2, 12, 2.0)]
+# transformers' other two stopping rules: at once when `width` hypotheses exist, and the exact bound
+EARLY_STOPPING = [(4, 16, 2.0, True), (4, 9, 0.0, True), (3, 10, 1.0, "never"), (2, 12, 2.0, "never"), (3, 8, -1.0, "never")]
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +48,11 @@ def eos_model(tmp_path_factory):
     return folder
 
 
-def transformers_beams(model, prompt: list[int], width: int, max_tokens: int, length_penalty: float):
+def transformers_beams(model, prompt: list[int], width: int, max_tokens: int, length_penalty: float,
+                       early_stopping: bool | str = False):
     out = model.generate(
         torch.tensor([prompt]), num_beams=width, num_return_sequences=width, max_new_tokens=max_tokens,
-        do_sample=False, length_penalty=length_penalty, early_stopping=False, output_scores=True,
+        do_sample=False, length_penalty=length_penalty, early_stopping=early_stopping, output_scores=True,
         return_dict_in_generate=True, pad_token_id=2,
     )
     results = []
@@ -72,11 +75,12 @@ def check_against_transformers(folder, mode_args: dict, searches: list[tuple]) -
         return outputs
 
     engine.step = counted_step
-    for width, max_tokens, penalty in searches:
-        params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=penalty)
+    for width, max_tokens, penalty, *stopping in searches:
+        early_stopping = stopping[0] if stopping else False
+        params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=penalty, early_stopping=early_stopping)
         outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
         for prompt, output in zip(PROMPTS, outputs):
-            theirs = transformers_beams(reference, prompt, width, max_tokens, penalty)
+            theirs = transformers_beams(reference, prompt, width, max_tokens, penalty, early_stopping)
             ours = [(seq.tokens[len(prompt):], seq.score) for seq in output.sequences]
             assert [t for t, _ in ours] == [t for t, _ in theirs], f"width {width}, penalty {penalty}, prompt {prompt}"
             for (_, our_score), (_, their_score) in zip(ours, theirs):
@@ -95,6 +99,26 @@ def test_beams_equal_transformers_with_eos_endings(eos_model, mode):
     assert seen["eos"] > 0 and seen["early"] > 0, f"the EOS paths were not exercised: {seen}"
     if mode.startswith("preempt"):
         assert seen["waited"] > 0, "the small pool held every beam of every round at once"
+
+
+def test_early_stopping_true_and_never_equal_transformers(eos_model):
+    """early_stopping=True ends a search when `width` hypotheses exist; "never" goes on while the
+    best running beam could still win at max_tokens (length_penalty > 0): both as transformers."""
+    seen = check_against_transformers(eos_model, MODES["defaults"], EARLY_STOPPING)
+    assert seen["eos"] > 0 and seen["early"] > 0, f"the EOS paths were not exercised: {seen}"
+
+
+def test_early_stopping_changes_the_search(eos_model):
+    """The three rules give different searches on this model (else the test above proves little)."""
+    llm = LLM(str(eos_model), block_size=4)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def search(width, max_tokens, penalty, rule):
+        params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=penalty, early_stopping=rule)
+        return [[seq.tokens for seq in output.sequences] for output in llm.beam_search(prompts, params)]
+
+    assert search(4, 16, 2.0, True) != search(4, 16, 2.0, False)
+    assert search(2, 12, 2.0, False) != search(2, 12, 2.0, "never")
 
 
 def test_beams_equal_transformers_llama(model_dir):
@@ -133,6 +157,9 @@ def test_beam_search_rejects_bad_parameters(model_dir):
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(ValueError, match="temperature"):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.5)
+    for bad in ("always", 1, None):
+        with pytest.raises(ValueError, match="early_stopping"):
+            BeamSearchParams(beam_width=2, max_tokens=4, early_stopping=bad)
     llm = LLM(str(model_dir("llama")))
     with pytest.raises(ValueError, match="beam_width=11 is too wide"):
         llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=11, max_tokens=4))

@@ -34,7 +34,8 @@ IGNORED = {
     "kv_transfer_params": "no KV transfer between servers",
     "vllm_xargs": "no extension arguments are read",
     "mm_processor_kwargs": "the served models take text only",
-    "spaces_between_special_tokens": "the tokenizers are fast tokenizers, whose decoding has no such option",
+    "spaces_between_special_tokens": ("the tokenizers are fast tokenizers, whose decoding has no such option (vLLM's "
+                                      "fast detokenizer ignores it too)"),
 }
 # field -> why it is refused when set (ignoring it would give a wrong answer)
 REFUSED = {

@@ -39,7 +39,7 @@ def _loc_to_param(loc: Sequence[Any]) -> str | None:
     for part in parts:
         if isinstance(part, int):
             text += f"[{part}]"
-        elif isinstance(part, str) and not part.startswith(("function-", "list[", "str", "int", "json-")):
+        elif isinstance(part, str) and not part.startswith(("function-", "list[", "str", "int", "json-", "literal[", "bool")):
             text += f".{part}" if text else part
     return text or None
 

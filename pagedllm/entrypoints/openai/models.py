@@ -77,6 +77,10 @@ class ServedModel:
     def vocab_size(self) -> int:
         return self.info.vocab_size
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.info.eos_token_ids
+
     def card(self) -> ModelCard:
         return ModelCard(id=self.name, created=self.created, max_model_len=self.max_model_len)
 

@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 
 from pagedllm.entrypoints.openai import compat
 from pagedllm.entrypoints.openai.limits import (
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_CHOICES,
+    MAX_LOGIT_BIAS,
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
     MAX_PRIORITY,
@@ -77,7 +79,8 @@ class SamplingFields(RequestModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[Name] = None
-    logit_bias: Optional[dict[str, float]] = None
+    # token id (a string, as JSON keys are) -> bias in [-100, 100], added to the logits
+    logit_bias: Optional[Annotated[dict[Annotated[str, Field(max_length=32)], float], Field(max_length=MAX_LOGIT_BIAS)]] = None
     # vLLM extensions
     top_k: Optional[int] = None
     min_p: Optional[float] = None
@@ -85,6 +88,12 @@ class SamplingFields(RequestModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: Optional[Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
+    allowed_token_ids: Optional[Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]],
+                                          Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]] = None
+    # beam search (vLLM's fields): n (completions: best_of, when given) beams, the n best returned
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
     priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -114,7 +123,6 @@ class SamplingFields(RequestModel):
 
     @model_validator(mode="after")
     def _unsupported(self) -> "SamplingFields":
-        _reject_set(self.__dict__, {"logit_bias": ({},)})
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or a positive integer")
         refused = compat.unsupported(self.__dict__)

@@ -45,13 +45,14 @@ class EngineInfo:
     vocab_size: int
     block_size: int
     max_num_batched_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()  # where beam search's hypotheses end
 
     @classmethod
     def of(cls, engine) -> EngineInfo:
         manager = engine.block_manager
         return cls(engine.max_model_len, manager.num_blocks * manager.block_size, engine.config.max_num_seqs,
                    engine.model_config.vocab_size, manager.block_size,
-                   engine.config.resolve_max_num_batched_tokens(engine.max_model_len))
+                   engine.config.resolve_max_num_batched_tokens(engine.max_model_len), frozenset(engine.eos_token_ids))
 
 
 class ReplicaCore:
@@ -92,7 +93,7 @@ class ReplicaCore:
 
 def run_process(conn, spec: ReplicaSpec, parent_pid: int) -> None:
     """The replica process: load, say ("ready", info, pid), then serve commands until the pipe closes."""
-    from pagedllm.distributed.executor import _exit_with_parent
+    from pagedllm.worker.tensor_parallel import _exit_with_parent
 
     _exit_with_parent(parent_pid)
     logging.basicConfig(level=logging.WARNING)

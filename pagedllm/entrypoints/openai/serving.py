@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 import uuid
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -113,6 +114,29 @@ def structured_outputs(req: SamplingFields, response_format: Any = None) -> tupl
         raise BadRequestError(str(exc), param) from exc
 
 
+def logit_bias(req: SamplingFields, served: ServedModel) -> dict[int, float] | None:
+    """OpenAI's logit_bias: its keys are token ids written as strings; each must be one of the
+    model's (the bias range is SamplingParams' check)."""
+    if not req.logit_bias:
+        return None
+    bias = {}
+    for key, value in req.logit_bias.items():
+        if not re.fullmatch(r"[0-9]+", key):
+            raise BadRequestError(f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}",
+                                  "logit_bias")
+        bias[int(key)] = value
+    token_ids_in_vocab(bias, served, "logit_bias")
+    return bias
+
+
+def token_ids_in_vocab(ids: Any, served: ServedModel, param: str) -> Any:
+    for token in ids or ():
+        if token >= served.vocab_size:
+            raise BadRequestError(f"{param}: token id {token} is outside the vocabulary [0, {served.vocab_size}) of model "
+                                  f"{served.name!r}", param)
+    return ids
+
+
 def sampling_params(req: SamplingFields, served: ServedModel, **fields: Any) -> SamplingParams:
     """SamplingParams from the shared request fields plus endpoint-specific `fields`
     (max_tokens, logprobs, prompt_logprobs, best_of); its ValueError becomes a 400."""
@@ -132,6 +156,8 @@ def sampling_params(req: SamplingFields, served: ServedModel, **fields: Any) -> 
         min_tokens=req.min_tokens,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias=logit_bias(req, served),
+        allowed_token_ids=token_ids_in_vocab(req.allowed_token_ids, served, "allowed_token_ids"),
         **fields,
     )
     try:

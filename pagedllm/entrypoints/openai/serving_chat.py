@@ -16,6 +16,7 @@ from fastapi import Request
 from starlette.responses import Response
 
 from pagedllm.entrypoints import chat_template
+from pagedllm.entrypoints.openai import serving_beam_search
 from pagedllm.entrypoints.openai.async_engine import RequestGroup
 from pagedllm.entrypoints.openai.models import ServedModel
 from pagedllm.entrypoints.openai.protocol import (
@@ -93,6 +94,8 @@ async def create_chat_completion(req: ChatCompletionRequest, served: ServedModel
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_context_length(len(prompt.token_ids), max_tokens, served, param)
     constraint, constraint_param = output_constraint(req)
+    if req.use_beam_search:
+        return await beam_search_chat(req, served, raw, prompt, max_tokens, constraint_param)
     params = sampling_params(
         req, served, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         structured_outputs=constraint,
@@ -102,6 +105,18 @@ async def create_chat_completion(req: ChatCompletionRequest, served: ServedModel
         return await stream_response(served, builder.id, [prompt], params, req.priority, MESSAGES, builder.chunks, constraint_param)
     async with submitted(served, builder.id, [prompt], params, req.priority, MESSAGES, constraint_param) as group:
         (output,) = await final_outputs(group, raw, MESSAGES)
+    return builder.response(output)
+
+
+async def beam_search_chat(req: ChatCompletionRequest, served: ServedModel, raw: Request, prompt: EnginePrompt,
+                           max_tokens: int | None, constraint_param: str | None) -> ChatCompletionResponse:
+    """The conversation's beam search (serving_beam_search.py): width n, all n beams as choices."""
+    params = serving_beam_search.beam_search_params(
+        req, max_tokens if max_tokens is not None else served.max_model_len, width=req.n, width_param="n",
+        logprobs_param="logprobs" if req.logprobs else None, constraint_param=constraint_param)
+    builder = ChatBuilder(req, served, raw, new_id("chatcmpl", req.request_id), prompt)
+    (output,) = await serving_beam_search.search_outputs(served, builder.id, [prompt], params, req.n, req.priority, raw,
+                                                         MESSAGES, "n", req.skip_special_tokens)
     return builder.response(output)
 
 

@@ -14,6 +14,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from starlette.responses import Response
 
+from pagedllm.entrypoints.openai import serving_beam_search
 from pagedllm.entrypoints.openai.async_engine import RequestGroup
 from pagedllm.entrypoints.openai.models import ServedModel
 from pagedllm.entrypoints.openai.protocol import (
@@ -79,6 +80,8 @@ async def create_completion(req: CompletionRequest, served: ServedModel, raw: Re
     prompts = await to_prompts(req, served)
     for prompt in prompts:
         check_context_length(len(prompt.token_ids), req.max_tokens, served)
+    if req.use_beam_search:
+        return await beam_search_completion(req, served, raw, prompts)
     score_only = req.max_tokens == 0
     constraint, constraint_param = structured_outputs(req)
     params = sampling_params(
@@ -95,6 +98,24 @@ async def create_completion(req: CompletionRequest, served: ServedModel, raw: Re
         return await stream_response(served, builder.id, prompts, params, req.priority, PROMPT, builder.chunks, constraint_param)
     async with submitted(served, builder.id, prompts, params, req.priority, PROMPT, constraint_param) as group:
         outputs = await final_outputs(group, raw, PROMPT)
+    return builder.response(outputs)
+
+
+async def beam_search_completion(req: CompletionRequest, served: ServedModel, raw: Request,
+                                 prompts: list[EnginePrompt]) -> CompletionResponse:
+    """Each prompt's beam search (serving_beam_search.py): width best_of (else n), the n best
+    hypotheses as its choices, best first."""
+    if req.max_tokens == 0:
+        raise BadRequestError("max_tokens=0 (scoring the prompt) cannot be used with use_beam_search", "max_tokens")
+    _, constraint_param = structured_outputs(req)
+    width_param = "best_of" if req.best_of is not None else "n"
+    params = serving_beam_search.beam_search_params(
+        req, req.max_tokens if req.max_tokens is not None else served.max_model_len,
+        width=req.best_of if req.best_of is not None else req.n, width_param=width_param,
+        logprobs_param="logprobs" if req.logprobs is not None else None, constraint_param=constraint_param)
+    builder = CompletionBuilder(req, served, raw, new_id("cmpl", req.request_id), prompts)
+    outputs = await serving_beam_search.search_outputs(served, builder.id, prompts, params, req.n, req.priority, raw, PROMPT,
+                                                       width_param, req.skip_special_tokens)
     return builder.response(outputs)
 
 

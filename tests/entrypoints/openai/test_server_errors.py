@@ -31,7 +31,7 @@ COMPLETION = {"model": MAIN, "prompt": "def", "max_tokens": 2}
         ({"prompt": [1, "a"]}, "prompt", ""),
         ({"prompt": [10**6]}, "prompt", "outside the vocabulary"),
         ({"max_token": 5}, "max_token", "unrecognized"),
-        ({"logit_bias": {"1": 5}}, None, "logit_bias"),
+        ({"logit_bias": {"one": 5}}, "logit_bias", "token ids"),
         ({"stream_options": {"include_usage": True}}, None, "stream"),
     ],
 )
