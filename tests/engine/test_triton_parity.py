@@ -14,8 +14,10 @@ from parity import MAX_TOKENS, MODES, PROMPTS, assert_mode_happened, assert_outp
 pytestmark = pytest.mark.skipif(triton_attention.triton is None, reason="Triton is not installed")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-# block_size_16_no_chunking and sdpa_decode give the kernels nothing the other modes do not
-TRITON_MODES = ["defaults", "prefix_caching", "chunked_prefill", "preempt_recompute", "preempt_swap", "block_size_1"]
+# block_size_16_no_chunking and sdpa_decode give the kernels nothing the other modes do not;
+# prefix_caching's first run is the defaults' (plus caching), and the kernels' unit tests
+# (tests/layers/test_triton_attention.py) cover block sizes 1 to 32
+TRITON_MODES = ["prefix_caching", "chunked_prefill", "preempt_recompute", "preempt_swap"]
 
 
 def run_and_check(llm: LLM, expected, mode: str) -> None:

@@ -21,7 +21,7 @@ def test_guidellm_streams_with_no_failed_request(server, serve_models, tmp_path,
     command = [
         str(guidellm), "run", "--disable-console-interactive",
         "--backend", f"kind=openai_http,target={server.url},model={MAIN},request_format={route},api_key={API_KEY}",
-        "--profile", "kind=constant,rate=4", "--constraint", "kind=max_duration,seconds=12",
+        "--profile", "kind=constant,rate=6", "--constraint", "kind=max_duration,seconds=6",
         "--data", "kind=synthetic_text,prompt_tokens=24,output_tokens=8",
         "--tokenizer", f"kind=huggingface_auto,model={serve_models / 'tiny-llama'}",
         "--output", f"kind=json,path={report}",
