@@ -143,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a GGUF file or model folder (default: a random model of SmolLM2-135M's shape)")
     parser.add_argument("--against", default="transformers", choices=["transformers", "llama.cpp", "none"],
                         help="the baseline in the same run: transformers' generate, or llama.cpp (llama-cpp-python) on the same "
-                             "GGUF file, batch 1 and a 512-token prefill")
+                             "GGUF file, batch 1 through its generate loop, larger batches as parallel sequences in one context, and a 512-token prefill")
     parser.add_argument("--quantization", default=None, choices=["int8", "q4", "gguf", "none"],
                         help="pagedllm's weights (a GGUF file keeps its blocks by default)")
     parser.add_argument("--decode-backend", default="auto", choices=["auto", "fused", "torch"])
@@ -243,18 +243,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _LlamaCpp:
-    """llama.cpp's single-stream decode as an engine of `_measure` (batch 1 only)."""
+    """llama.cpp's decode as an engine of `_measure`: one sequence through its own generate loop,
+    a batch as parallel sequences in one context (llama_cpp.ParallelDecoder, one per batch size)."""
 
     def __init__(self, llama, args: argparse.Namespace, vocab: int):
         self.llama, self.args, self.vocab = llama, args, vocab
+        self.parallel = {}
 
     def __call__(self, batch: int) -> Rate | None:
         from pagedllm.bench import llama_cpp
 
-        if batch != 1:
-            return None
-        prompt = prompts(1, self.args.prompt_len, self.vocab, self.args.seed)[0]
-        return Rate(llama_cpp.decode_rate(self.llama, prompt, self.args.new_tokens))
+        requests = prompts(batch, self.args.prompt_len, self.vocab, self.args.seed)
+        if batch == 1:
+            return Rate(llama_cpp.decode_rate(self.llama, requests[0], self.args.new_tokens))
+        if batch not in self.parallel:
+            context = batch * (self.args.prompt_len + self.args.new_tokens + 16)
+            self.parallel[batch] = llama_cpp.ParallelDecoder(self.llama, batch, context, torch.get_num_threads())
+            self.parallel[batch].rate(requests, 8)  # warm-up
+        return Rate(self.parallel[batch].rate(requests, self.args.new_tokens))
 
 
 def _llama_cpp_engine(args: argparse.Namespace, llm) -> tuple[str, _LlamaCpp]:
