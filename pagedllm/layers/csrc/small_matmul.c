@@ -308,8 +308,12 @@ void quantize_rows(const float *x, int64_t m, int64_t ldx, const QRows *xq) {
                 const vi greater = mx > a;
                 mx = (mx & greater) | (a & ~greater);
             }
+#if defined(__AVX512F__)
+            int32_t bits = _mm512_reduce_max_epi32((__m512i)mx);
+#else
             int32_t bits = 0;
             for (int i = 0; i < VW; i++) bits = mx[i] > bits ? mx[i] : bits;
+#endif
             float amax;
             memcpy(&amax, &bits, sizeof amax);
             float inv = amax > 0.0f ? 1.0f / amax : 0.0f;
@@ -320,10 +324,18 @@ void quantize_rows(const float *x, int64_t m, int64_t ldx, const QRows *xq) {
             for (int i = 0; i < QBLOCK; i += VW) {
                 const vi qi = round_to_int(loadv(xb + i) * id);
                 total += qi;
+#if defined(__AVX512F__)
+                _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8((__m512i)qi)); /* |qi| <= 127 */
+#else
                 for (int j = 0; j < VW; j++) q[i + j] = (int8_t)qi[j];
+#endif
             }
+#if defined(__AVX512F__)
+            const int32_t sum = _mm512_reduce_add_epi32((__m512i)total);
+#else
             int32_t sum = 0;
             for (int i = 0; i < VW; i++) sum += total[i];
+#endif
             const float d = amax * (1.0f / 127.0f);
             xq->d[r * nb + b] = d;
             xq->sum[r * nb + b] = sum;
