@@ -147,6 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None, choices=["int8", "q4", "gguf", "none"],
                         help="pagedllm's weights (a GGUF file keeps its blocks by default)")
     parser.add_argument("--decode-backend", default="auto", choices=["auto", "fused", "torch"])
+    parser.add_argument("--int8-activations", default="off", choices=["off", "on", "both"],
+                        help="the engine argument int8_activations (block-quantized weights); both: an engine of each, "
+                             "measured in turns")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", default="1,8")
@@ -203,12 +206,13 @@ def run(args: argparse.Namespace) -> int:
     if args.quantization:
         engine_args["quantization"] = args.quantization
     engines = []
-    for steps in [int(s) for s in args.num_scheduler_steps.split(",")]:
-        llm = LLM(str(folder), num_scheduler_steps=steps, **engine_args)
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.int8_activations]
+    for steps, int8 in [(int(s), m) for s in args.num_scheduler_steps.split(",") for m in modes]:
+        llm = LLM(str(folder), num_scheduler_steps=steps, **engine_args, **({"int8_activations": True} if int8 else {}))
         weights, elements = weight_bytes_per_step(llm), weight_elements(llm)
         for batch in batches:  # warm-up, long enough for the fused step to have tried both thread counts at each size
             run_pagedllm(llm, batch, args.prompt_len, 64, args.seed)
-        weights_kind = llm.llm_engine.config.quantization or "fp32"
+        weights_kind = (llm.llm_engine.config.quantization or "fp32") + (", int8 activations" if int8 else "")
         name = f"pagedllm ({weights_kind}, {args.decode_backend}, {steps} step{'s' if steps > 1 else ''})"
         engines.append((name, functools.partial(lambda llm, b: run_pagedllm(llm, b, args.prompt_len, args.new_tokens, args.seed), llm)))
     if against == "llama.cpp":

@@ -76,6 +76,11 @@ class EngineConfig:
     # Weight-only: "int8" (per-channel scales) or "q4" (Q4_1 blocks of 32) quantized at load; "gguf" keeps
     # a GGUF file's blocks (the default for GGUF files); "none" dequantizes a GGUF file (layers/quantization.py)
     quantization: str | None = None
+    # Opt-in, CPU, block-quantized weights ("gguf" or "q4"): the small-M kernels quantize each row's
+    # activations to int8 per block of 32 (llama.cpp's Q8_1 way) and multiply with integer dot
+    # products (VNNI where the CPU has it) instead of dequantizing every weight exactly in fp32:
+    # faster decode steps, results no longer exact (docs/engine.md, "int8 activations")
+    int8_activations: bool = False
     kv_cache_memory_fraction: float = 0.25
     # Split the model across this many processes on this host (gloo on CPU, NCCL on CUDA).
     tensor_parallel_size: int = 1
@@ -135,6 +140,9 @@ class EngineConfig:
             self.quantization = "gguf"
         if self.quantization == "gguf" and not is_gguf(self.model):
             raise ValueError("quantization='gguf' keeps a GGUF file's blocks; the model is not a GGUF file")
+        if self.int8_activations and self.quantization not in ("gguf", "q4"):
+            raise ValueError("int8_activations multiplies block-quantized weights: it needs quantization='gguf' (a GGUF "
+                             f"file) or 'q4', got {self.quantization!r}")
         if self.quantization == "q4" and self.tensor_parallel_size > 1:
             raise ValueError("quantization='q4' is not supported with tensor_parallel_size > 1")
         if not 0 < self.kv_cache_memory_fraction <= 0.9:

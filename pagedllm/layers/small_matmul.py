@@ -36,6 +36,9 @@ class PackedWeight:
     k: int
     swiglu: bool = False  # panels alternate gate, up: the output is silu(gate) * up, n / 2 wide
     kind: int | None = None  # the C dtype; None: from the panels' dtype (fp32 or int8)
+    # Q4/Q8_0 only: multiply activations quantized to int8 per block of 32 with integer dot
+    # products (Matrix.int8_activations, csrc/small_matmul.c): faster, not exact
+    int8_activations: bool = False
 
     @property
     def num_panels(self) -> int:
@@ -56,7 +59,7 @@ class PackedWeight:
         return MatrixStruct(
             panels=self.panels.data_ptr(), scale=_ptr(self.scale), bias=_ptr(self.bias), n=self.n, k=self.k,
             num_panels=self.num_panels, dtype=kind, panel_capacity=self.panels.numel() * self.panels.element_size(),
-            lane_capacity=lanes,
+            lane_capacity=lanes, int8_activations=int(self.int8_activations and kind in (WEIGHT_Q8_0, WEIGHT_Q4)),
         )
 
 

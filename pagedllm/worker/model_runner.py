@@ -66,6 +66,10 @@ class ModelRunner:
         panels_library = kernels.load() if planner.small_matmul_panels else None
         self.model = load_model(model_config, max_model_len, self.dtype, self.device, group, quantization=config.quantization,
                                 panel_width=panels_library.panel_width() if panels_library is not None else None)
+        if config.int8_activations:  # block-quantized panels multiply int8-quantized activations (small_matmul.c)
+            for linear in self.model.linears():
+                if linear.small is not None:
+                    linear.small.int8_activations = True
         self.speculator = speculator
         self.states = SequenceStates()
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))

@@ -271,3 +271,45 @@ def test_the_fused_step_checks_block_quantized_matrices_by_their_bytes(q4_decode
         fused._lm_head.k += 16
     assert b"LM head: a block-quantized matrix" in fused.library.kernel_last_error()
     assert run_step(q4_decoder, step_arrays()) == kernels.KERNEL_OK
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_small_matmul_refuses_int8_activations_it_cannot_honour(kind):
+    """int8 activations (Matrix.int8_activations) only for block-quantized panels, and only 0 or 1;
+    with the flag the kernel still refuses sizes that do not fit."""
+    library = kernels.load()
+    width = library.panel_width()
+    struct = pack(torch.randn(8, 32), width).struct()
+    struct.int8_activations = 1
+    assert small_matmul_status(library, struct, torch.randn(1, 32), torch.empty(1, 8)) == kernels.KERNEL_REFUSED
+    assert b"int8_activations 1 on a matrix of dtype 0" in library.kernel_last_error()
+    packed = pack_blocks(quantize_blocks(torch.randn(24, 64), kind), width)
+    struct = packed.struct()
+    struct.int8_activations = 2
+    assert small_matmul_status(library, struct, torch.randn(2, 64), torch.empty(2, 24)) == kernels.KERNEL_REFUSED
+    assert b"int8_activations 2" in library.kernel_last_error()
+    struct.int8_activations = 1
+    assert small_matmul_status(library, struct, torch.randn(2, 64), torch.empty(2, 24)) == kernels.KERNEL_OK
+    assert small_matmul_status(library, struct, torch.randn(2, 64), torch.empty(1, 24)) == kernels.KERNEL_REFUSED
+    struct.k = 48
+    assert small_matmul_status(library, struct, torch.randn(2, 48), torch.empty(2, 24)) == kernels.KERNEL_REFUSED
+    assert b"48 inputs, not a multiple of 32" in library.kernel_last_error()
+    struct.k = 64
+    struct.panel_capacity -= 1
+    assert small_matmul_status(library, struct, torch.randn(2, 64), torch.empty(2, 24)) == kernels.KERNEL_REFUSED
+    assert b"were allocated" in library.kernel_last_error()
+
+
+def test_the_fused_step_checks_int8_activation_matrices_too(q4_decoder):
+    fused, _ = q4_decoder
+    matrices = [fused._lm_head, *(getattr(layer, name) for layer in fused._layers for name in ("qkv", "o", "gate_up", "down"))]
+    for matrix in matrices:
+        matrix.int8_activations = 1
+    try:
+        assert run_step(q4_decoder, step_arrays()) == kernels.KERNEL_OK
+        fused._layers[1].down.int8_activations = 3
+        assert run_step(q4_decoder, step_arrays()) == kernels.KERNEL_REFUSED
+        assert b"int8_activations 3" in fused.library.kernel_last_error()
+    finally:
+        for matrix in matrices:
+            matrix.int8_activations = 0

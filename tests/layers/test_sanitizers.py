@@ -20,11 +20,12 @@ import pytest
 from pagedllm.layers import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
-# The kernels' own tests (the small-M matmul's Q8_0/Q4 block panels and their ROW_TILE prefill
-# tiles among them), the fused step against the modules (q4: over kept blocks), and the
+# The kernels' own tests (the small-M matmul's Q8_0/Q4 block panels, with int8 activations too, and
+# their ROW_TILE prefill tiles among them), the fused step against the modules (q4: over kept blocks), and the
 # differential fuzz (its q4 engine included).
 SANITIZED_TESTS = ["tests/layers/test_paged_decode.py", "tests/layers/test_prefill_attention.py",
-                   "tests/layers/test_small_matmul.py", "tests/layers/test_sampler.py", "tests/layers/test_kernel_checks.py",
+                   "tests/layers/test_small_matmul.py", "tests/layers/test_int8_activations.py", "tests/layers/test_sampler.py",
+                   "tests/layers/test_kernel_checks.py",
                    "tests/models/test_fused_decode.py", "tests/engine/test_differential_fuzz.py"]
 FUZZ_EXAMPLES = "12"
 REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "LeakSanitizer")

@@ -44,6 +44,8 @@ int check_matrix(const Matrix *w, const char *name) {
     REQUIRE(matrix_bytes(w) <= w->panel_capacity, "%s: %lld panels of %d lanes (dtype %d) need %lld bytes, %lld were allocated",
             name, (long long)w->num_panels, VW, w->dtype, (long long)matrix_bytes(w), (long long)w->panel_capacity);
     REQUIRE(w->dtype != WEIGHT_I8 || w->scale != NULL, "%s: an int8 matrix without scales", name);
+    REQUIRE(w->int8_activations == 0 || (w->int8_activations == 1 && (w->dtype == WEIGHT_Q8_0 || w->dtype == WEIGHT_Q4)),
+            "%s: int8_activations %d on a matrix of dtype %d (1 only for Q8_0 and Q4)", name, w->int8_activations, w->dtype);
     /* block-quantized panels carry their scales inside (no scale array is read for them) */
     REQUIRE((w->scale == NULL && w->bias == NULL) || w->num_panels * VW <= w->lane_capacity,
             "%s: scales/biases of %lld lanes, %lld needed", name, (long long)w->lane_capacity, (long long)(w->num_panels * VW));

@@ -79,6 +79,10 @@ static void prepare_head(const Model *md, const Layer *ly, const Step *st, float
 typedef struct {
     float *x, *norm, *qkv, *attn, *act;
     int64_t qkv_ld, norm_ld;
+    /* each thread's buffer for a matrix's input rows quantized to int8 (int8_activations), of
+     * qrows_bytes(q_rows, q_k) bytes, q_ld apart; NULL when no matrix needs it */
+    char *quantized;
+    int64_t q_rows, q_k, q_ld;
     /* Attention groups: rows first[g] .. first[g] + count[g] - 1 are one sequence's consecutive
      * positions (a verification, or a draft's catch-up), attended together (attend_rows). */
     int64_t *group_first, *group_count, num_groups;
@@ -213,24 +217,41 @@ static Ahead ahead_of(const Matrix *w, int paired, int t, int nt) {
     return (Ahead){(const char *)w->panels + first * unit_bytes, bytes < AHEAD_BYTES ? bytes : AHEAD_BYTES};
 }
 
-static void matmul_stage(Stage *stage, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int mode,
-                         int pair, Ahead next, int t, int nt) {
+/* The stage's input rows quantized into thread t's buffer, where w takes int8 activations
+ * (each thread quantizes the rows itself: no wait for another thread's copy; the rows' codes are
+ * the same whichever thread computes them); else NULL. */
+static const QRows *quantize_input(const Scratch *sc, const Matrix *w, const float *x, int64_t m, int64_t ldx, int t, QRows *xq) {
+    if (!int8_activations(w) || sc->quantized == NULL) return NULL;
+    *xq = qrows_in(sc->quantized + t * sc->q_ld, m, w->k);
+    quantize_rows(x, m, ldx, xq);
+    return xq;
+}
+
+static void matmul_stage(Stage *stage, const Scratch *sc, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y,
+                         int64_t ldy, int mode, int pair, Ahead next, int t, int nt) {
     const Chunks ch = chunks_of(w->num_panels, nt);
     Walk walk = walk_start(ch.n, t, nt);
+    QRows rows;
+    const QRows *xq = NULL;
     for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage)) {
+        if (xq == NULL) xq = quantize_input(sc, w, x, m, ldx, t, &rows);
         const int64_t hi = (c + 1) * ch.per < w->num_panels ? (c + 1) * ch.per : w->num_panels;
-        matmul_panels(w, x, m, ldx, y, ldy, c * ch.per, hi, mode, pair);
+        matmul_panels(w, x, xq, m, ldx, y, ldy, c * ch.per, hi, mode, pair);
     }
     await(stage, ch.n, next);
 }
 
-static void swiglu_stage(Stage *stage, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact,
-                         int pair, Ahead next, int t, int nt) {
+static void swiglu_stage(Stage *stage, const Scratch *sc, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act,
+                         int64_t ldact, int pair, Ahead next, int t, int nt) {
     const int64_t pairs = w->num_panels / 2;
     const Chunks ch = chunks_of(pairs, nt);
     Walk walk = walk_start(ch.n, t, nt);
-    for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage))
-        swiglu_panels(w, x, m, ldx, act, ldact, c * ch.per, (c + 1) * ch.per < pairs ? (c + 1) * ch.per : pairs, pair);
+    QRows rows;
+    const QRows *xq = NULL;
+    for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage)) {
+        if (xq == NULL) xq = quantize_input(sc, w, x, m, ldx, t, &rows);
+        swiglu_panels(w, x, xq, m, ldx, act, ldact, c * ch.per, (c + 1) * ch.per < pairs ? (c + 1) * ch.per : pairs, pair);
+    }
     await(stage, ch.n, next);
 }
 
@@ -246,7 +267,7 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
 
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->input_norm, H, md->eps, norm + r * H);
     const Ahead o_ahead = ahead_of(&ly->o, 0, t, nt);
-    matmul_stage(&stages[0], &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, pair, o_ahead, t, nt);
+    matmul_stage(&stages[0], sc, &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, pair, o_ahead, t, nt);
     for (int64_t i; (i = claim(&stages[1])) < R * Hkv; finish(&stages[1]))
         prepare_head(md, ly, st, sc->qkv, sc->qkv_ld, i / Hkv, i % Hkv);
     await(&stages[1], R * Hkv, o_ahead);
@@ -259,10 +280,10 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
         failed = worse_status(failed, status);
     }
     await(&stages[2], items, o_ahead);
-    matmul_stage(&stages[3], &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, pair, ahead_of(&ly->gate_up, 1, t, nt), t, nt);
+    matmul_stage(&stages[3], sc, &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, pair, ahead_of(&ly->gate_up, 1, t, nt), t, nt);
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->post_norm, H, md->eps, norm + r * H);
-    swiglu_stage(&stages[4], &ly->gate_up, norm, R, H, sc->act, md->intermediate, pair, ahead_of(&ly->down, 0, t, nt), t, nt);
-    matmul_stage(&stages[5], &ly->down, sc->act, R, md->intermediate, sc->x, H, ACCUMULATE, pair, ahead_of(next, 0, t, nt), t, nt);
+    swiglu_stage(&stages[4], sc, &ly->gate_up, norm, R, H, sc->act, md->intermediate, pair, ahead_of(&ly->down, 0, t, nt), t, nt);
+    matmul_stage(&stages[5], sc, &ly->down, sc->act, R, md->intermediate, sc->x, H, ACCUMULATE, pair, ahead_of(next, 0, t, nt), t, nt);
     return failed;
 }
 
@@ -351,7 +372,23 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     Stage *stages = calloc(num_stages, sizeof(Stage));
     _Atomic unsigned char *taken = calloc(num_stages * max_chunks, 1);
     int64_t *groups = malloc(sizeof(int64_t) * 2 * R);
-    if (scratch == NULL || stages == NULL || taken == NULL || groups == NULL) {
+    /* int8 activations: a buffer per thread for the widest input of the rows of any matrix */
+    int any_int8 = int8_activations(md->lm_head);
+    for (int64_t l = 0; l < md->num_layers; l++) {
+        const Layer *ly = &md->layers[l];
+        any_int8 |= int8_activations(&ly->qkv) | int8_activations(&ly->o) | int8_activations(&ly->gate_up) |
+                    int8_activations(&ly->down);
+    }
+    sc.quantized = NULL;
+    sc.q_rows = st->num_logits > R ? st->num_logits : R;
+    sc.q_k = H > md->num_heads * D ? H : md->num_heads * D;
+    sc.q_k = sc.q_k > md->intermediate ? sc.q_k : md->intermediate;
+    sc.q_k = (sc.q_k + QBLOCK - 1) / QBLOCK * QBLOCK;
+    sc.q_ld = (qrows_bytes(sc.q_rows, sc.q_k) + 63) / 64 * 64;
+    int no_memory = 0;
+    if (any_int8) no_memory = (sc.quantized = malloc(num_threads * sc.q_ld)) == NULL;
+    if (scratch == NULL || stages == NULL || taken == NULL || groups == NULL || no_memory) {
+        free(sc.quantized);
         free(scratch);
         free(stages);
         free((void *)taken);
@@ -380,9 +417,10 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
         }
         float *norm = sc.norm + t * sc.norm_ld;
         for (int64_t i = 0; i < st->num_logits; i++) rmsnorm(sc.x + st->logit_rows[i] * H, md->final_norm, H, md->eps, norm + i * H);
-        matmul_stage(&stages[md->num_layers * STAGES_PER_LAYER], md->lm_head, norm, st->num_logits, H, st->logits, md->vocab,
+        matmul_stage(&stages[md->num_layers * STAGES_PER_LAYER], &sc, md->lm_head, norm, st->num_logits, H, st->logits, md->vocab,
                      STORE, pair, NOTHING_AHEAD, t, nt);
     }
+    free(sc.quantized);
     free(groups);
     free((void *)taken);
     free(stages);

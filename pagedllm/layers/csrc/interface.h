@@ -50,6 +50,11 @@ typedef struct {
     int32_t reserved;
     int64_t panel_capacity; /* bytes the caller allocated at panels */
     int64_t lane_capacity;  /* floats the caller allocated at scale and at bias (where given) */
+    /* 1: a Q4/Q8_0 matrix multiplies activations quantized to int8 per block of 32 (scale
+     * max|x| / 127, round to nearest even) with integer dot products, llama.cpp's Q8_1 way
+     * (small_matmul.c): faster, not exact. 0: every weight dequantized exactly in fp32. 0 for
+     * the other kinds. */
+    int32_t int8_activations;
 } Matrix;
 
 /* The fused decode step's description of a model and of a step (decode_step.c), shared with

@@ -138,14 +138,41 @@ static inline int rows_fit(int64_t rows, int64_t stride, int64_t width, int64_t 
 #define PAGEDLLM_TEST_OFF_BY_ONE 0
 #endif
 
+/* Activation rows quantized to int8 per block of 32 inputs, for matrices with int8_activations
+ * (small_matmul.c): q = round_to_nearest_even(x * (127 * (1 / max|x|))), d = max|x| * (1 / 127)
+ * (0 and all q 0 for a block of zeros), sum = the block's sum of q, s = d * sum. Row r's block b
+ * is q[r * k + 32 b ..], d/s/sum[r * (k / 32) + b]. */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int32_t *sum;
+    int64_t k;
+} QRows;
+
+/* Whether w multiplies int8-quantized activations (its rows go through quantize_rows first). */
+static inline int int8_activations(const Matrix *w) {
+    return w->int8_activations && (w->dtype == WEIGHT_Q4 || w->dtype == WEIGHT_Q8_0);
+}
+/* Bytes of a QRows buffer for m rows of k inputs (k a multiple of 32), and the QRows laid out in
+ * one of them. */
+static inline int64_t qrows_bytes(int64_t m, int64_t k) { return m * (k / QBLOCK) * 12 + m * k; }
+static inline QRows qrows_in(void *buf, int64_t m, int64_t k) {
+    const int64_t nb = m * (k / QBLOCK);
+    float *f = (float *)buf;
+    return (QRows){(int8_t *)(f + 3 * nb), f, f + nb, (int32_t *)(f + 2 * nb), k};
+}
+/* Quantizes rows [0, m) of x (stride ldx, k inputs each) into xq. */
+void quantize_rows(const float *x, int64_t m, int64_t ldx, const QRows *xq);
+
 /* y[m][c] (=|+=) x[m] . W[c] (+ bias[c]) for the channels of panels [p0, p1), all m rows.
  * `pair`: the weights are cache-resident (fits_in_cache), so two panels may be computed in one
- * pass (small_matmul.c); the results are the same bits either way. */
-void matmul_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int64_t p0, int64_t p1,
-                   int mode, int pair);
+ * pass (small_matmul.c); the results are the same bits either way. `xq`: x's rows quantized
+ * (quantize_rows) when int8_activations(w), else ignored (may be NULL). */
+void matmul_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, int64_t ldx, float *y, int64_t ldy, int64_t p0,
+                   int64_t p1, int mode, int pair);
 /* act[m][c] = silu(gate) * up for the channels of gate/up panel pairs [j0, j1). */
-void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact, int64_t j0, int64_t j1,
-                   int pair);
+void swiglu_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, int64_t ldx, float *act, int64_t ldact,
+                   int64_t j0, int64_t j1, int pair);
 /* Bytes of one block of 32 inputs of a block-quantized panel. */
 static inline int64_t qblock_bytes(int32_t dtype) { return dtype == WEIGHT_Q8_0 ? 34 * VW : 20 * VW; }
 

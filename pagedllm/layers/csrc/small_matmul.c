@@ -252,6 +252,264 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *panel, c
     for (int r = 0; r < mb; r++) out[r] = first[r] + second[r];
 }
 
+/* int8 activations (Matrix.int8_activations, llama.cpp's way): each row's activations are
+ * quantized once per matmul to int8 per block of 32 (quantize_rows), and a block's products are
+ * integer dot products of the weight's codes (Q4: nibbles 0..15; Q8_0: int8) with the row's
+ * codes, exact in int32 whatever the instructions: a block's integer sums are the same on every
+ * build. The fp32 epilogue per block and row, in a fixed order (fmav, so no contraction or
+ * reassociation differs between builds or row counts):
+ *   Q4:   first  = fma(d_w * d_x, float(isum), first);  second = fma(m_w, s_x, second)
+ *         out    = first + second                           (s_x = d_x * sum(xq))
+ *   Q8_0: acc    = fma(d_w * d_x, float(isum), acc)
+ * The integer sums, per instruction set:
+ *   AVX-512 VNNI + VBMI: 64 bytes of panel (4 inputs x 16 channels, input-major) are re-laid by
+ *     one vpermb so each 32-bit lane holds one channel's 4 inputs, then vpdpbusd (u8 x s8) with
+ *     the row's 4 codes broadcast. Q8_0's signed codes are made unsigned (xor 0x80 = q + 128) and
+ *     128 * sum(xq) is subtracted at the block's end.
+ *   AVX2: 32 bytes (4 inputs x 8 channels) re-laid by vpermd + vpshufb, then vpmaddubsw: Q4
+ *     accumulates 16-bit pair sums over the block (8 of at most 2 * 15 * 127 each: no overflow)
+ *     and widens them once (vpmaddwd by 1); Q8_0 multiplies |q| by xq with q's sign (pairs at
+ *     most 2 * 128 * 127: no saturation) and widens every group.
+ *   Otherwise (AVX-512 without VNNI/VBMI, no AVX2): plain loops. */
+static inline vf fmav(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    vf r;
+    for (int i = 0; i < VW; i++) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+    return r;
+#endif
+}
+
+/* VW floats rounded to the nearest integer, ties to even (the default MXCSR mode). */
+static inline vi round_to_int(vf v) {
+#if defined(__AVX512F__)
+    return (vi)_mm512_cvtps_epi32((__m512)v);
+#elif defined(__AVX2__)
+    return (vi)_mm256_cvtps_epi32((__m256)v);
+#else
+    vi r;
+    for (int i = 0; i < VW; i++) r[i] = (int32_t)__builtin_rintf(v[i]);
+    return r;
+#endif
+}
+
+void quantize_rows(const float *x, int64_t m, int64_t ldx, const QRows *xq) {
+    const int64_t k = xq->k, nb = k / QBLOCK;
+    const vi magnitude = (vi){0} + 0x7fffffff;
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + r * ldx + b * QBLOCK;
+            vi mx = (vi){0};
+            for (int i = 0; i < QBLOCK; i += VW) {
+                const vi a = (vi)loadv(xb + i) & magnitude; /* |x| as bits: ordered as the floats are */
+                const vi greater = mx > a;
+                mx = (mx & greater) | (a & ~greater);
+            }
+#if defined(__AVX512F__)
+            int32_t bits = _mm512_reduce_max_epi32((__m512i)mx);
+#else
+            int32_t bits = 0;
+            for (int i = 0; i < VW; i++) bits = mx[i] > bits ? mx[i] : bits;
+#endif
+            float amax;
+            memcpy(&amax, &bits, sizeof amax);
+            float inv = amax > 0.0f ? 1.0f / amax : 0.0f;
+            __asm__("" : "+x"(inv)); /* 127 * (1 / amax), not folded into 127 / amax */
+            const float id = 127.0f * inv;
+            int8_t *q = xq->q + r * k + b * QBLOCK;
+            vi total = (vi){0};
+            for (int i = 0; i < QBLOCK; i += VW) {
+                const vi qi = round_to_int(loadv(xb + i) * id);
+                total += qi;
+#if defined(__AVX512F__)
+                _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8((__m512i)qi)); /* |qi| <= 127 */
+#else
+                for (int j = 0; j < VW; j++) q[i + j] = (int8_t)qi[j];
+#endif
+            }
+#if defined(__AVX512F__)
+            const int32_t sum = _mm512_reduce_add_epi32((__m512i)total);
+#else
+            int32_t sum = 0;
+            for (int i = 0; i < VW; i++) sum += total[i];
+#endif
+            const float d = amax * (1.0f / 127.0f);
+            xq->d[r * nb + b] = d;
+            xq->sum[r * nb + b] = sum;
+            xq->s[r * nb + b] = d * (float)sum;
+        }
+    }
+}
+
+/* The integer sums of one block for rows r < mb: isum[r][c] = sum over the block's inputs i of
+ * code(c, i) * xq[r][i]; q: the block's codes (Q4: 16 bytes a channel; Q8_0: 32), x: row 0's
+ * codes of this block, rows k apart. */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define INT8_DOT "avx512-vnni"
+/* Byte 4c + j of the result is byte 16 j + c of the 64 loaded: channel c's 4 inputs in lane c. */
+static inline __m512i relay4(const uint8_t *p) {
+    const __m512i idx = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11, 58, 42,
+                                        26, 10, 57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52,
+                                        36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
+    return _mm512_permutexvar_epi8(idx, _mm512_loadu_si512((const void *)p));
+}
+static inline __m512i bcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+static inline __attribute__((always_inline)) void q4_isums(const uint8_t *q, const int8_t *x, int64_t k, const int mb, vi *isum) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512i acc[MB];
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 4; g++) {
+        const __m512i v = relay4(q + g * 64);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 8
+        for (int r = 0; r < mb; r++) {
+            acc[r] = _mm512_dpbusd_epi32(acc[r], lo, bcast4(x + r * k + 4 * g));
+            acc[r] = _mm512_dpbusd_epi32(acc[r], hi, bcast4(x + r * k + 16 + 4 * g));
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) isum[r] = (vi)acc[r];
+}
+static inline __attribute__((always_inline)) void q8_isums(const uint8_t *q, const int8_t *x, int64_t k, const int32_t *sums,
+                                                           int64_t nb, const int mb, vi *isum) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i acc[MB];
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; g++) {
+        const __m512i v = _mm512_xor_si512(relay4(q + g * 64), flip); /* q + 128, unsigned */
+#pragma GCC unroll 8
+        for (int r = 0; r < mb; r++) acc[r] = _mm512_dpbusd_epi32(acc[r], v, bcast4(x + r * k + 4 * g));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) isum[r] = (vi)_mm512_sub_epi32(acc[r], _mm512_set1_epi32(128 * sums[r * nb]));
+}
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+#define INT8_DOT "avx2"
+/* Byte 4c + j of the result is byte 8 j + c of the 32 loaded: channel c's 4 inputs in lane c. */
+static inline __m256i relay4(const uint8_t *p) {
+    const __m256i v = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)p), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+    return _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4, 8, 12, 1, 5, 9, 13, 2,
+                                                   6, 10, 14, 3, 7, 11, 15));
+}
+static inline __m256i bcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+static inline __attribute__((always_inline)) void q4_isums(const uint8_t *q, const int8_t *x, int64_t k, const int mb, vi *isum) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256i acc[MB];
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_si256();
+    for (int g = 0; g < 4; g++) {
+        const __m256i v = relay4(q + g * 32);
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 8
+        for (int r = 0; r < mb; r++) {
+            acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(lo, bcast4(x + r * k + 4 * g)));
+            acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(hi, bcast4(x + r * k + 16 + 4 * g)));
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) isum[r] = (vi)_mm256_madd_epi16(acc[r], _mm256_set1_epi16(1));
+}
+static inline __attribute__((always_inline)) void q8_isums(const uint8_t *q, const int8_t *x, int64_t k, const int32_t *sums,
+                                                           int64_t nb, const int mb, vi *isum) {
+    (void)sums, (void)nb;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[MB];
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) acc[r] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+        const __m256i v = relay4(q + g * 32), magnitude = _mm256_abs_epi8(v);
+#pragma GCC unroll 8
+        for (int r = 0; r < mb; r++) {
+            const __m256i xs = _mm256_sign_epi8(bcast4(x + r * k + 4 * g), v);
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xs), ones));
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) isum[r] = (vi)acc[r];
+}
+#else
+#define INT8_DOT "generic"
+static inline void q4_isums(const uint8_t *q, const int8_t *x, int64_t k, const int mb, vi *isum) {
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < VW; c++) {
+            int32_t total = 0;
+            for (int j = 0; j < QBLOCK / 2; j++)
+                total += (q[j * VW + c] & 15) * x[r * k + j] + (q[j * VW + c] >> 4) * x[r * k + j + QBLOCK / 2];
+            isum[r][c] = total;
+        }
+}
+static inline void q8_isums(const uint8_t *q, const int8_t *x, int64_t k, const int32_t *sums, int64_t nb, const int mb, vi *isum) {
+    (void)sums, (void)nb;
+    for (int r = 0; r < mb; r++)
+        for (int c = 0; c < VW; c++) {
+            int32_t total = 0;
+            for (int j = 0; j < QBLOCK; j++) total += (int8_t)q[j * VW + c] * x[r * k + j];
+            isum[r][c] = total;
+        }
+}
+#endif
+
+/* Rows r < mb of xq (already at the block's first row) against a Q4 panel. */
+static inline __attribute__((always_inline)) void dot_q4_i8(const uint8_t *panel, const QRows *xq, int64_t K, const int mb,
+                                                            vf *out) {
+    const int64_t bytes = qblock_bytes(WEIGHT_Q4), nb = K / QBLOCK;
+    vf first[MB], second[MB];
+    vi isum[MB];
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) first[r] = second[r] = (vf){0};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = panel + b * bytes;
+        prefetch_block(blk, bytes);
+        q4_isums(blk + 4 * VW, xq->q + b * QBLOCK, K, mb, isum);
+        const vf d = loadv_f16((const uint16_t *)blk), m = loadv_f16((const uint16_t *)blk + VW);
+#pragma GCC unroll 8
+        for (int r = 0; r < mb; r++) {
+            vf scale = d * xq->d[r * nb + b];
+            __asm__("" : "+v"(scale));
+            first[r] = fmav(scale, int_to_float(isum[r]), first[r]);
+            second[r] = fmav(m, (vf){0} + xq->s[r * nb + b], second[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) out[r] = first[r] + second[r];
+}
+
+static inline __attribute__((always_inline)) void dot_q8_i8(const uint8_t *panel, const QRows *xq, int64_t K, const int mb,
+                                                            vf *out) {
+    const int64_t bytes = qblock_bytes(WEIGHT_Q8_0), nb = K / QBLOCK;
+    vf acc[MB];
+    vi isum[MB];
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) acc[r] = (vf){0};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = panel + b * bytes;
+        prefetch_block(blk, bytes);
+        q8_isums(blk + 2 * VW, xq->q + b * QBLOCK, K, xq->sum + b, nb, mb, isum);
+        const vf d = loadv_f16((const uint16_t *)blk);
+#pragma GCC unroll 8
+        for (int r = 0; r < mb; r++) {
+            vf scale = d * xq->d[r * nb + b];
+            __asm__("" : "+v"(scale));
+            acc[r] = fmav(scale, int_to_float(isum[r]), acc[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) out[r] = acc[r];
+}
+
 #define DISPATCH_Q(fn, w, x, ldx, K, mb, out)          \
     switch (mb) {                                      \
         case 1: fn(w, x, ldx, K, 1, out); break;       \
@@ -269,6 +527,25 @@ static inline __attribute__((always_inline)) void dot_q4(const uint8_t *panel, c
 #else
 #define DISPATCH_Q_WIDE(fn, w, x, ldx, K, mb, out)     \
     default: fn(w, x, ldx, K, 4, out); break;
+#endif
+
+#define DISPATCH_I8(fn, w, xq, K, mb, out)   \
+    switch (mb) {                             \
+        case 1: fn(w, xq, K, 1, out); break;  \
+        case 2: fn(w, xq, K, 2, out); break;  \
+        case 3: fn(w, xq, K, 3, out); break;  \
+        case 4: fn(w, xq, K, 4, out); break;  \
+        DISPATCH_I8_WIDE(fn, w, xq, K, mb, out) \
+    }
+#if MB == 8
+#define DISPATCH_I8_WIDE(fn, w, xq, K, mb, out) \
+    case 5: fn(w, xq, K, 5, out); break;        \
+    case 6: fn(w, xq, K, 6, out); break;        \
+    case 7: fn(w, xq, K, 7, out); break;        \
+    default: fn(w, xq, K, 8, out); break;
+#else
+#define DISPATCH_I8_WIDE(fn, w, xq, K, mb, out) \
+    default: fn(w, xq, K, 4, out); break;
 #endif
 
 #define DISPATCH(i8, w, x, ldx, K, mb, out)        \
@@ -319,10 +596,20 @@ static inline void epilogue(const Matrix *w, int64_t p, int mb, vf *out) {
     }
 }
 
-/* Panel p's VW channels (scale and bias applied) for rows [r0, r0 + mb), mb <= MB. */
-static void panel_block(const Matrix *w, int64_t p, const float *x, int64_t ldx, int mb, vf *out) {
+/* Panel p's VW channels (scale and bias applied) for rows [r0, r0 + mb), mb <= MB: x points at
+ * row r0, xq (int8 activations) holds every row. */
+static void panel_block(const Matrix *w, int64_t p, const float *x, const QRows *xq, int64_t r0, int64_t ldx, int mb, vf *out) {
     const int64_t K = w->k;
-    if (w->dtype == WEIGHT_Q4) {
+    if (xq != NULL && int8_activations(w)) {
+        const int64_t nb = K / QBLOCK;
+        const QRows rows = {xq->q + r0 * K, xq->d + r0 * nb, xq->s + r0 * nb, xq->sum + r0 * nb, K};
+        const uint8_t *panel = (const uint8_t *)w->panels + p * panel_bytes(w);
+        if (w->dtype == WEIGHT_Q4) {
+            DISPATCH_I8(dot_q4_i8, panel, &rows, K, mb, out);
+        } else {
+            DISPATCH_I8(dot_q8_i8, panel, &rows, K, mb, out);
+        }
+    } else if (w->dtype == WEIGHT_Q4) {
         const uint8_t *panel = (const uint8_t *)w->panels + p * panel_bytes(w);
         DISPATCH_Q(dot_q4, panel, x, ldx, K, mb, out);
     } else if (w->dtype == WEIGHT_Q8_0) {
@@ -377,8 +664,8 @@ static inline void put(float *y, vf v, int64_t valid, int mode) {
     for (int64_t i = 0; i < valid; i++) y[i] = mode == ACCUMULATE ? y[i] + lanes[i] : lanes[i];
 }
 
-void matmul_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y, int64_t ldy, int64_t p0, int64_t p1,
-                   int mode, int pair) {
+void matmul_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, int64_t ldx, float *y, int64_t ldy, int64_t p0,
+                   int64_t p1, int mode, int pair) {
     vf out[MB > MB2 ? MB : MB2], out_q[MB2];
     int64_t p = p0;
     if (paired(w, pair, m)) {
@@ -399,7 +686,7 @@ void matmul_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, floa
     for (; p < p1; p++) {
         for (int64_t r0 = 0; r0 < m; r0 += MB) {
             const int mb = m - r0 < MB ? (int)(m - r0) : MB;
-            panel_block(w, p, x + r0 * ldx, ldx, mb, out);
+            panel_block(w, p, x + r0 * ldx, xq, r0, ldx, mb, out);
             for (int r = 0; r < mb; r++) put(y + (r0 + r) * ldy + p * VW, out[r], w->n - p * VW, mode);
         }
     }
@@ -418,8 +705,8 @@ static inline vf silu(vf g) {
     return loadv(lanes);
 }
 
-void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act, int64_t ldact, int64_t j0, int64_t j1,
-                   int pair) {
+void swiglu_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, int64_t ldx, float *act, int64_t ldact,
+                   int64_t j0, int64_t j1, int pair) {
     vf gate[MB], up[MB];
     const int64_t width = w->n / 2; /* channels of the activation */
     if (paired(w, pair, m)) {
@@ -438,8 +725,8 @@ void swiglu_panels(const Matrix *w, const float *x, int64_t m, int64_t ldx, floa
     for (int64_t j = j0; j < j1; j++) {
         for (int64_t r0 = 0; r0 < m; r0 += MB) {
             const int mb = m - r0 < MB ? (int)(m - r0) : MB;
-            panel_block(w, 2 * j, x + r0 * ldx, ldx, mb, gate);
-            panel_block(w, 2 * j + 1, x + r0 * ldx, ldx, mb, up);
+            panel_block(w, 2 * j, x + r0 * ldx, xq, r0, ldx, mb, gate);
+            panel_block(w, 2 * j + 1, x + r0 * ldx, xq, r0, ldx, mb, up);
             for (int r = 0; r < mb; r++) put(act + (r0 + r) * ldact + j * VW, silu(gate[r]) * up[r], width - j * VW, STORE);
         }
     }
@@ -468,19 +755,43 @@ int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, int64_
             "small matmul: %lld rows of %lld outputs do not fit y (stride %lld, %lld floats)", (long long)m, (long long)width,
             (long long)ldy, (long long)y_capacity);
     const int pair = fits_in_cache(matrix_bytes(w));
+    /* int8 activations: every row quantized once, shared by the threads */
+    void *qbuf = NULL;
+    QRows xq = {0};
+    const int quantized = int8_activations(w) && m > 0;
+    if (quantized) {
+        qbuf = malloc(qrows_bytes(m, w->k));
+        if (qbuf == NULL) return KERNEL_NO_MEMORY;
+        xq = qrows_in(qbuf, m, w->k);
+    }
 #pragma omp parallel num_threads(num_threads)
     {
+        if (quantized) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++) {
+                const int64_t nb = w->k / QBLOCK;
+                const QRows row = {xq.q + r * w->k, xq.d + r * nb, xq.s + r * nb, xq.sum + r * nb, w->k};
+                quantize_rows(x + r * ldx, 1, ldx, &row);
+            }
+        }
         int64_t lo, hi;
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         thread_share(swiglu ? w->num_panels / 2 : w->num_panels, t, nt, &lo, &hi);
         for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
             const int64_t rows = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
+            QRows tile = xq;
+            if (quantized) {
+                const int64_t nb = w->k / QBLOCK;
+                tile = (QRows){xq.q + r0 * w->k, xq.d + r0 * nb, xq.s + r0 * nb, xq.sum + r0 * nb, w->k};
+            }
+            const QRows *tq = quantized ? &tile : NULL;
             if (swiglu)
-                swiglu_panels(w, x + r0 * ldx, rows, ldx, y + r0 * ldy, ldy, lo, hi, pair);
+                swiglu_panels(w, x + r0 * ldx, tq, rows, ldx, y + r0 * ldy, ldy, lo, hi, pair);
             else
-                matmul_panels(w, x + r0 * ldx, rows, ldx, y + r0 * ldy, ldy, lo, hi, STORE, pair);
+                matmul_panels(w, x + r0 * ldx, tq, rows, ldx, y + r0 * ldy, ldy, lo, hi, STORE, pair);
         }
     }
+    free(qbuf);
     return KERNEL_OK;
 }
 
