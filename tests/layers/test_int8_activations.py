@@ -14,25 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from builds import BUILDS
 from pagedllm.layers import kernels
 from pagedllm.layers.quantization import Blocks, quantize_blocks
 from pagedllm.layers.small_matmul import MAX_ROWS, matmul, pack, pack_blocks, pack_swiglu
 
 pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C compiler on this machine")
 
-BUILDS = {"native": (), "avx2": ("-mno-avx512f",)}
 KINDS = ["Q4_0", "Q4_1", "Q8_0"]
 # (n, k): k a multiple of 32 of several sizes, fewer channels than a panel, partial last panels, the model's shapes
 SHAPES = [(3, 32), (37, 64), (17, 96), (960, 576), (576, 1536)]
-
-
-@pytest.fixture(scope="module", params=list(BUILDS))
-def library(request):
-    lib = kernels.load(BUILDS[request.param])
-    assert lib is not None
-    if request.param == "avx2":
-        assert kernels.isa(lib) in ("avx2", "generic") and lib.panel_width() == 8
-    return lib
 
 
 def int8_packed(blocks: Blocks, width: int, bias: torch.Tensor | None = None, swiglu: bool = False):

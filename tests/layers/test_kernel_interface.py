@@ -13,14 +13,6 @@ from pagedllm.layers import c_header, kernel_interface, kernels
 from pagedllm.layers.kernel_interface import HEADER, INTERFACE, STATUSES, STRUCTS
 
 pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C compiler on this machine")
-BUILDS = {"native": (), "avx2": ("-mno-avx512f",)}
-
-
-@pytest.fixture(params=list(BUILDS))
-def library(request):
-    return kernels.load(BUILDS[request.param])
-
-
 def test_every_struct_and_field_lies_where_the_compiler_put_it(library):
     compiled = kernel_interface.compiled_layout(library)
     assert compiled == kernel_interface.ctypes_layout(STRUCTS)

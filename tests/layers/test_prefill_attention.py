@@ -5,12 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from builds import BUILDS
 from pagedllm.layers import kernels
 from pagedllm.layers.paged_decode import compiler, paged_decode, run_prefill_kernel
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler on this machine")
-
-BUILDS = {"native": (), "avx2": ("-mno-avx512f",)}
 
 
 def chunk(q_len, start, block_size, kv_heads, group, head_dim, seed=0):

@@ -7,24 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from builds import BUILDS
 from pagedllm.layers import kernels
 from pagedllm.layers.quantization import dequantize_int8, quantize_blocks, quantize_int8
 from pagedllm.layers.small_matmul import MAX_ROWS, matmul, pack, pack_blocks, pack_swiglu
 
 pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C compiler on this machine")
 
-BUILDS = {"native": (), "avx2": ("-mno-avx512f",)}
 # (n, k): fewer channels than a panel, a partial last panel, odd k, the model's shapes.
 SHAPES = [(3, 5), (37, 13), (17, 64), (960, 576), (576, 1536)]
-
-
-@pytest.fixture(scope="module", params=list(BUILDS))
-def library(request):
-    lib = kernels.load(BUILDS[request.param])
-    assert lib is not None
-    if request.param == "avx2":
-        assert kernels.isa(lib) in ("avx2", "generic") and lib.panel_width() == 8
-    return lib
 
 
 def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
