@@ -14,10 +14,13 @@ from parity import MAX_TOKENS, MODES, PROMPTS, assert_mode_happened, assert_outp
 pytestmark = pytest.mark.skipif(triton_attention.triton is None, reason="Triton is not installed")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-# block_size_16_no_chunking and sdpa_decode give the kernels nothing the other modes do not;
-# prefix_caching's first run is the defaults' (plus caching), and the kernels' unit tests
-# (tests/layers/test_triton_attention.py) cover block sizes 1 to 32
-TRITON_MODES = ["prefix_caching", "chunked_prefill", "preempt_recompute", "preempt_swap"]
+# The modes that give the kernels something the others do not: prefix caching (a prefill after a
+# cached prefix; its first run is the defaults', which enable caching and chunking) and chunked
+# prefill (chunks over the chunk before). Block sizes 1 to 32 and shuffled block tables are the
+# kernels' unit tests' (tests/layers/test_triton_attention.py); preemption and swapping change which
+# blocks a table names, not what the kernels do with it, and run with every other backend in
+# tests/engine/test_greedy_parity.py (and natively on CUDA in tests/engine/test_cuda.py).
+TRITON_MODES = ["prefix_caching", "chunked_prefill"]
 
 
 def run_and_check(llm: LLM, expected, mode: str) -> None:

@@ -14,14 +14,17 @@ import pytest
 from server_process import API_KEY, MAIN
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
-def test_guidellm_streams_with_no_failed_request(server, serve_models, tmp_path, route):
+def test_guidellm_streams_with_no_failed_request(server, serve_models, tmp_path):
+    """guidellm's streaming chat requests carry vLLM's stream_options.continuous_usage_stats (every
+    one of them failed with a 400 before it was accepted); 10 s at 6 requests/s. The field on
+    /v1/completions: test_server_compat.py::test_continuous_usage_stats_in_every_chunk."""
+    route, seconds = "/v1/chat/completions", 10
     report = tmp_path / "guidellm.json"
     guidellm = Path(sys.executable).with_name("guidellm")
     command = [
         str(guidellm), "run", "--disable-console-interactive",
         "--backend", f"kind=openai_http,target={server.url},model={MAIN},request_format={route},api_key={API_KEY}",
-        "--profile", "kind=constant,rate=6", "--constraint", "kind=max_duration,seconds=6",
+        "--profile", "kind=constant,rate=6", "--constraint", f"kind=max_duration,seconds={seconds}",
         "--data", "kind=synthetic_text,prompt_tokens=24,output_tokens=8",
         "--tokenizer", f"kind=huggingface_auto,model={serve_models / 'tiny-llama'}",
         "--output", f"kind=json,path={report}",
@@ -31,7 +34,7 @@ def test_guidellm_streams_with_no_failed_request(server, serve_models, tmp_path,
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (benchmark,) = json.loads(report.read_text())["benchmarks"]
     totals = benchmark["metrics"]["request_totals"]
-    assert totals["errored"] == 0 and totals["successful"] >= 20, totals
+    assert totals["errored"] == 0 and totals["successful"] >= 3 * seconds, totals  # half the rate at least
 
 
 def test_litellm_completion_and_stream(server):
