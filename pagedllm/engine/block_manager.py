@@ -4,8 +4,9 @@ Allocation, append, free and fork of block tables. Physical device blocks are sh
 *free* when nothing references it. Free blocks that still hold a full, hashed prefix stay in the
 prefix cache until they are reused: those are evicted after every free block without cached
 content has been used, least recently *accessed* first (the design's `last_accessed`): the
-scheduler stamps every block of a sequence it schedules with its step clock (`touch`, `tick`),
-so a prefix that a sequence kept reading stays cached longer than one that sat unread in a
+scheduler stamps each sequence it schedules with its step clock (`touch`, `tick`: O(1) a
+sequence, not a walk over its table every step) and a block takes the latest stamp of the
+sequences that held it as each of them lets it go (`_release`), so a prefix that a sequence kept reading stays cached longer than one that sat unread in a
 table until its sequence ended. Ties (blocks last read in the same step) go least recently
 freed first, so a sequence's head, freed last, outlives its tail.
 
@@ -63,7 +64,8 @@ class BlockManager:
         self._eviction_heap: list[tuple[int, int, int]] = []
         self._releases = 0
         self.clock = 0  # the scheduler's step counter
-        self.last_access = [0] * num_blocks
+        self.last_access = [0] * num_blocks  # of a block, settled when a holder releases it
+        self._last_scheduled: dict[int, int] = {}  # seq_id -> the step it was last scheduled in
         self.secure = secure
         self._to_zero: dict[int, None] = {}  # device blocks to zero before reuse (an ordered set)
         self._to_zero_cpu: dict[int, None] = {}
@@ -176,8 +178,10 @@ class BlockManager:
             self._to_zero[block] = None
         return block
 
-    def _release(self, block: int) -> None:
+    def _release(self, block: int, seq_id: int) -> None:
+        """`seq_id` lets go of `block`: the block was last read no earlier than it was last scheduled."""
         assert self.ref_counts[block] > 0, f"block {block} released more often than acquired"
+        self.last_access[block] = max(self.last_access[block], self._last_scheduled.get(seq_id, 0))
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             if self.content[block] is not None:
@@ -203,9 +207,8 @@ class BlockManager:
         self.clock += 1
 
     def touch(self, seq_id: int) -> None:
-        """The sequence's blocks are read this step (it is scheduled): stamp them."""
-        for block in self.tables[seq_id]:
-            self.last_access[block] = self.clock
+        """The sequence's blocks are read this step (it is scheduled); they take the stamp when released."""
+        self._last_scheduled[seq_id] = self.clock
 
     def take_blocks_to_zero(self) -> tuple[list[int], list[int]]:
         """(device blocks, host blocks) queued for zeroing since the last call; empty unless secure."""
@@ -245,7 +248,7 @@ class BlockManager:
         if num_computed % self.block_size and self.ref_counts[table[index]] > 1:
             new_block = self._pop_free()
             copies.append((table[index], new_block))
-            self._release(table[index])
+            self._release(table[index], seq_id)
             table[index] = new_block
         while len(table) < self.blocks_for(num_computed + num_new):
             table.append(self._pop_free())
@@ -263,7 +266,8 @@ class BlockManager:
     def free(self, seq_id: int) -> None:
         """Release a sequence's device blocks (tail first, so shared heads stay cached longest)."""
         for block in reversed(self.tables.pop(seq_id, [])):
-            self._release(block)
+            self._release(block, seq_id)
+        self._last_scheduled.pop(seq_id, None)
         self._seq_hashes.pop(seq_id, None)
         self._free_cpu(self.cpu_tables.pop(seq_id, []))
 
@@ -276,7 +280,7 @@ class BlockManager:
         pairs = [(block, self._pop_cpu()) for block in table]
         self.cpu_tables[seq_id] = [cpu for _, cpu in pairs]
         for block in reversed(self.tables.pop(seq_id)):
-            self._release(block)
+            self._release(block, seq_id)
         self._seq_hashes[seq_id] = []  # fresh device blocks will be re-published after swap-in
         return pairs
 
