@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.bench.engine_args import parse_engine_args
 from pagedllm.bench.workload import Workload
 
 BUSY_BATCH = 128  # sequences in the profiled decode steps
@@ -228,9 +229,7 @@ def run(args: argparse.Namespace, config_class: str, shape: dict, workload: Work
     engine_args = {"device": "cuda", "dtype": args.dtype, "max_model_len": args.max_prompt + args.max_output + 64}
     if args.max_num_batched_tokens is not None:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
-    for item in args.engine_arg or []:
-        key, value = item.split("=", 1)
-        engine_args[key] = _parse_value(value)
+    engine_args.update(parse_engine_args(args.engine_arg))
     ours, llm = run_pagedllm(folder, workload, engine_args)
     print(f"pagedllm:                 {ours:7.1f} s  {workload.output_tokens / ours:9.1f} output tok/s")
     share, step_ms, plain_ms = decode_busy_share(llm, vocab)
@@ -256,12 +255,3 @@ def run(args: argparse.Namespace, config_class: str, shape: dict, workload: Work
         print(f"transformers padded generate (batches of 64): {padded:7.1f} s  {workload.output_tokens / padded:9.1f} output tok/s")
         print(f"speed-up over padded generate: {padded / ours:.2f}x")
     return 0
-
-
-def _parse_value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)

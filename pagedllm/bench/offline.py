@@ -10,6 +10,12 @@ each request asked for. The share of the machine's fp32 matmul peak (measured in
 computed from the useful FLOPs: 2 x parameters per token processed (lm_head only where a token
 is sampled; for a mixture of experts, the router and the top-k experts a token uses) plus
 attention's 4 x context x hidden per layer.
+
+`--model` runs a real model instead (a GGUF file, its blocks kept as the engine serves it, or an
+HF folder); `--against vllm` runs vLLM's CPU backend as the baseline (bench/vllm_cpu.py, in its
+own venv, on the dequantized HF folder of a GGUF file). `--rounds N` gives the engines N turns
+each, both loaded throughout, and reports each engine's best run: on a shared VM a single run
+of either moves by a fifth.
 """
 from __future__ import annotations
 
@@ -22,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.bench.dequantized import dequantized_folder
+from pagedllm.bench.engine_args import parse_engine_args
 from pagedllm.bench.workload import Workload, make_workload
 from pagedllm.matmul_peak import measure_matmul_peak
 
@@ -82,38 +90,66 @@ def useful_flops(cfg: dict, workload: Workload) -> float:
     return total
 
 
-def run_pagedllm(folder: Path, workload: Workload, engine_args: dict) -> float:
-    from pagedllm import LLM, SamplingParams
+class PagedEngine:
+    """pagedllm's LLM, built once; each call is one timed run of the workload."""
 
-    llm = LLM(str(folder), **engine_args)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
-    llm.generate(workload.prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params)
-    elapsed = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert produced == workload.output_tokens, (produced, workload.output_tokens)
-    llm.llm_engine.shutdown()
-    del llm
-    return elapsed
+    def __init__(self, folder: Path, workload: Workload, engine_args: dict):
+        from pagedllm import LLM, SamplingParams
 
+        self.llm = LLM(str(folder), **engine_args)
+        self.workload = workload
+        self.params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+        self.llm.generate(workload.prompts[:2], self.params[:2], use_tqdm=False)  # warm-up
 
-def run_transformers(folder: Path, workload: Workload) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    longest = max(len(p) for p in workload.prompts)
-    ids = torch.zeros(len(workload.prompts), longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(workload.prompts):  # left padding
-        ids[row, longest - len(prompt):] = torch.tensor(prompt)
-        mask[row, longest - len(prompt):] = 1
-    with torch.inference_mode():
-        model.generate(input_ids=ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, do_sample=False, pad_token_id=0)
+    def __call__(self) -> float:
         start = time.perf_counter()
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(workload.output_lens), do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start
+        outputs = self.llm.generate(self.workload.prompts, self.params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        assert produced == self.workload.output_tokens, (produced, self.workload.output_tokens)
+        return elapsed
+
+    def close(self) -> None:
+        self.llm.llm_engine.shutdown()
+
+
+def run_pagedllm(folder: Path, workload: Workload, engine_args: dict) -> float:
+    engine = PagedEngine(folder, workload, engine_args)
+    try:
+        return engine()
+    finally:
+        engine.close()
+
+
+class TransformersGenerate:
+    """transformers' batched generate of the same requests: one left-padded batch, run to the
+    longest output."""
+
+    def __init__(self, folder: Path, workload: Workload):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.model.generation_config.eos_token_id = None
+        self.max_new_tokens = max(workload.output_lens)
+        longest = max(len(p) for p in workload.prompts)
+        self.ids = torch.zeros(len(workload.prompts), longest, dtype=torch.long)
+        self.mask = torch.zeros_like(self.ids)
+        for row, prompt in enumerate(workload.prompts):  # left padding
+            self.ids[row, longest - len(prompt):] = torch.tensor(prompt)
+            self.mask[row, longest - len(prompt):] = 1
+        with torch.inference_mode():
+            self.model.generate(input_ids=self.ids[:2, -8:], attention_mask=self.mask[:2, -8:], max_new_tokens=2,
+                                do_sample=False, pad_token_id=0)
+
+    def __call__(self) -> float:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            self.model.generate(input_ids=self.ids, attention_mask=self.mask, max_new_tokens=self.max_new_tokens,
+                                do_sample=False, pad_token_id=0)
+            return time.perf_counter() - start
+
+    def close(self) -> None:
+        del self.model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,7 +167,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-cache", type=Path, default=None,
                         help="where the random model is kept between runs (default: the temp dir, by shape)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a GGUF file (its blocks kept) or an HF folder instead of the random model of --shape")
+    parser.add_argument("--against", choices=("transformers", "vllm", "none"), default="transformers",
+                        help="the baseline in the same run: transformers' batched generate, or vLLM's CPU backend "
+                             "(--vllm-python; a GGUF file as its dequantized HF folder)")
+    parser.add_argument("--skip-transformers", action="store_true", help="the same as --against none")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="turns of each engine, both loaded throughout; each engine's best run is reported")
+    parser.add_argument("--vllm-python", default=None,
+                        help="the Python of a venv with vLLM's CPU build (default $PAGEDLLM_VLLM_PYTHON)")
+    parser.add_argument("--vllm-dtype", default="auto", help="vLLM's dtype (auto: its choice, bfloat16 where the CPU has it)")
     parser.add_argument("--kv-offload-device-memory", type=int, default=None,
                         help="also run pagedllm with layer-wise KV offload and this device KV budget in bytes")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -139,7 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--padded-baseline", action="store_true",
                         help="cuda: also run transformers' padded generate in batches of 64")
     parser.add_argument("--engine-arg", action="append", metavar="NAME=VALUE",
-                        help="cuda: an extra engine argument for pagedllm (repeatable)")
+                        help="an extra engine argument for pagedllm (repeatable)")
 
 
 def _workload_defaults(args: argparse.Namespace) -> None:
@@ -153,38 +199,80 @@ def run(args: argparse.Namespace) -> int:
     _workload_defaults(args)
     config_class, shape = SHAPES[args.shape]
     cache = args.model_cache or Path(tempfile.gettempdir()) / f"pagedllm-bench-{args.shape}-random"
-    workload = make_workload(args, shape["vocab_size"])
     if args.device == "cuda":
         from pagedllm.bench import gpu
 
+        workload = make_workload(args, shape["vocab_size"])
         print(f"{args.shape}, workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
               f"{workload.output_tokens} output tokens ({min(workload.output_lens)}-{max(workload.output_lens)} per request)")
         return gpu.run(args, config_class, shape, workload, cache.with_name(cache.name + f"-{args.dtype}"))
-    folder = build_model(cache, args.shape)
-    print(f"{args.shape}, workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
-          f"{workload.output_tokens} output tokens ({min(workload.output_lens)}-{max(workload.output_lens)} per request), "
-          f"{torch.get_num_threads()} threads")
+    folder, shape = (args.model, _shape_of(args.model)) if args.model else (build_model(cache, args.shape), shape)
+    workload = make_workload(args, shape["vocab_size"])
+    print(f"{args.model or args.shape}, workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} "
+          f"tokens, {workload.output_tokens} output tokens ({min(workload.output_lens)}-{max(workload.output_lens)} per "
+          f"request), {torch.get_num_threads()} threads")
     peak = measure_matmul_peak()  # measured again at the end; the best is the machine's ceiling
     engine_args = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
-    ours = run_pagedllm(folder, workload, engine_args)
+    engine_args.update(parse_engine_args(args.engine_arg))
+    times = _turns(args, folder, workload, engine_args)
+    ours = min(times["pagedllm"])
     tp = args.tensor_parallel_size
     split = run_pagedllm(folder, workload, {**engine_args, "tensor_parallel_size": tp}) if tp > 1 else None
     budget = args.kv_offload_device_memory
     offload = None if budget is None else run_pagedllm(folder, workload, {**engine_args, "kv_offload": True,
                                                                           "kv_offload_device_memory": budget})
-    theirs = None if args.skip_transformers else run_transformers(folder, workload)
     peak = max(peak, measure_matmul_peak())
     flops = useful_flops(shape, workload)
     print(f"fp32 matmul peak (best of before and after, this run): {peak / 1e9:.1f} GFLOP/s")
+    baseline = next((name for name in times if name != "pagedllm"), None)
     for name, seconds in (("pagedllm", ours), (f"pagedllm tp={tp}", split), ("pagedllm offload", offload),
-                          ("transformers", theirs)):
+                          (baseline, min(times[baseline]) if baseline else None)):
         if seconds is not None:
             print(f"{name + ':':17s} {seconds:7.1f} s  {workload.output_tokens / seconds:8.1f} output tok/s  "
                   f"{flops / seconds / 1e9:6.1f} GFLOP/s useful = {flops / seconds / peak:5.1%} of peak")
-    if theirs is not None:
-        print(f"speed-up: {theirs / ours:.2f}x")
+    if args.rounds > 1:
+        for name, runs in times.items():
+            print(f"{name} output tok/s each round: " + ", ".join(f"{workload.output_tokens / s:.1f}" for s in runs))
+    if baseline is not None:
+        print(f"speed-up over {baseline}: {min(times[baseline]) / ours:.2f}x")
     if split is not None:
         print(f"tp={tp} vs tp=1: {ours / split:.2f}x")
     if offload is not None:
         print(f"layer-wise KV offload ({budget / 2**20:.0f} MiB of device KV) vs resident: {ours / offload:.2f}x")
     return 0
+
+
+def _shape_of(model: Path) -> dict:
+    """A real model's sizes under the config.json names useful_flops reads."""
+    from pagedllm.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(model)
+    if cfg.moe is not None:
+        raise SystemExit("bench offline --model takes dense models (useful_flops counts a dense MLP)")
+    return dict(hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                num_key_value_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)
+
+
+def _turns(args: argparse.Namespace, folder: Path, workload: Workload, engine_args: dict) -> dict[str, list[float]]:
+    """Seconds of each engine's runs, the engines taking turns, all of them loaded throughout."""
+    engines = {"pagedllm": PagedEngine(folder, workload, engine_args)}
+    against = "none" if args.skip_transformers else args.against
+    gguf = folder.is_file()
+    try:
+        if against == "vllm":
+            from pagedllm.bench import vllm_cpu
+
+            python = vllm_cpu.python_of(args.vllm_python)
+            reference = dequantized_folder(folder) if gguf else folder
+            engine = vllm_cpu.VllmCpu(python, reference, workload, args.vllm_dtype)
+            engines[f"vLLM {engine.info['version']} CPU ({engine.info['dtype']})"] = engine
+        elif against == "transformers":
+            engines["transformers"] = TransformersGenerate(dequantized_folder(folder) if gguf else folder, workload)
+        times = {name: [] for name in engines}
+        for _ in range(args.rounds):
+            for name, engine in engines.items():
+                times[name].append(engine())
+        return times
+    finally:
+        for engine in engines.values():
+            engine.close()

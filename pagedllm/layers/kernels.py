@@ -58,6 +58,10 @@ LAYOUT_SOURCE = "layout.c"  # generated at build time (kernel_interface.layout_s
 # process to flush-denormals-to-zero when the library loads.
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-std=gnu11")
 _LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
+# The streamed weights' software prefetch (small_matmul.c, STREAM_*) per CPU vendor: an Intel
+# Xeon streams from L2 prefetches 4 KB ahead; elsewhere (AMD, where the kernels were tuned) the
+# sources' defaults, a non-temporal prefetch 1 KB ahead. docs/engine.md, "Prefetch hints".
+STREAM_HINTS = {"GenuineIntel": ("-DSTREAM_LOCALITY=2", "-DSTREAM_AHEAD_BYTES=4096")}
 # The sanitizer build: every access checked (ASan), undefined behaviour fatal (UBSan), frames
 # kept for readable reports. Still -O3, the code the engine runs: at -O1 the unvectorised sums
 # round differently and the kernels' tolerance tests fail (it would compile in 5 s, not 20 s).
@@ -108,6 +112,15 @@ def _prepare(folder: Path, private: bool) -> None:
             os.chmod(owned, 0o700)
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), "" where there is none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")
+
+
 def _cpu_signature() -> bytes:
     try:
         flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
@@ -119,7 +132,7 @@ def _cpu_signature() -> bytes:
 def build(cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the sources once per (sources, flags, compiler, CPU) into the cache; the path of
     the shared library."""
-    flags = (*_FLAGS, *extra_flags)
+    flags = (*_FLAGS, *STREAM_HINTS.get(cpu_vendor(), ()), *extra_flags)
     layout = kernel_interface.layout_source()
     digest = hashlib.sha256(" ".join([cc, *flags, *_LINK_FLAGS]).encode() + _cpu_signature() + layout.encode())
     for name in (*HEADERS, *SOURCES):

@@ -36,6 +36,32 @@ def test_the_isa_follows_the_cpu():
     assert kernels.load().panel_width() == (16 if expected == "avx512" else 8)
 
 
+def test_the_prefetch_hints_follow_the_cpu_vendor(tmp_path, monkeypatch):
+    """An Intel CPU's build streams weights with prefetches into L2 (STREAM_HINTS); another
+    vendor's keeps the sources' defaults; each is its own cached build."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    compiled = []
+
+    def fake_compile(cc, flags, extra_flags, layout, folder, target):
+        compiled.append(flags)
+        target.write_bytes(b"")
+
+    monkeypatch.setattr(kernels, "_compile", fake_compile)
+    builds = []
+    for vendor in ("GenuineIntel", "AuthenticAMD"):
+        monkeypatch.setattr(kernels, "cpu_vendor", lambda vendor=vendor: vendor)
+        builds.append(kernels.build("gcc"))
+    intel, amd = compiled
+    assert set(kernels.STREAM_HINTS["GenuineIntel"]) <= set(intel)
+    assert not any(flag.startswith("-DSTREAM_") for flag in amd)
+    assert builds[0] != builds[1]
+
+
+def test_the_cpu_vendor_is_read_from_cpuinfo():
+    lines = [line for line in open("/proc/cpuinfo").read().splitlines() if line.startswith("vendor_id")]
+    assert kernels.cpu_vendor() == (lines[0].split(":", 1)[1].strip() if lines else "")
+
+
 def test_without_a_compiler_the_engine_runs_its_pytorch_path(model_dir, monkeypatch, caplog):
     monkeypatch.setattr(kernels, "compiler", lambda: None)
     monkeypatch.setattr(kernels, "_libraries", {})

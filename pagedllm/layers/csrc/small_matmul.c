@@ -87,13 +87,19 @@ int fits_in_cache(int64_t bytes) {
     return bytes <= size / 2;
 }
 
-/* Software prefetch distance, in k steps of one panel (VW floats or VW bytes each), and the
- * locality hint. */
-#ifndef PREFETCH_K
-#define PREFETCH_K 16
+/* Software prefetch of streamed weights: how many bytes ahead of the read, and the locality
+ * hint. Set per CPU vendor at build time (kernels.py, STREAM_HINTS), because the best hint is
+ * not the same on both: on the AMD EPYCs these kernels were first tuned on, a non-temporal
+ * prefetch 1 KB ahead streamed as fast as any other choice; on an Intel Xeon it starved the
+ * stream (a non-temporal prefetch fills L1 alone and leaves the L2 streamer untrained): the
+ * fused Q4 decode step took 8.0 ms there and 3.2 ms with a prefetch into L2 4 KB ahead
+ * (docs/engine.md, "Prefetch hints"). A prefetch past the end of a matrix is harmless (a
+ * prefetch never faults). */
+#ifndef STREAM_AHEAD_BYTES
+#define STREAM_AHEAD_BYTES 1024
 #endif
-#ifndef PREFETCH_LOCALITY
-#define PREFETCH_LOCALITY 0
+#ifndef STREAM_LOCALITY
+#define STREAM_LOCALITY 0
 #endif
 
 /* Panel pairs (dot2) take PAIR_MIN..PAIR_ROWS rows, in passes of at most MB2 rows (4 x MB2
@@ -120,13 +126,13 @@ static inline __attribute__((always_inline)) vf panel_weights(const void *w, int
  * inlining. The prefetch runs the same number of bytes ahead for both widths. */
 static inline __attribute__((always_inline)) void dot(const void *w, const int i8, const float *x, int64_t ldx, int64_t K,
                                                       const int mb, vf *out) {
-    const int64_t bytes_per_k = i8 ? VW : VW * (int64_t)sizeof(float), ahead_k = i8 ? 4 * PREFETCH_K : PREFETCH_K;
+    const int64_t bytes_per_k = i8 ? VW : VW * (int64_t)sizeof(float), ahead_k = STREAM_AHEAD_BYTES / bytes_per_k;
     vf even[MB], odd[MB];
 #pragma GCC unroll 8
     for (int r = 0; r < mb; r++) even[r] = odd[r] = (vf){0};
     int64_t k = 0;
     for (; k + 1 < K; k += 2) {
-        if (PREFETCH_K > 0) __builtin_prefetch((const char *)w + (k + ahead_k) * bytes_per_k, 0, PREFETCH_LOCALITY);
+        if (STREAM_AHEAD_BYTES > 0) __builtin_prefetch((const char *)w + (k + ahead_k) * bytes_per_k, 0, STREAM_LOCALITY);
         const vf w0 = panel_weights(w, k, i8), w1 = panel_weights(w, k + 1, i8);
 #pragma GCC unroll 8
         for (int r = 0; r < mb; r++) {
@@ -190,12 +196,10 @@ static inline __attribute__((always_inline)) void dot2(const void *wa, const voi
  * rows as dot() does (an empty asm keeps the compiler, free to reassociate under -ffast-math,
  * from folding the scale into the activations differently for different row counts): two accumulators a row (Q8_0: even and odd inputs; Q4: a block's first and
  * second 16 inputs, one nibble each), so a row's result does not depend on the batch either.
- * The prefetch runs a fixed number of bytes ahead, a few blocks. */
-#define QPREFETCH_BYTES 1024
-
+ * The prefetch runs STREAM_AHEAD_BYTES ahead. */
 static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *blk, int64_t bytes) {
-    if (PREFETCH_K > 0)
-        for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(blk + QPREFETCH_BYTES + i, 0, PREFETCH_LOCALITY);
+    if (STREAM_AHEAD_BYTES > 0)
+        for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(blk + STREAM_AHEAD_BYTES + i, 0, STREAM_LOCALITY);
 }
 
 static inline __attribute__((always_inline)) void dot_q8(const uint8_t *panel, const float *x, int64_t ldx, int64_t K,
@@ -797,9 +801,10 @@ int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, int64_
 
 /* A STREAM-like read of n floats by num_threads threads (each its contiguous share, 4 vector
  * accumulators): the best of `repeats` passes, in bytes per second. The denominator of the decode
- * benchmark's share of the limit, so it reads the way the matmuls do, with a non-temporal
- * software prefetch ahead of the loads: on an AMD EPYC VM that read ~10 % faster than the
- * hardware prefetchers alone, and a limit below what a kernel reaches would flatter it. */
+ * benchmark's share of the limit, so it reads the way the matmuls do, with the matmuls' software
+ * prefetch hint (STREAM_LOCALITY) ahead of the loads: on an AMD EPYC VM a non-temporal prefetch
+ * read ~10 % faster than the hardware prefetchers alone, and a limit below what a kernel reaches
+ * would flatter it. */
 #define READ_AHEAD_FLOATS 2048 /* 8 KB */
 double read_bandwidth(const float *buf, int64_t n, int repeats, int num_threads) {
     double best = 0.0;
@@ -813,7 +818,7 @@ double read_bandwidth(const float *buf, int64_t n, int repeats, int num_threads)
             thread_share(n / (4 * VW), omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
             vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int64_t i = lo * 4 * VW; i < hi * 4 * VW; i += 4 * VW) {
-                __builtin_prefetch(buf + i + READ_AHEAD_FLOATS, 0, 0);
+                __builtin_prefetch(buf + i + READ_AHEAD_FLOATS, 0, STREAM_LOCALITY);
                 a0 += loadv(buf + i);
                 a1 += loadv(buf + i + VW);
                 a2 += loadv(buf + i + 2 * VW);

