@@ -87,13 +87,15 @@ def run_pagedllm(folder: Path, workload: Workload, engine_args: dict) -> tuple[f
 
 def decode_busy_share(llm, vocab: int, batch: int = BUSY_BATCH, steps: int = BUSY_STEPS) -> tuple[float, float, float]:
     """(GPU busy share, wall ms per step under the profiler, wall ms per step without it) over
-    `steps` steady decode steps of `batch` sequences."""
+    `steps` steady engine steps of `batch` decoding sequences (each engine step a burst of
+    num_scheduler_steps greedy steps where the engine has them: ms are then per engine step)."""
     from torch.profiler import ProfilerActivity, profile
 
     from pagedllm import SamplingParams
 
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=2 * steps + 16, ignore_eos=True)
+    per_step = engine.planner.num_scheduler_steps  # greedy steps per engine step (a burst: --engine-arg num_scheduler_steps=8)
+    params = SamplingParams(temperature=0, max_tokens=(2 * steps + 16) * per_step, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"busy-{i}", {"prompt_token_ids": [(7 * i + j) % (vocab - 20) + 10 for j in range(128)]}, params)
     while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
@@ -120,7 +122,7 @@ def decode_busy_share(llm, vocab: int, batch: int = BUSY_BATCH, steps: int = BUS
         if end > reach:
             busy_us += end - max(begin, reach)
             reach = end
-    print(f"  {len(intervals) / steps:.0f} kernels per decode step; the most time-consuming:")
+    print(f"  {len(intervals) / steps:.0f} kernels per engine step; the most time-consuming:")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     return busy_us / 1e6 / wall, wall / steps * 1e3, plain_ms
 
@@ -233,8 +235,9 @@ def run(args: argparse.Namespace, config_class: str, shape: dict, workload: Work
     ours, llm = run_pagedllm(folder, workload, engine_args)
     print(f"pagedllm:                 {ours:7.1f} s  {workload.output_tokens / ours:9.1f} output tok/s")
     share, step_ms, plain_ms = decode_busy_share(llm, vocab)
-    print(f"decode steps of {BUSY_BATCH} sequences: {plain_ms:.2f} ms each ({BUSY_BATCH / plain_ms * 1e3:.0f} tok/s); "
-          f"under torch.profiler {step_ms:.2f} ms, GPU busy {share:.1%} of it")
+    per_step = llm.llm_engine.planner.num_scheduler_steps
+    print(f"engine steps of {BUSY_BATCH} decoding sequences, {per_step} greedy step(s) each: {plain_ms:.2f} ms each "
+          f"({BUSY_BATCH * per_step / plain_ms * 1e3:.0f} tok/s); under torch.profiler {step_ms:.2f} ms, GPU busy {share:.1%} of it")
     runner = llm.llm_engine.runner
     print(f"attention backend {runner.attention_backend}, CUDA graphs "
           f"{'off' if runner.graphs is None else f'{len(runner.graphs.graphs)} sizes, {runner.graphs.num_replays} replays'}, "

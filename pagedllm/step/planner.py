@@ -87,6 +87,7 @@ class StepPlanner:
     small_matmul_panels: bool = False
     cuda_graphs: bool = False  # all-decode steps replayed from CUDA graphs (worker/cuda_graphs.py)
     num_scheduler_steps: int = 1  # greedy steps per engine step for a burst of plain greedy decodes
+    max_burst_seqs: int = MAX_ROWS  # device bursts (not fused): the most sequences one takes
     speculation: SpeculativeConfig | None = None
     draft_kernel_attention: bool = False  # the draft model attends with the C kernels
     draft_fused_decode: bool = False  # the draft's one-token passes run as fused decode steps
@@ -103,14 +104,20 @@ class StepPlanner:
         fused = fused_possible and attention == "kernel"
         if fused_possible and not fused and config.decode_backend == "fused":
             raise RuntimeError("decode_backend='fused' needs the C decode attention kernel, which is not in use")
-        if config.num_scheduler_steps > 1 and not fused:
-            logger.warning("num_scheduler_steps=%d needs the fused decode step (CPU, float32), which is not in use: "
-                           "every engine step runs one step", config.num_scheduler_steps)
+        # Multi-step bursts: one fused C call on CPU; otherwise passes back to back on the device,
+        # with attention that reads context lengths from tensors (not SDPA's host-built masks)
+        device_bursts = (not fused and attention in ("kernel", "triton") and config.tensor_parallel_size == 1
+                         and not config.kv_offload and config.speculative_config is None)
+        if config.num_scheduler_steps > 1 and not (fused or device_bursts):
+            logger.warning("num_scheduler_steps=%d needs the fused decode step (CPU) or the C/Triton attention kernels "
+                           "on one device without offload or speculation: every engine step runs one step",
+                           config.num_scheduler_steps)
         graphs = (not config.enforce_eager and device.type == "cuda" and attention == "triton"
                   and config.tensor_parallel_size == 1 and not config.kv_offload and model_config.moe is None)
         panels = fused or (fused_possible and config.quantization in ("q4", "gguf"))
         planner = cls(max_model_len, config.tensor_parallel_size, config.kv_offload, attention, fused, panels, graphs,
-                      config.num_scheduler_steps if fused else 1, config.speculative_config)
+                      config.num_scheduler_steps if fused or device_bursts else 1,
+                      MAX_ROWS if fused else config.max_num_seqs, config.speculative_config)
         return planner._with_draft(dtype, device)
 
     def _with_draft(self, dtype: torch.dtype, device: torch.device) -> "StepPlanner":
@@ -146,8 +153,9 @@ class StepPlanner:
 
     @property
     def max_burst_rows(self) -> int:
-        """The most sequences a multi-step call takes: the fused step's rows."""
-        return MAX_ROWS if self.fused_decode and self.num_scheduler_steps > 1 else 0
+        """The most sequences a multi-step burst takes: the fused step's rows, or any step's
+        sequences when the passes run back to back on the device."""
+        return self.max_burst_seqs if self.num_scheduler_steps > 1 else 0
 
     # ---- the scheduler's questions -----------------------------------------------------------
     def max_proposals(self, num_running: int) -> int:

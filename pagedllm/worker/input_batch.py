@@ -150,7 +150,7 @@ def _stage_decode_buckets(decodes: list[tuple[int, list[int]]], block_size: int,
         while end < len(decodes) and (last_bucket or factor * num_blocks[end] > num_blocks[start]):
             end += 1
         width = max(num_blocks[start:end])
-        tables = [table[:n] + [0] * (width - n) for (_, table), n in zip(decodes[start:end], num_blocks[start:end])]
+        tables = [table[:n] + [0] * (width - len(table[:n])) for (_, table), n in zip(decodes[start:end], num_blocks[start:end])]
         number = len(buckets)
         staging.add(f"{prefix}decode{number}.tables", tables, shape=(end - start, width))
         staging.add(f"{prefix}decode{number}.ctx_lens", [ctx for ctx, _ in decodes[start:end]])

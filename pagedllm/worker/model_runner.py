@@ -287,8 +287,12 @@ class ModelRunner:
 
     def _greedy_steps(self, sched: SchedulerOutput, chunks: list[BatchChunk], rows: list[SampleRow], staging: Staging,
                       num_steps: int) -> ModelRunnerOutput:
-        """Multi-step scheduling: `num_steps` greedy steps of plain decodes in one fused call,
-        each row's argmax its next input; every row gets num_steps tokens."""
+        """Multi-step scheduling: `num_steps` greedy steps of plain decodes, each row's argmax its
+        next input; every row gets num_steps tokens. On CPU one fused C call; elsewhere the steps
+        run back to back on the device (_device_greedy_steps)."""
+        if not self.planner.fused_decode:
+            tokens, logprobs = self._device_greedy_steps(sched, chunks, rows, staging, num_steps)
+            return _greedy_output(rows, tokens, logprobs)
         layout = stage_batch(chunks, self.block_size, self.kernel_attention, staging, num_steps=num_steps)
         stage_logit_rows(chunks, layout, staging, [rows])
         views = staging.to(self.device)
@@ -298,12 +302,53 @@ class ModelRunner:
             raise RuntimeError("a multi-step step reached a runner that cannot run it as one fused call")
         tokens, logprobs = self.model.fused.greedy_steps(views["input_ids"], views["positions"], meta, views["logit_rows"],
                                                          num_steps)
-        result = ModelRunnerOutput()
-        for row, ids, values in zip(rows, tokens.t().tolist(), logprobs.t().tolist()):
-            ranked = row.params.logprobs == 0  # an argmax's rank is 1, and no alternatives were asked for
-            result.sampled[row.seq_id] = [SampledToken(token, logprob, 1, []) if ranked else SampledToken(token, logprob)
-                                          for token, logprob in zip(ids, values)]
-        return result
+        return _greedy_output(rows, tokens, logprobs)
+
+    def _device_greedy_steps(self, sched: SchedulerOutput, chunks: list[BatchChunk], rows: list[SampleRow],
+                             staging: Staging, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`num_steps` forward passes (replayed from a CUDA graph where one is captured) with
+        nothing between them on the host: each step's argmax is written into the next step's
+        input ids on the device, and the positions, context lengths and slots advance there too
+        (the staged block tables already cover the burst's positions); the tokens come back in
+        one device-to-host copy at the end. Why: a GPU decode step is shorter than the engine's
+        Python around it (scheduling, the step's arrays, output processing), so one step per
+        engine step leaves the GPU idle most of the time (vLLM's multi-step scheduling)."""
+        graph_size = self._graph_size(chunks)
+        pad_rows = graph_size - len(chunks) if graph_size else 0
+        layout = stage_batch(chunks, self.block_size, self.kernel_attention, staging, num_steps=num_steps,
+                             triton=self.triton_attention, pad_rows=pad_rows)
+        stage_logit_rows(chunks, layout, staging, [rows])
+        views = staging.to(self.device)
+        self._apply_block_maps(sched, views)
+        real = len(chunks)  # decode rows 0 .. real - 1 (the padding after them)
+        logit_rows = views["logit_rows"]
+        tokens = torch.empty(num_steps, len(rows), dtype=torch.int64, device=self.device)
+        logprobs = torch.empty(num_steps, len(rows), dtype=torch.float32, device=self.device)
+        for step in range(num_steps):
+            logits = self._logits(layout, views, graph_size).float()
+            best = logits.argmax(dim=-1)  # the sampler's greedy choice
+            tokens[step] = best
+            logprobs[step] = torch.log_softmax(logits, dim=-1).gather(1, best[:, None]).squeeze(1)
+            if step + 1 < num_steps:
+                views["input_ids"].index_copy_(0, logit_rows, tokens[step])
+                self._advance_decodes(layout, views, real)
+        return tokens.cpu(), logprobs.cpu()
+
+    def _advance_decodes(self, layout: BatchLayout, views: dict[str, torch.Tensor], real: int) -> None:
+        """Every real decode row one position on: its position and context length, and the slot
+        its next token's KV goes to, from its (bucket's) block table."""
+        positions, slots = views["positions"], views["slot_mapping"]
+        positions[:real] += 1
+        for number, bucket in enumerate(layout.buckets):
+            count = min(bucket.count, real - bucket.start)
+            if count <= 0:
+                continue
+            views[f"decode{number}.ctx_lens"][:count] += 1
+            pos = positions[bucket.start : bucket.start + count]
+            table = views[f"decode{number}.tables"][:count]
+            block = table.gather(1, (pos // self.block_size)[:, None]).squeeze(1)
+            slots[bucket.start : bucket.start + count] = block * self.block_size + pos % self.block_size
+
 
     def _offload_step(self, sched: SchedulerOutput, chunks: list[BatchChunk]) -> tuple[SchedulerOutput, list[BatchChunk]]:
         """Zeroing (secure mode) and copy-on-write happen in the host pool, in that order; the
@@ -392,3 +437,13 @@ def _stage_block_maps(sched: SchedulerOutput, staging: Staging) -> None:
         staging.add("copy.pairs", sched.blocks_to_copy, shape=(len(sched.blocks_to_copy), 2))
     if sched.blocks_to_zero:
         staging.add("zero.device", sched.blocks_to_zero)
+
+
+def _greedy_output(rows: list[SampleRow], tokens: torch.Tensor, logprobs: torch.Tensor) -> ModelRunnerOutput:
+    """A burst's tokens and their logprobs ([num_steps, rows]) as each row's sampled tokens."""
+    result = ModelRunnerOutput()
+    for row, ids, values in zip(rows, tokens.t().tolist(), logprobs.t().tolist()):
+        ranked = row.params.logprobs == 0  # an argmax's rank is 1, and no alternatives were asked for
+        result.sampled[row.seq_id] = [SampledToken(token, logprob, 1, []) if ranked else SampledToken(token, logprob)
+                                      for token, logprob in zip(ids, values)]
+    return result

@@ -135,6 +135,6 @@ def test_bad_or_unusable_step_counts(model_dir, caplog):
     with pytest.raises(ValueError, match="needs a draft model with fused_cycles"):
         LLM(folder, num_scheduler_steps=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with caplog.at_level(logging.WARNING, logger="pagedllm.engine"):
-        llm = LLM(folder, num_scheduler_steps=4, decode_backend="torch")
+        llm = LLM(folder, num_scheduler_steps=4, attention_backend="sdpa")
     assert "needs the fused decode step" in caplog.text
     assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still runs, one step at a time

@@ -40,7 +40,12 @@ def test_start_up_decisions_on_a_cpu(model_dir):
     assert not decide(model_dir, decode_backend="torch").fused_decode
     assert decide(model_dir, attention_backend="sdpa").fused_decode is False
     assert decide(model_dir, num_scheduler_steps=8).max_burst_rows == 16
-    assert decide(model_dir, num_scheduler_steps=8, decode_backend="torch").num_scheduler_steps == 1
+    # without the fused step, bursts run as passes back to back (up to every running sequence);
+    # SDPA's masks are built on the host each step, so it takes single steps
+    device = decide(model_dir, num_scheduler_steps=8, decode_backend="torch", max_num_seqs=32)
+    assert (device.num_scheduler_steps, device.max_burst_rows) == (8, 32)
+    assert decide(model_dir, num_scheduler_steps=8, attention_backend="sdpa").num_scheduler_steps == 1
+    assert decide(model_dir, num_scheduler_steps=8, decode_backend="torch", kv_offload=True).num_scheduler_steps == 1
     folder = str(model_dir("llama"))
     spec = decide(model_dir, speculative_config={"model": folder, "num_speculative_tokens": 3})
     assert spec.draft_kernel_attention and spec.draft_fused_decode and spec.fused_spec_cycles and spec.max_fused_spec_seqs == 4
