@@ -15,6 +15,8 @@ from pagedllm.config.model import ModelConfig
 from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 
+KV_CACHE_DTYPES = ("auto", "bfloat16")
+
 PREEMPTION_POLICIES = ("priority", "fcfs", "longest", "shortest_remaining", "recompute_cost")
 
 _DTYPES = {
@@ -81,6 +83,10 @@ class EngineConfig:
     # products (VNNI where the CPU has it) instead of dequantizing every weight exactly in fp32:
     # faster decode steps, results no longer exact (docs/engine.md, "int8 activations")
     int8_activations: bool = False
+    # The KV pool's element type (vLLM's name): "auto" is the model's dtype; "bfloat16" halves the
+    # pool of a float32 model on CPU (the C attention kernels widen each element exactly as they
+    # read it): twice the tokens in the same memory, half the bytes a decode step's attention reads
+    kv_cache_dtype: str = "auto"
     kv_cache_memory_fraction: float = 0.25
     # Split the model across this many processes on this host (gloo on CPU, NCCL on CUDA).
     tensor_parallel_size: int = 1
@@ -148,6 +154,14 @@ class EngineConfig:
         if not 0 < self.kv_cache_memory_fraction <= 0.9:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.9]")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "bfloat16":
+            clashes = {"tensor_parallel_size > 1": self.tensor_parallel_size > 1, "kv_offload": self.kv_offload,
+                       "a draft model": self.speculative_config is not None and self.speculative_config.uses_draft_model}
+            for name, clash in clashes.items():
+                if clash:
+                    raise ValueError(f"kv_cache_dtype='bfloat16' is not supported with {name}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("num_scheduler_steps", self.num_scheduler_steps)
         spec = self.speculative_config
@@ -190,6 +204,10 @@ class EngineConfig:
 
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
         return resolve_dtype(self.dtype, model_config.config_dtype, self.torch_device())
+
+    def kv_torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        """The KV pool's element type: the model's dtype unless kv_cache_dtype names one."""
+        return torch.bfloat16 if self.kv_cache_dtype == "bfloat16" else self.torch_dtype(model_config)
 
     def resolve_max_model_len(self, model_config: ModelConfig) -> int:
         limit = model_config.max_position_embeddings

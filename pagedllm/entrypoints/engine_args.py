@@ -10,11 +10,11 @@ import dataclasses
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.config.engine import PREEMPTION_POLICIES
+from pagedllm.config.engine import KV_CACHE_DTYPES, PREEMPTION_POLICIES
 
 _NOT_FLAGS = {"model", "extra"}
 # Flags whose values are a fixed set: argparse names them in --help and refuses others early.
-_CHOICES = {"preemption_policy": PREEMPTION_POLICIES, "preemption_mode": ("recompute", "swap")}
+_CHOICES = {"preemption_policy": PREEMPTION_POLICIES, "preemption_mode": ("recompute", "swap"), "kv_cache_dtype": KV_CACHE_DTYPES}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -100,8 +100,9 @@ class PagedAttention(nn.Module):
         if meta.triton is not None:
             return self._triton(q, k, v, meta)
         kv_shape = (-1, self.num_kv_heads, self.head_dim)
-        self.k_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, k)
-        self.v_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, v)
+        # a pool of another dtype (kv_cache_dtype) takes the new K/V rounded as torch rounds
+        self.k_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
+        self.v_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
         out = torch.empty_like(q)
         for bucket in meta.decodes:
             end = bucket.start + bucket.count

@@ -69,7 +69,8 @@ def run_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
     _check_pool(k_cache, v_cache, q)
     if tables.dim() != 2 or tables.shape[0] != batch or lens.shape != (batch,):
         raise ValueError(f"block_tables must be [{batch}, max_blocks] and ctx_lens [{batch}]")
-    failed = library.paged_decode_f32(
+    kernel = library.paged_decode_bf16 if k_cache.dtype == torch.bfloat16 else library.paged_decode_f32
+    failed = kernel(
         q.data_ptr(), q.stride(0), _span(q), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], tables.data_ptr(),
         tables.numel(), lens.data_ptr(), lens.numel(), out.data_ptr(), out.stride(0), _span(out), batch, tables.shape[1],
         k_cache.shape[1], num_kv_heads, group, head_dim, window, scale, torch.get_num_threads(),
@@ -91,7 +92,8 @@ def run_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     table = block_table.to(torch.int64).contiguous().view(-1)
     q_len, num_kv_heads, group, head_dim = q.shape
     _check_pool(k_cache, v_cache, q)
-    failed = library.prefill_attention_f32(
+    kernel = library.prefill_attention_bf16 if k_cache.dtype == torch.bfloat16 else library.prefill_attention_f32
+    failed = kernel(
         q.data_ptr(), q.stride(0), _span(q), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], table.data_ptr(),
         table.numel(), q_len, ctx_len, out.data_ptr(), out.stride(0), _span(out), k_cache.shape[1], num_kv_heads, group,
         head_dim, window, scale, torch.get_num_threads(),
@@ -107,13 +109,16 @@ def _available(library: ctypes.CDLL | None, kernel: str) -> ctypes.CDLL:
 
 
 def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor) -> None:
-    """The pool the kernels index by block id: both caches contiguous fp32 [num_blocks,
-    block_size, Hkv, D] of one shape, whose heads match q's (the kernel checks ids against it)."""
+    """The pool the kernels index by block id: both caches contiguous [num_blocks, block_size,
+    Hkv, D] of one shape and one dtype, float32 or bfloat16, whose heads match q's (fp32; the
+    kernel checks ids against the pool)."""
     _, num_kv_heads, _, head_dim = q.shape
     if (k_cache.shape != v_cache.shape or k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim)
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32 or q.dtype != torch.float32):
-        raise ValueError("the KV caches must be contiguous float32 [num_blocks, block_size, Hkv, D] matching q")
+            or k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
+            or q.dtype != torch.float32):
+        raise ValueError("the KV caches must be contiguous float32 or bfloat16 [num_blocks, block_size, Hkv, D] matching "
+                         "q (float32)")
 
 
 def _span(x: torch.Tensor) -> int:

@@ -104,8 +104,8 @@ class FusedDecoder:
         layers = []
         for layer in model.model.layers:
             attn = layer.self_attn
-            if attn.attn.k_cache.dtype != torch.float32 or attn.attn.k_cache.numel() == 0:
-                raise ValueError("the fused decode step needs float32 KV caches bound to the model")
+            if attn.attn.k_cache.dtype not in (torch.float32, torch.bfloat16) or attn.attn.k_cache.numel() == 0:
+                raise ValueError("the fused decode step needs float32 or bfloat16 KV caches bound to the model")
             layers.append(LayerStruct(
                 qkv=_packed(attn.qkv_proj).struct(), o=_packed(attn.o_proj).struct(),
                 gate_up=_packed(layer.mlp.gate_up_proj).struct(), down=_packed(layer.mlp.down_proj).struct(),
@@ -126,7 +126,7 @@ class FusedDecoder:
             eps=cfg.rms_norm_eps, attn_scale=cfg.head_dim**-0.5, embed_rows=model.model.embed_tokens.weight.shape[0],
             num_blocks=k_cache.shape[0], max_position=rotary.cos.shape[0], embed=model.model.embed_tokens.weight.data_ptr(),
             cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(), final_norm=model.model.norm.weight.data_ptr(),
-            lm_head=ctypes.pointer(self._lm_head), layers=self._layers,
+            lm_head=ctypes.pointer(self._lm_head), layers=self._layers, kv_bf16=int(k_cache.dtype == torch.bfloat16),
         )
 
     @staticmethod
@@ -194,7 +194,7 @@ def _check_model(model, k_cache: torch.Tensor, rotary) -> None:
         and tuple(k_cache.shape[2:]) == (cfg.num_kv_heads, cfg.head_dim)
     for layer in model.model.layers:
         caches = (layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache)
-        shapes_ok = shapes_ok and all(c.shape == k_cache.shape and c.is_contiguous() for c in caches)
+        shapes_ok = shapes_ok and all(c.shape == k_cache.shape and c.dtype == k_cache.dtype and c.is_contiguous() for c in caches)
     if not shapes_ok:
         raise ValueError("the fused decode step needs the embedding, rotary tables and KV caches in the config's shapes")
 

@@ -59,6 +59,7 @@ class ModelRunner:
         self.planner = planner = planner or StepPlanner.decide(config, model_config, max_model_len)
         self.device = config.torch_device(group.rank if group is not None else 0)
         self.dtype = config.torch_dtype(model_config)
+        self.kv_dtype = config.kv_torch_dtype(model_config)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         if self.device.type == "cpu":
@@ -78,7 +79,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.offload: LayerwiseKVOffload | None = None
         self.num_blocks, self.num_cpu_blocks = pool_sizes or self._pool_sizes()
-        self.kv_cache = KVCache(self.model.config, self.num_blocks, self.num_cpu_blocks, self.block_size, self.dtype,
+        self.kv_cache = KVCache(self.model.config, self.num_blocks, self.num_cpu_blocks, self.block_size, self.kv_dtype,
                                 self.device, host_pool=planner.kv_offload)
         self.offload = self._offload() if planner.kv_offload else None
         for index, attn in enumerate(self.model.attention_layers()):
@@ -108,7 +109,7 @@ class ModelRunner:
         return self.planner.attention_backend == "triton"
 
     def _offload(self) -> LayerwiseKVOffload:
-        per_layer_block = bytes_per_layer_block(self.model.config, self.block_size, self.dtype)
+        per_layer_block = bytes_per_layer_block(self.model.config, self.block_size, self.kv_dtype)
         budget = self.config.kv_offload_device_memory
         buffer_blocks = min(self.num_blocks, budget // (2 * per_layer_block)) if budget is not None else self.num_blocks
         if buffer_blocks < 1:
@@ -155,7 +156,7 @@ class ModelRunner:
         lengths = [min(tokens // seqs + (i < tokens % seqs), self.max_model_len) for i in range(seqs)]
         lengths = [n for n in lengths if n > 0]
         widths = [-(-n // self.block_size) for n in lengths]
-        scratch = self.kv_cache = KVCache(self.model.config, sum(widths), 0, self.block_size, self.dtype, self.device)
+        scratch = self.kv_cache = KVCache(self.model.config, sum(widths), 0, self.block_size, self.kv_dtype, self.device)
         for index, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(*scratch.layer(index))
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=5, max_tokens=1)
@@ -405,7 +406,7 @@ def kv_pool_sizes(config: EngineConfig, model_config: ModelConfig, max_model_len
     """(device blocks, host swap blocks) for one rank holding `model_config`'s part of each
     block. The default budget (a share of free memory) is split between the ranks of one host;
     `memory_budget`: bytes measured for the pool (a GPU's, worker/gpu_memory.py)."""
-    per_block = bytes_per_block(model_config, config.block_size, config.torch_dtype(model_config)) + extra_bytes_per_block
+    per_block = bytes_per_block(model_config, config.block_size, config.kv_torch_dtype(model_config)) + extra_bytes_per_block
     most_useful = config.max_num_seqs * -(-max_model_len // config.block_size)  # more could never be used
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # differential fuzz (its q4 engine included).
 SANITIZED_TESTS = ["tests/layers/test_paged_decode.py", "tests/layers/test_prefill_attention.py",
                    "tests/layers/test_small_matmul.py", "tests/layers/test_int8_activations.py", "tests/layers/test_sampler.py",
-                   "tests/layers/test_kernel_checks.py",
+                   "tests/layers/test_kernel_checks.py", "tests/layers/test_kv_bf16.py",
                    "tests/models/test_fused_decode.py", "tests/engine/test_differential_fuzz.py"]
 FUZZ_EXAMPLES = "12"
 REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "LeakSanitizer")

@@ -195,16 +195,71 @@ static inline void thread_share(int64_t n, int t, int nt, int64_t *lo, int64_t *
 
 typedef struct {
     int64_t block_size, num_kv_heads, group, head_dim;
+    int kv_bf16; /* the pool holds bfloat16 K/V (a float's upper 16 bits), else float32 */
 } Shape;
+
+/* A KV pool element: float32, or bfloat16 widened exactly (shifted into a float's upper half). */
+static inline size_t kv_bytes(int bf16) { return bf16 ? 2 : 4; }
+
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* torch's float -> bfloat16 (c10::BFloat16): round to nearest even; a NaN becomes 0x7FC0. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* VW K/V elements at element d of a row, as floats. */
+static inline __attribute__((always_inline)) vf kv_loadv(const void *row, int64_t d, const int bf16) {
+    if (!bf16) return loadv((const float *)row + d);
+    const uint16_t *p = (const uint16_t *)row + d;
+#if defined(__AVX512F__)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif defined(__AVX2__)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    vf v;
+    for (int i = 0; i < VW; i++) v[i] = bf16_to_float(p[i]);
+    return v;
+#endif
+}
+
+/* 8 K/V elements at element d of a row, as floats. */
+static inline __attribute__((always_inline)) v8 kv_load8(const void *row, int64_t d, const int bf16) {
+    v8 v;
+    if (!bf16) {
+        memcpy(&v, (const float *)row + d, sizeof v);
+        return v;
+    }
+    const uint16_t *p = (const uint16_t *)row + d;
+#if defined(__AVX2__)
+    return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    for (int i = 0; i < 8; i++) v[i] = bf16_to_float(p[i]);
+    return v;
+#endif
+}
+
+/* One K/V element as a float. */
+static inline __attribute__((always_inline)) float kv_at(const void *row, int64_t d, const int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)row)[d]) : ((const float *)row)[d];
+}
 
 /* Decode attention of one sequence for KV heads [h0, h1): q and out point at the sequence's
  * row ([Hkv, G, D]). KERNEL_OK, or KERNEL_NO_MEMORY if the scores could not be allocated. */
-int attend_sequence(const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t len,
+int attend_sequence(const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
                     int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out);
 /* The same for `rows` query rows of one sequence at consecutive positions (row j at
  * q + j * q_stride, attending to lens[j] positions, lens ascending), each K/V row read once for
  * all rows; each row's result is the bits attend_sequence gives it alone. */
-int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *lens, const float *k_cache, const float *v_cache,
+int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *lens, const void *k_cache, const void *v_cache,
                 const int64_t *table, int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out,
                 int64_t out_stride);
 

@@ -19,7 +19,8 @@
  * table; nothing is gathered or padded.
  *
  * q, out: [q_len, Hkv, G, D] rows q_stride / out_stride floats apart, row r at position
- * ctx_len - q_len + r; caches [num_blocks, block_size, Hkv, D]; D a multiple of 8 (fastest a
+ * ctx_len - q_len + r; caches [num_blocks, block_size, Hkv, D], float32 or bfloat16 (`_bf16`,
+ * widened exactly as loaded); D a multiple of 8 (fastest a
  * multiple of VW); window <= 0: no window.
  */
 #include <math.h>
@@ -34,7 +35,7 @@
 #define SB 4 /* output vectors per weighted-sum micro-tile */
 
 typedef struct {
-    const float *k_cache, *v_cache;
+    const void *k_cache, *v_cache; /* float32, or bfloat16 where s.kv_bf16 */
     const int64_t *table;
     Shape s;
     int64_t window;
@@ -42,9 +43,10 @@ typedef struct {
 } Pool;
 
 /* Row of position t, KV head h. */
-static inline const float *pool_row(const float *cache, const Pool *p, int64_t t, int64_t h) {
+static inline const void *pool_row(const void *cache, const Pool *p, int64_t t, int64_t h) {
     const int64_t bs = p->s.block_size;
-    return cache + ((p->table[t / bs] * bs + t % bs) * p->s.num_kv_heads + h) * p->s.head_dim;
+    return (const char *)cache + ((p->table[t / bs] * bs + t % bs) * p->s.num_kv_heads + h) * p->s.head_dim *
+                                     (int64_t)kv_bytes(p->s.kv_bf16);
 }
 
 /* qt[d][j] = q row j's element d, for the tile's n rows (0 for lanes past them). */
@@ -60,20 +62,20 @@ static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b
 /* scores[(t - lo) * VW + j] = scale * q_j . k_t for positions [lo, hi), -inf where row j (at
  * position p0 + j) may not look; lanes past the tile's n rows (q 0) see everything, so that no
  * lane is all -inf. */
-static void score(const float *qt, int64_t n_rows, const Pool *p, int64_t h, int64_t p0, int64_t lo, int64_t hi,
-                  float *scores) {
+static inline __attribute__((always_inline)) void score(const float *qt, int64_t n_rows, const Pool *p, int64_t h, int64_t p0,
+                                                        int64_t lo, int64_t hi, float *scores, const int bf16) {
     const int64_t D = p->s.head_dim;
     const vf hidden = (vf){0} - INFINITY;
     vi lane;
     for (int j = 0; j < VW; j++) lane[j] = j;
     for (int64_t t0 = lo; t0 < hi; t0 += PB) {
         const int64_t n = hi - t0 < PB ? hi - t0 : PB;
-        const float *k[PB];
+        const void *k[PB];
         for (int64_t i = 0; i < PB; i++) k[i] = pool_row(p->k_cache, p, t0 + (i < n ? i : n - 1), h);
         vf acc[PB] = {0};
         for (int64_t d = 0; d < D; d++) {
             const vf qd = loadv(qt + d * VW);
-            for (int i = 0; i < PB; i++) acc[i] += k[i][d] * qd;
+            for (int i = 0; i < PB; i++) acc[i] += kv_at(k[i], d, bf16) * qd;
         }
         for (int64_t i = 0; i < n; i++) {
             const int32_t back = (int32_t)(t0 + i - p0); /* row j sees position t0 + i when j >= back */
@@ -112,20 +114,29 @@ static inline vf load_part(const float *p, int64_t width) {
     return v;
 }
 
+/* `width` K/V elements from element d of a row (the rest 0), as floats. */
+static inline __attribute__((always_inline)) vf kv_load_part(const void *row, int64_t d, int64_t width, const int bf16) {
+    if (!bf16) return load_part((const float *)row + d, width);
+    vf v = {0};
+    for (int64_t i = 0; i < width; i++) v[i] = bf16_to_float(((const uint16_t *)row)[d + i]);
+    return v;
+}
+
 static inline void store_part(float *p, vf v, int64_t width) { memcpy(p, &v, sizeof(float) * width); }
 
 /* out rows [j0, j0 + rows) (rows <= RB), floats [f0, f0 + nf) (nf <= SB * VW) of head qh:
  * inv[j] * sum over t in [lo, hi) of probs[t][j] * v_t. */
 static inline __attribute__((always_inline)) void weigh(const float *probs, vf inv, const Pool *p, int64_t h, int64_t lo, int64_t hi, int64_t j0, int64_t rows,
-                  int64_t f0, int64_t nf, float *out, int64_t out_stride) {
+                  int64_t f0, int64_t nf, float *out, int64_t out_stride, const int bf16) {
     const int64_t nv = (nf + VW - 1) / VW, tail = nf - (nv - 1) * VW;
     vf acc[RB][SB];
     memset(acc, 0, sizeof acc);
     for (int64_t t = lo; t < hi; t++) {
-        const float *v = pool_row(p->v_cache, p, t, h) + f0;
+        const void *v = pool_row(p->v_cache, p, t, h);
         const float *w = probs + (t - lo) * VW + j0;
         vf vv[SB];
-        for (int s = 0; s < SB; s++) vv[s] = s < nv - 1 ? loadv(v + s * VW) : s == nv - 1 ? load_part(v + s * VW, tail) : (vf){0};
+        for (int s = 0; s < SB; s++)
+            vv[s] = s < nv - 1 ? kv_loadv(v, f0 + s * VW, bf16) : s == nv - 1 ? kv_load_part(v, f0 + s * VW, tail, bf16) : (vf){0};
         for (int r = 0; r < RB; r++)
             for (int s = 0; s < SB; s++) acc[r][s] += w[r] * vv[s];
     }
@@ -134,9 +145,10 @@ static inline __attribute__((always_inline)) void weigh(const float *probs, vf i
             store_part(out + r * out_stride + f0 + s * VW, acc[r][s] * inv[j0 + r], s < nv - 1 ? VW : tail);
 }
 
-/* One work item: the tile of n rows starting at row r0 (position p0), query head qh. */
-static int attend_tile(const float *q, int64_t q_stride, int64_t n, int64_t p0, int64_t qh, const Pool *p, float *out,
-                       int64_t out_stride) {
+/* One work item, for the pool element type bf16 (a constant after inlining). */
+static inline __attribute__((always_inline)) int attend_tile_t(const float *q, int64_t q_stride, int64_t n, int64_t p0,
+                                                               int64_t qh, const Pool *p, float *out, int64_t out_stride,
+                                                               const int bf16) {
     const int64_t D = p->s.head_dim, h = qh / p->s.group, hi = p0 + n;
     const int64_t lo = p->window > 0 && p0 + 1 > p->window ? p0 + 1 - p->window : 0;
     const size_t bytes = sizeof(float) * (size_t)((D + hi - lo) * VW);
@@ -145,7 +157,7 @@ static int attend_tile(const float *q, int64_t q_stride, int64_t n, int64_t p0, 
     float *qt = buffer;
     float *scores = buffer + D * VW;
     transpose_tile(q + qh * D, q_stride, n, D, qt);
-    score(qt, n, p, h, p0, lo, hi, scores);
+    score(qt, n, p, h, p0, lo, hi, scores, bf16);
     const vf inv = exponentiate(scores, hi - lo);
     for (int64_t j0 = 0; j0 < n; j0 += RB) {
         const int64_t rows = n - j0 < RB ? n - j0 : RB;
@@ -155,22 +167,29 @@ static int attend_tile(const float *q, int64_t q_stride, int64_t n, int64_t p0, 
         float *o = out + j0 * out_stride + qh * D;
         for (int64_t f0 = 0; f0 < D; f0 += SB * VW) {
             if (D - f0 >= SB * VW) /* a constant width: the loads and FMAs unroll */
-                weigh(probs, inv, p, h, first, p0 + j0 + rows, j0, rows, f0, SB * VW, o, out_stride);
+                weigh(probs, inv, p, h, first, p0 + j0 + rows, j0, rows, f0, SB * VW, o, out_stride, bf16);
             else
-                weigh(probs, inv, p, h, first, p0 + j0 + rows, j0, rows, f0, D - f0, o, out_stride);
+                weigh(probs, inv, p, h, first, p0 + j0 + rows, j0, rows, f0, D - f0, o, out_stride, bf16);
         }
     }
     free(buffer);
     return KERNEL_OK;
 }
 
+/* One work item: the tile of n rows starting at row r0 (position p0), query head qh. */
+static int attend_tile(const float *q, int64_t q_stride, int64_t n, int64_t p0, int64_t qh, const Pool *p, float *out,
+                       int64_t out_stride) {
+    return p->s.kv_bf16 ? attend_tile_t(q, q_stride, n, p0, qh, p, out, out_stride, 1)
+                        : attend_tile_t(q, q_stride, n, p0, qh, p, out, out_stride, 0);
+}
+
 /* The exported kernel. Every size is checked against what the caller allocated (q_capacity /
  * out_capacity floats at q / out, max_blocks entries at table, num_blocks blocks in each cache)
  * before any is used. */
-int prefill_attention_f32(const float *q, int64_t q_stride, int64_t q_capacity, const float *k_cache, const float *v_cache,
-                          int64_t num_blocks, const int64_t *table, int64_t max_blocks, int64_t q_len, int64_t ctx_len,
-                          float *out, int64_t out_stride, int64_t out_capacity, int64_t block_size, int64_t num_kv_heads,
-                          int64_t group, int64_t head_dim, int64_t window, float scale, int num_threads) {
+static int prefill_attention(const float *q, int64_t q_stride, int64_t q_capacity, const void *k_cache, const void *v_cache,
+                             int64_t num_blocks, const int64_t *table, int64_t max_blocks, int64_t q_len, int64_t ctx_len,
+                             float *out, int64_t out_stride, int64_t out_capacity, int64_t block_size, int64_t num_kv_heads,
+                             int64_t group, int64_t head_dim, int64_t window, float scale, int num_threads, int kv_bf16) {
     if (head_dim % 8 != 0) return KERNEL_BAD_SHAPE;
     const int64_t width = num_kv_heads * group * head_dim;
     REQUIRE(num_kv_heads > 0 && group > 0 && num_threads > 0, "prefill attention: %lld KV heads, group %lld, %d threads",
@@ -184,7 +203,7 @@ int prefill_attention_f32(const float *q, int64_t q_stride, int64_t q_capacity, 
             (long long)out_capacity);
     const int status = check_table(table, max_blocks, ctx_len, block_size, num_blocks, "prefill attention: chunk", 0);
     if (status) return status;
-    const Pool p = {k_cache, v_cache, table, {block_size, num_kv_heads, group, head_dim}, window, scale};
+    const Pool p = {k_cache, v_cache, table, {block_size, num_kv_heads, group, head_dim, kv_bf16}, window, scale};
     const int64_t heads = num_kv_heads * group, tiles = (q_len + VW - 1) / VW, items = tiles * heads;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(max : failed)
@@ -195,4 +214,20 @@ int prefill_attention_f32(const float *q, int64_t q_stride, int64_t q_capacity, 
                                                   out + r0 * out_stride, out_stride));
     }
     return failed;
+}
+
+int prefill_attention_f32(const float *q, int64_t q_stride, int64_t q_capacity, const float *k_cache, const float *v_cache,
+                          int64_t num_blocks, const int64_t *table, int64_t max_blocks, int64_t q_len, int64_t ctx_len,
+                          float *out, int64_t out_stride, int64_t out_capacity, int64_t block_size, int64_t num_kv_heads,
+                          int64_t group, int64_t head_dim, int64_t window, float scale, int num_threads) {
+    return prefill_attention(q, q_stride, q_capacity, k_cache, v_cache, num_blocks, table, max_blocks, q_len, ctx_len, out,
+                             out_stride, out_capacity, block_size, num_kv_heads, group, head_dim, window, scale, num_threads, 0);
+}
+
+int prefill_attention_bf16(const float *q, int64_t q_stride, int64_t q_capacity, const void *k_cache, const void *v_cache,
+                           int64_t num_blocks, const int64_t *table, int64_t max_blocks, int64_t q_len, int64_t ctx_len,
+                           float *out, int64_t out_stride, int64_t out_capacity, int64_t block_size, int64_t num_kv_heads,
+                           int64_t group, int64_t head_dim, int64_t window, float scale, int num_threads) {
+    return prefill_attention(q, q_stride, q_capacity, k_cache, v_cache, num_blocks, table, max_blocks, q_len, ctx_len, out,
+                             out_stride, out_capacity, block_size, num_kv_heads, group, head_dim, window, scale, num_threads, 1);
 }

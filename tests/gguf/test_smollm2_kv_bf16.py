@@ -1,0 +1,70 @@
+"""The real default model with kv_cache_dtype="bfloat16": the KV pool holds bfloat16 (half the
+bytes: twice the blocks in the same memory), written rounded as torch rounds and widened exactly
+by the C attention kernels. Not exact, so against the float32 pool: teacher-forced greedy
+agreement, the factual answer, and perplexity — through the fused decode step (the default) and
+through the modules (decode_backend="torch"), prefill included."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_smollm2 import NEW_TOKENS, NUM_WINDOWS, QUESTIONS, WINDOW, chat, perplexity  # noqa: E402
+from tiny_models import stdlib_text  # noqa: E402
+
+from pagedllm import LLM, SamplingParams  # noqa: E402
+
+MEMORY = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def exact(smollm2):
+    return LLM(str(smollm2), kv_cache_memory=MEMORY)
+
+
+@pytest.fixture(scope="module", params=["fused", "torch"])
+def bf16(smollm2, request):
+    return LLM(str(smollm2), kv_cache_memory=MEMORY, kv_cache_dtype="bfloat16", decode_backend=request.param)
+
+
+def test_the_pool_is_bfloat16_with_twice_the_blocks(exact, bf16):
+    runner = bf16.llm_engine.runner
+    assert runner.kv_cache.k.dtype == torch.bfloat16 and exact.llm_engine.runner.kv_cache.k.dtype == torch.float32
+    assert runner.num_blocks == 2 * exact.llm_engine.runner.num_blocks
+    fused = runner.model.fused
+    assert (fused is not None) == (bf16.llm_engine.config.decode_backend == "fused")
+    if fused is not None:
+        assert fused._struct.kv_bf16 == 1
+
+
+def test_greedy_chat_tokens_agree_with_the_float32_pool(exact, bf16):
+    tokenizer = exact.get_tokenizer()
+    prompts = [chat(tokenizer, q) for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    answers = [o.outputs[0].token_ids for o in exact.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    ours = [o.outputs[0].token_ids for o in bf16.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    forced = bf16.generate([{"prompt_token_ids": p + a} for p, a in zip(prompts, answers)],
+                           SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    agree = total = 0
+    for prompt, answer, out in zip(prompts, answers, forced):
+        for token, entry in zip(answer, out.prompt_logprobs[len(prompt):]):
+            agree += max(entry.items(), key=lambda item: item[1].logprob)[0] == token
+            total += 1
+    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(answers, ours)]
+    print(f"\n[bf16 KV, {bf16.llm_engine.config.decode_backend}] teacher-forced greedy agreement {agree}/{total}; free "
+          f"greedy answers equal for the first {same} of {[len(a) for a in answers]} tokens")
+    assert agree >= 0.95 * total
+    assert tokenizer.decode(ours[0], skip_special_tokens=True) == "The capital of France is Paris."
+
+
+def test_perplexity_moves_by_less_than_half_a_percent(exact, bf16):
+    ids = exact.get_tokenizer()(stdlib_text(60_000)).input_ids
+    windows = [ids[i : i + WINDOW] for i in range(0, WINDOW * NUM_WINDOWS, WINDOW)]
+    base, ours = perplexity(exact, windows), perplexity(bf16, windows)
+    print(f"\n[bf16 KV perplexity, {bf16.llm_engine.config.decode_backend}] {NUM_WINDOWS} windows of {WINDOW} tokens: "
+          f"float32 pool {base:.4f}, bfloat16 pool {ours:.4f} ({ours / base - 1:+.3%})")
+    assert abs(ours / base - 1) < 0.005
