@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.bench.engine_args import parse_engine_args
 from pagedllm.bench.offline import SMOLLM2_135M, build_model
 from pagedllm.layers import kernels
 from pagedllm.matmul_peak import measure_matmul_peak
@@ -157,6 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pagedllm's greedy steps per engine step (multi-step scheduling), one row of results per value")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement, each between two bandwidth reads; all are printed")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine-arg", action="append", metavar="NAME=VALUE",
+                        help="an extra engine argument for pagedllm (repeatable), e.g. kv_cache_dtype=bfloat16")
     parser.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "pagedllm-bench-smollm2-135m-random")
     parser.add_argument("--skip-transformers", action="store_true", help="the same as --against none")
     parser.add_argument("--prefill-len", type=int, default=512, help="--against llama.cpp: prompt tokens of the prefill measurement")
@@ -205,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args = {"decode_backend": args.decode_backend, "max_num_seqs": max(batches)}
     if args.quantization:
         engine_args["quantization"] = args.quantization
+    engine_args.update(parse_engine_args(args.engine_arg))
     engines = []
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.int8_activations]
     for steps, int8 in [(int(s), m) for s in args.num_scheduler_steps.split(",") for m in modes]:
