@@ -137,7 +137,7 @@ def test_small_matmul_refuses_an_unknown_weight_kind():
 def test_greedy_rows_refuses_more_rows_than_its_buffers():
     library = kernels.load()
     logits, tokens, logprobs = torch.randn(2, 10), torch.zeros(4, dtype=torch.int64), torch.zeros(4)
-    status = library.greedy_rows(logits.data_ptr(), 3, 10, logits.numel(), tokens.data_ptr(), logprobs.data_ptr(), 4)
+    status = library.greedy_rows(logits.data_ptr(), 3, 10, logits.numel(), tokens.data_ptr(), logprobs.data_ptr(), 4, 2)
     assert status == kernels.KERNEL_REFUSED and b"3 rows of 10 logits" in library.kernel_last_error()
     assert torch.all(tokens == 0)
 

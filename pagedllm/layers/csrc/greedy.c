@@ -55,12 +55,16 @@ void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *toke
 }
 
 /* The exported kernel (the sampler's greedy rows): `logits_capacity` floats at logits,
- * `out_capacity` entries at tokens and at logprobs. */
+ * `out_capacity` entries at tokens and at logprobs. Rows are shared among `num_threads`
+ * threads (each row by one thread, so its result does not depend on the others): a batch of
+ * 64 rows of a 49k vocabulary is 12.6 MB of logits, where torch's argmax and logsumexp took
+ * ~2.6 and ~1.9 ms a step on 2 cores. */
 int greedy_rows(const float *logits, int64_t rows, int64_t vocab, int64_t logits_capacity, int64_t *tokens, float *logprobs,
-                int64_t out_capacity) {
-    REQUIRE(rows >= 0 && vocab >= 1 && rows <= out_capacity && rows <= logits_capacity / vocab,
-            "greedy rows: %lld rows of %lld logits do not fit %lld floats, or %lld outputs", (long long)rows, (long long)vocab,
-            (long long)logits_capacity, (long long)out_capacity);
-    argmax_rows(logits, rows, vocab, tokens, logprobs);
+                int64_t out_capacity, int num_threads) {
+    REQUIRE(rows >= 0 && vocab >= 1 && rows <= out_capacity && rows <= logits_capacity / vocab && num_threads >= 1,
+            "greedy rows: %lld rows of %lld logits do not fit %lld floats, or %lld outputs (%d threads)", (long long)rows,
+            (long long)vocab, (long long)logits_capacity, (long long)out_capacity, num_threads);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) argmax_rows(logits + r * vocab, 1, vocab, tokens + r, logprobs + r);
     return KERNEL_OK;
 }

@@ -172,9 +172,9 @@ int speculate_greedy(const Model *target, const Model *draft, Speculation *sp, i
                      double *seconds);
 
 /* Each of `rows` rows' argmax and its log-probability (greedy.c): logits_capacity floats at
- * logits, out_capacity entries at tokens and at logprobs. */
+ * logits, out_capacity entries at tokens and at logprobs; rows shared among num_threads. */
 int greedy_rows(const float *logits, int64_t rows, int64_t vocab, int64_t logits_capacity, int64_t *tokens, float *logprobs,
-                int64_t out_capacity);
+                int64_t out_capacity, int num_threads);
 
 /* A STREAM-like read of n floats by num_threads threads: the best of `repeats` passes, in bytes
  * per second (small_matmul.c; the decode benchmark's limit). */
