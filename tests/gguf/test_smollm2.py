@@ -61,6 +61,26 @@ def test_greedy_chat_tokens_equal_transformers(llm, reference):
     assert tokenizer.decode(outputs[0].outputs[0].token_ids, skip_special_tokens=True) == "The capital of France is Paris."
 
 
+def greedy_agreement(base: LLM, other: LLM) -> tuple[int, int, list[list[int]], list[int]]:
+    """`other` against `base` on the chat questions, for an engine that is not exact: teacher-forced
+    on base's greedy answers, at how many of their positions other's own greedy choice (its top
+    prompt logprob) is base's next token; other's free greedy answers; and for how many tokens
+    each equals base's. Returns (agree, total, other's answers, equal prefix lengths)."""
+    prompts = [chat(base.get_tokenizer(), q) for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    answers = [o.outputs[0].token_ids for o in base.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    ours = [o.outputs[0].token_ids for o in other.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    forced = other.generate([{"prompt_token_ids": p + a} for p, a in zip(prompts, answers)],
+                            SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    agree = total = 0
+    for prompt, answer, out in zip(prompts, answers, forced):
+        for token, entry in zip(answer, out.prompt_logprobs[len(prompt):]):
+            agree += max(entry.items(), key=lambda item: item[1].logprob)[0] == token
+            total += 1
+    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(answers, ours)]
+    return agree, total, ours, same
+
+
 def perplexity(llm: LLM, windows: list[list[int]]) -> float:
     outputs = llm.generate([{"prompt_token_ids": w} for w in windows], SamplingParams(max_tokens=1, prompt_logprobs=0),
                            use_tqdm=False)

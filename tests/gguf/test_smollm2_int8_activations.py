@@ -12,10 +12,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_smollm2 import NEW_TOKENS, NUM_WINDOWS, QUESTIONS, WINDOW, chat, perplexity  # noqa: E402
+from test_smollm2 import NUM_WINDOWS, WINDOW, greedy_agreement, perplexity  # noqa: E402
 from tiny_models import stdlib_text  # noqa: E402
 
-from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm import LLM  # noqa: E402
 from pagedllm.layers.small_matmul import WEIGHT_Q4, WEIGHT_Q8_0  # noqa: E402
 
 
@@ -48,24 +48,11 @@ def test_greedy_chat_tokens_agree_with_the_exact_path(exact, int8):
     prompt logprob) is the exact path's next token at >= 90 % of the positions. Free greedy
     answers part ways at the first differing token (they are printed) but answer the first
     question as the exact path does."""
-    tokenizer = exact.get_tokenizer()
-    prompts = [chat(tokenizer, q) for q in QUESTIONS]
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
-    answers = [o.outputs[0].token_ids for o in exact.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-    ours = [o.outputs[0].token_ids for o in int8.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-    forced = int8.generate([{"prompt_token_ids": p + a} for p, a in zip(prompts, answers)],
-                           SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    agree = total = 0
-    for prompt, answer, out in zip(prompts, answers, forced):
-        for token, entry in zip(answer, out.prompt_logprobs[len(prompt):]):
-            top = max(entry.items(), key=lambda item: item[1].logprob)[0]
-            agree += top == token
-            total += 1
-    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(answers, ours)]
+    agree, total, ours, same = greedy_agreement(exact, int8)
     print(f"\n[int8 activations] teacher-forced greedy agreement {agree}/{total}; free greedy answers equal for the "
-          f"first {same} of {[len(a) for a in answers]} tokens")
+          f"first {same} tokens")
     assert agree >= 0.9 * total  # measured: 101 of 104
-    assert tokenizer.decode(ours[0], skip_special_tokens=True) == "The capital of France is Paris."
+    assert exact.get_tokenizer().decode(ours[0], skip_special_tokens=True) == "The capital of France is Paris."
 
 
 def test_perplexity_moves_by_less_than_one_percent(exact, int8):
