@@ -29,7 +29,7 @@ run: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/pagedllm generate --chat --prompt "What is the capital of France?" --max-tokens 64
 
-# The sanitizer job (the C kernels' tests and the differential fuzz under ASan + UBSan, ~1 min) is
+# The sanitizer job (the C kernels' tests and the differential fuzz under ASan + UBSan, ~1–2 min) is
 # its own target so that `make test` stays under 15 minutes on an idle 2-core machine; CI
 # (.ci/run) runs both. `pytest tests` alone runs everything.
 SANITIZER_TESTS := tests/layers/test_sanitizers.py
