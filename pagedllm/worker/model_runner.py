@@ -329,7 +329,8 @@ class ModelRunner:
             logits = self._logits(layout, views, graph_size).float()
             best = logits.argmax(dim=-1)  # the sampler's greedy choice
             tokens[step] = best
-            logprobs[step] = torch.log_softmax(logits, dim=-1).gather(1, best[:, None]).squeeze(1)
+            # its logprob as the sampler's greedy path takes it, without a log-softmax of the vocabulary
+            logprobs[step] = logits.gather(1, best[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
             if step + 1 < num_steps:
                 views["input_ids"].index_copy_(0, logit_rows, tokens[step])
                 self._advance_decodes(layout, views, real)
@@ -349,7 +350,6 @@ class ModelRunner:
             table = views[f"decode{number}.tables"][:count]
             block = table.gather(1, (pos // self.block_size)[:, None]).squeeze(1)
             slots[bucket.start : bucket.start + count] = block * self.block_size + pos % self.block_size
-
 
     def _offload_step(self, sched: SchedulerOutput, chunks: list[BatchChunk]) -> tuple[SchedulerOutput, list[BatchChunk]]:
         """Zeroing (secure mode) and copy-on-write happen in the host pool, in that order; the
