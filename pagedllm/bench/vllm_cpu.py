@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.bench.vllm_worker import MARK  # its answers, among vLLM's own log lines
 from pagedllm.bench.workload import Workload
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
-MARK = "pagedllm-bench: "  # vllm_worker.py's answers, among vLLM's own log lines
 PYTHON_ENV = "PAGEDLLM_VLLM_PYTHON"
 
 

@@ -161,6 +161,11 @@ static inline QRows qrows_in(void *buf, int64_t m, int64_t k) {
     float *f = (float *)buf;
     return (QRows){(int8_t *)(f + 3 * nb), f, f + nb, (int32_t *)(f + 2 * nb), k};
 }
+/* The rows of xq from row r on (the same buffer). */
+static inline QRows qrows_from(const QRows *xq, int64_t r) {
+    const int64_t nb = xq->k / QBLOCK;
+    return (QRows){xq->q + r * xq->k, xq->d + r * nb, xq->s + r * nb, xq->sum + r * nb, xq->k};
+}
 /* Quantizes rows [0, m) of x (stride ldx, k inputs each) into xq. */
 void quantize_rows(const float *x, int64_t m, int64_t ldx, const QRows *xq);
 

@@ -605,8 +605,7 @@ static inline void epilogue(const Matrix *w, int64_t p, int mb, vf *out) {
 static void panel_block(const Matrix *w, int64_t p, const float *x, const QRows *xq, int64_t r0, int64_t ldx, int mb, vf *out) {
     const int64_t K = w->k;
     if (xq != NULL && int8_activations(w)) {
-        const int64_t nb = K / QBLOCK;
-        const QRows rows = {xq->q + r0 * K, xq->d + r0 * nb, xq->s + r0 * nb, xq->sum + r0 * nb, K};
+        const QRows rows = qrows_from(xq, r0);
         const uint8_t *panel = (const uint8_t *)w->panels + p * panel_bytes(w);
         if (w->dtype == WEIGHT_Q4) {
             DISPATCH_I8(dot_q4_i8, panel, &rows, K, mb, out);
@@ -773,8 +772,7 @@ int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, int64_
         if (quantized) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++) {
-                const int64_t nb = w->k / QBLOCK;
-                const QRows row = {xq.q + r * w->k, xq.d + r * nb, xq.s + r * nb, xq.sum + r * nb, w->k};
+                const QRows row = qrows_from(&xq, r);
                 quantize_rows(x + r * ldx, 1, ldx, &row);
             }
         }
@@ -783,11 +781,7 @@ int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, int64_
         thread_share(swiglu ? w->num_panels / 2 : w->num_panels, t, nt, &lo, &hi);
         for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
             const int64_t rows = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
-            QRows tile = xq;
-            if (quantized) {
-                const int64_t nb = w->k / QBLOCK;
-                tile = (QRows){xq.q + r0 * w->k, xq.d + r0 * nb, xq.s + r0 * nb, xq.sum + r0 * nb, w->k};
-            }
+            const QRows tile = quantized ? qrows_from(&xq, r0) : xq;
             const QRows *tq = quantized ? &tile : NULL;
             if (swiglu)
                 swiglu_panels(w, x + r0 * ldx, tq, rows, ldx, y + r0 * ldy, ldy, lo, hi, pair);
