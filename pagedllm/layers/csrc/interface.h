@@ -183,6 +183,11 @@ double read_bandwidth(const float *buf, int64_t n, int repeats, int num_threads)
 /* The vector instruction set the library was built for: "avx512", "avx2" or "generic". */
 const char *kernel_isa(void);
 
+/* The integer dot products of int8-activation matmuls over many rows (small_matmul.c): "amx"
+ * where the build has AMX-INT8 and the kernel grants this process the tiles, else
+ * "avx512-vnni", "avx2" or "generic" (those of every row count). */
+const char *int8_dot_product(void);
+
 /* The output channels of a packed weight's panel (VW): weights are packed for the library that
  * reads them. */
 int64_t panel_width(void);

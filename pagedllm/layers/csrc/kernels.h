@@ -102,6 +102,19 @@ static inline vf int_to_float(vi v) {
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VBMI__)
+/* 64 bytes of a block-quantized panel's codes (4 inputs x 16 channels, input-major) re-laid so
+ * that each 32-bit lane holds one channel's 4 inputs: the operand layout of vpdpbusd and of an
+ * AMX tile's B rows (small_matmul.c, amx_int8.c): byte 4c + j of the result is byte 16 j + c of
+ * the 64 loaded, channel c's 4 inputs in lane c. */
+static inline __m512i relay4(const uint8_t *p) {
+    const __m512i idx = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11, 58, 42,
+                                        26, 10, 57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52,
+                                        36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
+    return _mm512_permutexvar_epi8(idx, _mm512_loadu_si512((const void *)p));
+}
+#endif
+
 #define QBLOCK 32 /* inputs per block of a block-quantized panel (Matrix, interface.h) */
 
 enum { STORE = 0, ACCUMULATE = 1 };
@@ -178,6 +191,30 @@ void matmul_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, 
 /* act[m][c] = silu(gate) * up for the channels of gate/up panel pairs [j0, j1). */
 void swiglu_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, int64_t ldx, float *act, int64_t ldact,
                    int64_t j0, int64_t j1, int pair);
+/* AMX (amx_int8.c): the integer sums of int8-activation matmuls over many rows in tiles of 16
+ * rows x 16 channels x one block of 32 inputs, where the build targets AMX-INT8 (and AVX-512
+ * VBMI, for relay4) and the kernel lets this process use the tiles. */
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VBMI__) && VW == 16
+#define AMX_INT8 1
+#define AMX_ROWS 16                        /* activation rows of a tile */
+#define AMX_CODE_BYTES (QBLOCK * VW)       /* one block's codes of a panel, as a tile's B rows */
+#define AMX_SUM_INTS (AMX_ROWS * VW)       /* one block's integer sums of 16 rows x 16 channels */
+/* Whether the tiles may be used: asked of the kernel once per process (arch_prctl). Call it
+ * before a parallel region whose threads use them. */
+int amx_usable(void);
+/* This thread's tile configuration (amx_begin) and its release (amx_end), around its work. */
+void amx_begin(void);
+void amx_end(void);
+/* A panel's codes of nb blocks (a Q4 or Q8_0 panel, kernels.h's layout) as tiles' B rows:
+ * nb * AMX_CODE_BYTES bytes at `codes`. */
+void amx_codes(const uint8_t *panel, int64_t nb, int32_t dtype, uint8_t *codes);
+/* isum[b][r][c] = sum over block b's inputs i of xq[r][i] * code(c, i) for rows r < 16 of x
+ * (rows k bytes apart, all 16 readable), channels c < 16: nb * AMX_SUM_INTS int32. */
+void amx_sums(const uint8_t *codes, const int8_t *x, int64_t k, int64_t nb, int32_t dtype, int32_t *isum);
+#else
+#define AMX_INT8 0
+#endif
+
 /* Bytes of one block of 32 inputs of a block-quantized panel. */
 static inline int64_t qblock_bytes(int32_t dtype) { return dtype == WEIGHT_Q8_0 ? 34 * VW : 20 * VW; }
 

@@ -353,13 +353,6 @@ void quantize_rows(const float *x, int64_t m, int64_t ldx, const QRows *xq) {
  * codes of this block, rows k apart. */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define INT8_DOT "avx512-vnni"
-/* Byte 4c + j of the result is byte 16 j + c of the 64 loaded: channel c's 4 inputs in lane c. */
-static inline __m512i relay4(const uint8_t *p) {
-    const __m512i idx = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11, 58, 42,
-                                        26, 10, 57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52,
-                                        36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
-    return _mm512_permutexvar_epi8(idx, _mm512_loadu_si512((const void *)p));
-}
 static inline __m512i bcast4(const int8_t *x) {
     int32_t v;
     memcpy(&v, x, sizeof v);
@@ -466,6 +459,31 @@ static inline void q8_isums(const uint8_t *q, const int8_t *x, int64_t k, const 
 }
 #endif
 
+/* The fp32 epilogue of one block (b of nb) for rows r < mb of xq, given their integer sums: the
+ * one sequence of operations both the VNNI loops here and the AMX tiles' sums go through. */
+static inline __attribute__((always_inline)) void q4_accumulate(const uint8_t *blk, const QRows *xq, int64_t b, int64_t nb,
+                                                                const int mb, const vi *isum, vf *first, vf *second) {
+    const vf d = loadv_f16((const uint16_t *)blk), m = loadv_f16((const uint16_t *)blk + VW);
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) {
+        vf scale = d * xq->d[r * nb + b];
+        __asm__("" : "+v"(scale));
+        first[r] = fmav(scale, int_to_float(isum[r]), first[r]);
+        second[r] = fmav(m, (vf){0} + xq->s[r * nb + b], second[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void q8_accumulate(const uint8_t *blk, const QRows *xq, int64_t b, int64_t nb,
+                                                                const int mb, const vi *isum, vf *acc) {
+    const vf d = loadv_f16((const uint16_t *)blk);
+#pragma GCC unroll 8
+    for (int r = 0; r < mb; r++) {
+        vf scale = d * xq->d[r * nb + b];
+        __asm__("" : "+v"(scale));
+        acc[r] = fmav(scale, int_to_float(isum[r]), acc[r]);
+    }
+}
+
 /* Rows r < mb of xq (already at the block's first row) against a Q4 panel. */
 static inline __attribute__((always_inline)) void dot_q4_i8(const uint8_t *panel, const QRows *xq, int64_t K, const int mb,
                                                             vf *out) {
@@ -478,14 +496,7 @@ static inline __attribute__((always_inline)) void dot_q4_i8(const uint8_t *panel
         const uint8_t *blk = panel + b * bytes;
         prefetch_block(blk, bytes);
         q4_isums(blk + 4 * VW, xq->q + b * QBLOCK, K, mb, isum);
-        const vf d = loadv_f16((const uint16_t *)blk), m = loadv_f16((const uint16_t *)blk + VW);
-#pragma GCC unroll 8
-        for (int r = 0; r < mb; r++) {
-            vf scale = d * xq->d[r * nb + b];
-            __asm__("" : "+v"(scale));
-            first[r] = fmav(scale, int_to_float(isum[r]), first[r]);
-            second[r] = fmav(m, (vf){0} + xq->s[r * nb + b], second[r]);
-        }
+        q4_accumulate(blk, xq, b, nb, mb, isum, first, second);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < mb; r++) out[r] = first[r] + second[r];
@@ -502,13 +513,7 @@ static inline __attribute__((always_inline)) void dot_q8_i8(const uint8_t *panel
         const uint8_t *blk = panel + b * bytes;
         prefetch_block(blk, bytes);
         q8_isums(blk + 2 * VW, xq->q + b * QBLOCK, K, xq->sum + b, nb, mb, isum);
-        const vf d = loadv_f16((const uint16_t *)blk);
-#pragma GCC unroll 8
-        for (int r = 0; r < mb; r++) {
-            vf scale = d * xq->d[r * nb + b];
-            __asm__("" : "+v"(scale));
-            acc[r] = fmav(scale, int_to_float(isum[r]), acc[r]);
-        }
+        q8_accumulate(blk, xq, b, nb, mb, isum, acc);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < mb; r++) out[r] = acc[r];
@@ -740,6 +745,131 @@ void swiglu_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, 
  * tile. A row's result does not depend on the tiling. */
 #define ROW_TILE 64
 
+#if AMX_INT8
+/* Int8 activations of many rows through the AMX tiles (amx_int8.c): for each panel its codes are
+ * re-laid once, then for each 16 rows the tiles give every block's integer sums and the epilogue
+ * runs over them 8 rows at a time with q4_accumulate/q8_accumulate — the operations
+ * dot_q4_i8/dot_q8_i8 apply to the same integers, so a row gets the same bits from either path,
+ * and which path a row count takes is a matter of speed alone. From AMX_MIN_ROWS rows on (the
+ * rows are quantized into whole tiles of 16, the rows past m zero). */
+#define AMX_MIN_ROWS 16
+/* Blocks per pass of the tiles and then the epilogue: their sums (AMX_CHUNK KB) stay in L1 for
+ * the epilogue, which a whole row of blocks (48 KB at k = 1536) did not. */
+#define AMX_CHUNK 8
+
+typedef struct {
+    uint8_t *codes; /* a panel's codes as B rows: nb * AMX_CODE_BYTES */
+    int32_t *isum;  /* 16 rows' sums of AMX_CHUNK blocks, twice (amx_panel) */
+    int started;
+} AmxScratch;
+
+/* This thread's scratch for k inputs and its tile configuration; 0 if the scratch could not be
+ * allocated (its rows then take the VNNI path). amx_stop undoes either outcome. */
+static int amx_start(AmxScratch *s, int64_t k) {
+    const int64_t nb = k / QBLOCK;
+    s->codes = aligned_alloc(64, (size_t)(nb * AMX_CODE_BYTES));
+    s->isum = aligned_alloc(64, (size_t)(2 * AMX_CHUNK * AMX_SUM_INTS * (int64_t)sizeof(int32_t)));
+    s->started = s->codes != NULL && s->isum != NULL;
+    if (s->started) amx_begin();
+    return s->started;
+}
+
+static void amx_stop(AmxScratch *s) {
+    if (s->started) amx_end();
+    free(s->codes);
+    free(s->isum);
+}
+
+/* Blocks [b0, b0 + n) of the epilogue for MB rows of xq (at their first row) from their sums
+ * (isum: row 0's sums of block b0; rows VW ints apart, blocks AMX_SUM_INTS), continuing the
+ * accumulators first[r] and second[r] (Q8_0: first alone) where b0 > 0, starting them at 0
+ * where b0 == 0; q4 a constant after inlining. */
+static inline __attribute__((always_inline)) void amx_rows(const uint8_t *panel, const QRows *xq, const int32_t *isum, int64_t b0,
+                                                           int64_t n, int64_t nb, const int q4, vf *first, vf *second) {
+    const int64_t bytes = qblock_bytes(q4 ? WEIGHT_Q4 : WEIGHT_Q8_0);
+    vf f[MB], g[MB];
+    vi sums[MB];
+#pragma GCC unroll 8
+    for (int r = 0; r < MB; r++) f[r] = b0 ? first[r] : (vf){0}, g[r] = b0 && q4 ? second[r] : (vf){0};
+    for (int64_t b = b0; b < b0 + n; b++) {
+#pragma GCC unroll 8
+        for (int r = 0; r < MB; r++) memcpy(&sums[r], isum + (b - b0) * AMX_SUM_INTS + r * VW, sizeof(vi));
+        if (q4)
+            q4_accumulate(panel + b * bytes, xq, b, nb, MB, sums, f, g);
+        else
+            q8_accumulate(panel + b * bytes, xq, b, nb, MB, sums, f);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MB; r++) first[r] = f[r], second[r] = g[r];
+}
+
+/* Panel p's channels (scale and bias applied) for rows [0, m) of xq, m <= ROW_TILE: out[r].
+ * The work is a sequence of steps, (16 rows, AMX_CHUNK blocks) each; the tiles' sums of step
+ * i + 1 are asked for before the epilogue of step i, into the other half of the scratch, so
+ * the tile unit computes them while the vector units run the epilogue. */
+static void amx_panel(const Matrix *w, int64_t p, const QRows *xq, int64_t m, const AmxScratch *s, vf *out) {
+    const int64_t nb = w->k / QBLOCK, chunks = (nb + AMX_CHUNK - 1) / AMX_CHUNK, steps = (m + AMX_ROWS - 1) / AMX_ROWS * chunks;
+    const int q4 = w->dtype == WEIGHT_Q4;
+    const uint8_t *panel = (const uint8_t *)w->panels + p * panel_bytes(w);
+    vf second[AMX_ROWS];
+    amx_codes(panel, nb, w->dtype, s->codes);
+    for (int64_t i = 0; i <= steps; i++) {
+        if (i < steps) { /* the sums of step i */
+            const int64_t g = i / chunks * AMX_ROWS, b0 = i % chunks * AMX_CHUNK;
+            const int64_t n = nb - b0 < AMX_CHUNK ? nb - b0 : AMX_CHUNK;
+            amx_sums(s->codes + b0 * AMX_CODE_BYTES, xq->q + g * w->k + b0 * QBLOCK, w->k, n, w->dtype,
+                     s->isum + i % 2 * AMX_CHUNK * AMX_SUM_INTS);
+        }
+        if (i == 0) continue;
+        /* the epilogue of step i - 1 */
+        const int64_t j = i - 1, g = j / chunks * AMX_ROWS, b0 = j % chunks * AMX_CHUNK;
+        const int64_t n = nb - b0 < AMX_CHUNK ? nb - b0 : AMX_CHUNK;
+        const int32_t *isum = s->isum + j % 2 * AMX_CHUNK * AMX_SUM_INTS;
+        for (int64_t h = 0; h < AMX_ROWS && g + h < m; h += MB) {
+            const QRows rows = qrows_from(xq, g + h);
+            if (q4)
+                amx_rows(panel, &rows, isum + h * VW, b0, n, nb, 1, out + g + h, second + h);
+            else
+                amx_rows(panel, &rows, isum + h * VW, b0, n, nb, 0, out + g + h, second + h);
+        }
+        if (q4 && b0 + n == nb)
+            for (int64_t r = g; r < g + AMX_ROWS && r < m; r++) out[r] += second[r - g];
+    }
+    epilogue(w, p, (int)m, out);
+}
+
+/* Rows [0, m) of x W^T (or silu(gate) * up) for the panels [p0, p1) (gate/up pairs when swiglu). */
+static void amx_tile(const Matrix *w, const QRows *xq, int64_t m, float *y, int64_t ldy, int64_t p0, int64_t p1, int swiglu,
+                     const AmxScratch *s) {
+    vf out[ROW_TILE], up[ROW_TILE];
+    const int64_t width = swiglu ? w->n / 2 : w->n;
+    for (int64_t p = p0; p < p1; p++) {
+        amx_panel(w, swiglu ? 2 * p : p, xq, m, s, out);
+        if (swiglu) {
+            amx_panel(w, 2 * p + 1, xq, m, s, up);
+            for (int64_t r = 0; r < m; r++) out[r] = silu(out[r]) * up[r];
+        }
+        for (int64_t r = 0; r < m; r++) put(y + r * ldy + p * VW, out[r], width - p * VW, STORE);
+    }
+}
+#else
+#define AMX_MIN_ROWS 16
+#define AMX_ROWS 16
+typedef struct {
+    int started;
+} AmxScratch;
+static inline int amx_usable(void) { return 0; }
+static inline int amx_start(AmxScratch *s, int64_t k) {
+    (void)k;
+    return s->started = 0;
+}
+static inline void amx_stop(AmxScratch *s) { (void)s; }
+static inline void amx_tile(const Matrix *w, const QRows *xq, int64_t m, float *y, int64_t ldy, int64_t p0, int64_t p1, int swiglu,
+                            const AmxScratch *s) {
+    (void)w, (void)xq, (void)m, (void)y, (void)ldy, (void)p0, (void)p1, (void)swiglu, (void)s;
+}
+#endif
+
 /* The standalone entry point (tests, prefills through block-quantized weights, any caller
  * outside the decode step): y = x W^T, or silu(gate) * up when `swiglu`, split by panels over
  * the threads, rows in tiles of ROW_TILE. check_matrix covers the weight of every kind (a
@@ -758,14 +888,22 @@ int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, int64_
             "small matmul: %lld rows of %lld outputs do not fit y (stride %lld, %lld floats)", (long long)m, (long long)width,
             (long long)ldy, (long long)y_capacity);
     const int pair = fits_in_cache(matrix_bytes(w));
-    /* int8 activations: every row quantized once, shared by the threads */
+    /* int8 activations: every row quantized once, shared by the threads; for the AMX tiles in
+     * whole tiles of 16 rows, the rows past m zero */
     void *qbuf = NULL;
     QRows xq = {0};
     const int quantized = int8_activations(w) && m > 0;
+    const int tiles = quantized && m >= AMX_MIN_ROWS && amx_usable();
+    const int64_t qm = tiles ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m, nb = w->k / QBLOCK;
     if (quantized) {
-        qbuf = malloc(qrows_bytes(m, w->k));
+        qbuf = malloc(qrows_bytes(qm, w->k));
         if (qbuf == NULL) return KERNEL_NO_MEMORY;
-        xq = qrows_in(qbuf, m, w->k);
+        xq = qrows_in(qbuf, qm, w->k);
+        const int64_t pad = qm - m;
+        memset(xq.d + m * nb, 0, pad * nb * sizeof(float));
+        memset(xq.s + m * nb, 0, pad * nb * sizeof(float));
+        memset(xq.sum + m * nb, 0, pad * nb * sizeof(int32_t));
+        memset(xq.q + m * w->k, 0, pad * w->k);
     }
 #pragma omp parallel num_threads(num_threads)
     {
@@ -779,19 +917,28 @@ int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, int64_
         int64_t lo, hi;
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         thread_share(swiglu ? w->num_panels / 2 : w->num_panels, t, nt, &lo, &hi);
+        AmxScratch scratch = {0};
+        const int amx = tiles && amx_start(&scratch, w->k);
         for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
             const int64_t rows = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
             const QRows tile = quantized ? qrows_from(&xq, r0) : xq;
             const QRows *tq = quantized ? &tile : NULL;
-            if (swiglu)
+            if (amx && rows >= AMX_MIN_ROWS)
+                amx_tile(w, tq, rows, y + r0 * ldy, ldy, lo, hi, swiglu, &scratch);
+            else if (swiglu)
                 swiglu_panels(w, x + r0 * ldx, tq, rows, ldx, y + r0 * ldy, ldy, lo, hi, pair);
             else
                 matmul_panels(w, x + r0 * ldx, tq, rows, ldx, y + r0 * ldy, ldy, lo, hi, STORE, pair);
         }
+        amx_stop(&scratch);
     }
     free(qbuf);
     return KERNEL_OK;
 }
+
+/* Which instructions sum int8-activation products of many rows: "amx" where the tiles are usable
+ * (from AMX_MIN_ROWS rows), else those of every row count. */
+const char *int8_dot_product(void) { return amx_usable() ? "amx" : INT8_DOT; }
 
 /* A STREAM-like read of n floats by num_threads threads (each its contiguous share, 4 vector
  * accumulators): the best of `repeats` passes, in bytes per second. The denominator of the decode
