@@ -7,8 +7,8 @@ misses after a matmul has streamed its weights through the caches, and oneDNN's 
 matmuls stop short of the memory's speed. This module describes the model to the C kernel once
 (pointers to the packed weights of layers/small_matmul.py, the norms, the rotary tables, the KV
 pools) and then runs each qualifying step with one call: steps whose rows are all decodes
-(plain decodes and speculative verification rows), at most `MAX_ROWS` of them, attended with the
-C decode kernel. Everything else — prefills, mixed steps, larger batches — runs through the
+(plain decodes and speculative verification rows), at most `MAX_ROWS` of them (`TILE_ROWS` where
+int8 activations go through AMX tiles), attended with the C decode kernel. Everything else — prefills, mixed steps, larger batches — runs through the
 modules, which stay the reference the fused step is tested against (tests/models/test_fused_decode.py).
 """
 from __future__ import annotations
@@ -24,6 +24,12 @@ from pagedllm.layers.kernel_interface import Layer as LayerStruct
 from pagedllm.layers.kernel_interface import Model as ModelStruct
 from pagedllm.layers.kernel_interface import Step as StepStruct
 from pagedllm.layers.small_matmul import MAX_ROWS, PackedWeight
+
+# The most rows a fused step takes where every matrix multiplies int8 activations through AMX
+# tiles (csrc/amx_int8.c): its matmuls of 16 rows or more are then the tiles', as the modules'
+# would be, and one call saves the modules' per-op dispatch of every layer (docs/engine.md, "AMX
+# tiles"). Elsewhere MAX_ROWS, the decode sizes the small-M kernels are for.
+TILE_ROWS = 256
 
 
 class ThreadCount:
@@ -53,6 +59,7 @@ class ThreadCount:
 
     def plan(self, rows: int, steps: int = 1) -> list[int]:
         """The thread count of each of the next `steps` steps of this many rows."""
+        rows = self._key(rows)
         times = self.times.setdefault(rows, {c: [] for c in self.candidates})
         untried = [c for c in self.candidates if len(times[c]) < self.warmup]
         if untried:
@@ -68,6 +75,7 @@ class ThreadCount:
 
     def record(self, rows: int, threads: list[int], seconds: list[float]) -> None:
         """The measured time of each step `plan` gave."""
+        rows = self._key(rows)
         times = self.times[rows]
         if self.next_probe.get(rows, 1) <= 0:  # the first step was a probe
             won = seconds[0] < self._median(rows, self._best(rows))
@@ -80,12 +88,26 @@ class ThreadCount:
             times[count].append(step_seconds)
             del times[count][: -self.window]
 
+    @staticmethod
+    def _key(rows: int) -> int:
+        """Row counts past MAX_ROWS are timed together in powers of two (17-32, 33-64, ...): a
+        batch draining one row at a time would otherwise warm up each count anew."""
+        return rows if rows <= MAX_ROWS else 1 << (rows - 1).bit_length()
+
     def _median(self, rows: int, threads: int) -> float:
         recent = sorted(self.times[rows][threads])
         return recent[len(recent) // 2]
 
     def _best(self, rows: int) -> int:
         return min(self.candidates, key=lambda c: self._median(rows, c))
+
+
+def _all_through_tiles(model, library: ctypes.CDLL) -> bool:
+    """Whether every matrix of the step multiplies int8 activations, and the library's integer
+    sums of many rows are AMX tiles'."""
+    linears = [model.lm_head] + [m for layer in model.model.layers for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    return library.int8_dot_product().decode() == "amx" and all(_packed(m).struct().int8_activations for m in linears)
 
 
 def _packed(linear) -> PackedWeight:
@@ -117,6 +139,7 @@ class FusedDecoder:
         self._layers = (LayerStruct * len(layers))(*layers)
         self._lm_head = _packed(model.lm_head).struct()
         self.threads = ThreadCount(torch.get_num_threads())
+        self.max_rows = TILE_ROWS if _all_through_tiles(model, library) else MAX_ROWS
         rotary = model.model.rotary
         k_cache = model.model.layers[0].self_attn.attn.k_cache
         _check_model(model, k_cache, rotary)
@@ -129,10 +152,9 @@ class FusedDecoder:
             lm_head=ctypes.pointer(self._lm_head), layers=self._layers, kv_bf16=int(k_cache.dtype == torch.bfloat16),
         )
 
-    @staticmethod
-    def accepts(meta: AttentionMetadata, num_rows: int) -> bool:
-        """All rows decodes attended by the C kernel (one bucket), at most MAX_ROWS of them."""
-        return meta.kernel_attention and not meta.prefills and len(meta.decodes) == 1 and num_rows <= MAX_ROWS
+    def accepts(self, meta: AttentionMetadata, num_rows: int) -> bool:
+        """All rows decodes attended by the C kernel (one bucket), at most max_rows of them."""
+        return meta.kernel_attention and not meta.prefills and len(meta.decodes) == 1 and num_rows <= self.max_rows
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logit_rows: torch.Tensor) -> torch.Tensor:

@@ -105,4 +105,6 @@ void amx_sums(const uint8_t *codes, const int8_t *x, int64_t k, int64_t nb, int3
     }
     if (b < nb) BLOCK_SUMS(0, 1, 2, q4, x + b * QBLOCK, k, codes + b * AMX_CODE_BYTES, isum + b * AMX_SUM_INTS);
 }
+#else
+int amx_usable(void) { return 0; }
 #endif

@@ -88,6 +88,7 @@ typedef struct {
      * qrows_bytes(q_rows, q_k) bytes, q_ld apart; NULL when no matrix needs it */
     char *quantized;
     int64_t q_rows, q_k, q_ld;
+    AmxScratch *amx; /* each thread's AMX tiles (amx[t].started: in use for 16 rows or more) */
     /* Attention groups: rows first[g] .. first[g] + count[g] - 1 are one sequence's consecutive
      * positions (a verification, or a draft's catch-up), attended together (attend_rows). */
     int64_t *group_first, *group_count, num_groups;
@@ -227,9 +228,15 @@ static Ahead ahead_of(const Matrix *w, int paired, int t, int nt) {
  * the same whichever thread computes them); else NULL. */
 static const QRows *quantize_input(const Scratch *sc, const Matrix *w, const float *x, int64_t m, int64_t ldx, int t, QRows *xq) {
     if (!int8_activations(w) || sc->quantized == NULL) return NULL;
-    *xq = qrows_in(sc->quantized + t * sc->q_ld, m, w->k);
+    *xq = qrows_padded(sc->quantized + t * sc->q_ld, m, amx_rows_of(m), w->k);
     quantize_rows(x, m, ldx, xq);
     return xq;
+}
+
+/* Whether a matmul of m rows takes the AMX tiles (this thread's, started where the step's int8
+ * matrices may use them). */
+static inline int tiles_for(const AmxScratch *amx, const QRows *xq, int64_t m) {
+    return xq != NULL && amx->started && m >= AMX_MIN_ROWS;
 }
 
 static void matmul_stage(Stage *stage, const Scratch *sc, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y,
@@ -241,7 +248,10 @@ static void matmul_stage(Stage *stage, const Scratch *sc, const Matrix *w, const
     for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage)) {
         if (xq == NULL) xq = quantize_input(sc, w, x, m, ldx, t, &rows);
         const int64_t hi = (c + 1) * ch.per < w->num_panels ? (c + 1) * ch.per : w->num_panels;
-        matmul_panels(w, x, xq, m, ldx, y, ldy, c * ch.per, hi, mode, pair);
+        if (tiles_for(&sc->amx[t], xq, m))
+            amx_panels(w, xq, m, y, ldy, c * ch.per, hi, 0, mode, &sc->amx[t]);
+        else
+            matmul_panels(w, x, xq, m, ldx, y, ldy, c * ch.per, hi, mode, pair);
     }
     await(stage, ch.n, next);
 }
@@ -255,7 +265,11 @@ static void swiglu_stage(Stage *stage, const Scratch *sc, const Matrix *w, const
     const QRows *xq = NULL;
     for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage)) {
         if (xq == NULL) xq = quantize_input(sc, w, x, m, ldx, t, &rows);
-        swiglu_panels(w, x, xq, m, ldx, act, ldact, c * ch.per, (c + 1) * ch.per < pairs ? (c + 1) * ch.per : pairs, pair);
+        const int64_t hi = (c + 1) * ch.per < pairs ? (c + 1) * ch.per : pairs;
+        if (tiles_for(&sc->amx[t], xq, m))
+            amx_panels(w, xq, m, act, ldact, c * ch.per, hi, 1, STORE, &sc->amx[t]);
+        else
+            swiglu_panels(w, x, xq, m, ldx, act, ldact, c * ch.per, hi, pair);
     }
     await(stage, ch.n, next);
 }
@@ -386,14 +400,17 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
                     int8_activations(&ly->down);
     }
     sc.quantized = NULL;
-    sc.q_rows = st->num_logits > R ? st->num_logits : R;
+    sc.q_rows = amx_rows_of(st->num_logits > R ? st->num_logits : R);
     sc.q_k = H > md->num_heads * D ? H : md->num_heads * D;
     sc.q_k = sc.q_k > md->intermediate ? sc.q_k : md->intermediate;
     sc.q_k = (sc.q_k + QBLOCK - 1) / QBLOCK * QBLOCK;
     sc.q_ld = (qrows_bytes(sc.q_rows, sc.q_k) + 63) / 64 * 64;
     int no_memory = 0;
     if (any_int8) no_memory = (sc.quantized = malloc(num_threads * sc.q_ld)) == NULL;
-    if (scratch == NULL || stages == NULL || taken == NULL || groups == NULL || no_memory) {
+    const int tiles = any_int8 && sc.q_rows >= AMX_MIN_ROWS && amx_usable();
+    sc.amx = calloc(num_threads, sizeof(AmxScratch));
+    if (scratch == NULL || stages == NULL || taken == NULL || groups == NULL || no_memory || sc.amx == NULL) {
+        free(sc.amx);
         free(sc.quantized);
         free(scratch);
         free(stages);
@@ -416,6 +433,7 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
 #pragma omp parallel num_threads(num_threads) reduction(max : failed)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (tiles) amx_start(&sc.amx[t], sc.q_k);
         for (int64_t l = 0; l < md->num_layers; l++) {
             const Matrix *next = l + 1 < md->num_layers ? &md->layers[l + 1].qkv : md->lm_head;
             const int status = layer_step(md, &md->layers[l], next, st, &sc, stages + l * STAGES_PER_LAYER, pair, t, nt);
@@ -425,7 +443,9 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
         for (int64_t i = 0; i < st->num_logits; i++) rmsnorm(sc.x + st->logit_rows[i] * H, md->final_norm, H, md->eps, norm + i * H);
         matmul_stage(&stages[md->num_layers * STAGES_PER_LAYER], &sc, md->lm_head, norm, st->num_logits, H, st->logits, md->vocab,
                      STORE, pair, NOTHING_AHEAD, t, nt);
+        amx_stop(&sc.amx[t]);
     }
+    free(sc.amx);
     free(sc.quantized);
     free(groups);
     free((void *)taken);

@@ -179,6 +179,17 @@ static inline QRows qrows_from(const QRows *xq, int64_t r) {
     const int64_t nb = xq->k / QBLOCK;
     return (QRows){xq->q + r * xq->k, xq->d + r * nb, xq->s + r * nb, xq->sum + r * nb, xq->k};
 }
+/* The QRows of qm >= m rows laid out in buf (qrows_bytes(qm, k)), rows m .. qm - 1 zero: the
+ * padding of the tiles' last 16 rows (amx_rows_of). */
+static inline QRows qrows_padded(void *buf, int64_t m, int64_t qm, int64_t k) {
+    const QRows xq = qrows_in(buf, qm, k);
+    const int64_t nb = k / QBLOCK, pad = qm - m;
+    memset(xq.d + m * nb, 0, pad * nb * sizeof(float));
+    memset(xq.s + m * nb, 0, pad * nb * sizeof(float));
+    memset(xq.sum + m * nb, 0, pad * nb * sizeof(int32_t));
+    memset(xq.q + m * k, 0, pad * k);
+    return xq;
+}
 /* Quantizes rows [0, m) of x (stride ldx, k inputs each) into xq. */
 void quantize_rows(const float *x, int64_t m, int64_t ldx, const QRows *xq);
 
@@ -196,11 +207,15 @@ void swiglu_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, 
  * VBMI, for relay4) and the kernel lets this process use the tiles. */
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VBMI__) && VW == 16
 #define AMX_INT8 1
-#define AMX_ROWS 16                        /* activation rows of a tile */
-#define AMX_CODE_BYTES (QBLOCK * VW)       /* one block's codes of a panel, as a tile's B rows */
-#define AMX_SUM_INTS (AMX_ROWS * VW)       /* one block's integer sums of 16 rows x 16 channels */
-/* Whether the tiles may be used: asked of the kernel once per process (arch_prctl). Call it
- * before a parallel region whose threads use them. */
+#else
+#define AMX_INT8 0
+#endif
+#define AMX_ROWS 16                  /* activation rows of a tile */
+#define AMX_MIN_ROWS 16              /* the fewest rows a matmul gives the tiles (fewer take VNNI) */
+#define AMX_CODE_BYTES (QBLOCK * VW) /* one block's codes of a panel, as a tile's B rows */
+#define AMX_SUM_INTS (AMX_ROWS * VW) /* one block's integer sums of 16 rows x 16 channels */
+/* Whether the tiles may be used (0 in a build without them): asked of the kernel once per
+ * process (arch_prctl). Call it before a parallel region whose threads use them. */
 int amx_usable(void);
 /* This thread's tile configuration (amx_begin) and its release (amx_end), around its work. */
 void amx_begin(void);
@@ -211,9 +226,24 @@ void amx_codes(const uint8_t *panel, int64_t nb, int32_t dtype, uint8_t *codes);
 /* isum[b][r][c] = sum over block b's inputs i of xq[r][i] * code(c, i) for rows r < 16 of x
  * (rows k bytes apart, all 16 readable), channels c < 16: nb * AMX_SUM_INTS int32. */
 void amx_sums(const uint8_t *codes, const int8_t *x, int64_t k, int64_t nb, int32_t dtype, int32_t *isum);
-#else
-#define AMX_INT8 0
-#endif
+
+/* A thread's scratch and tile configuration for the matmuls below (small_matmul.c). amx_start
+ * returns 0 where the tiles are not in use (their rows then take the VNNI path); amx_stop undoes
+ * either outcome. */
+typedef struct {
+    uint8_t *codes; /* a panel's codes as B rows: k / 32 * AMX_CODE_BYTES */
+    int32_t *isum;  /* 16 rows' sums of AMX_CHUNK blocks, twice (small_matmul.c) */
+    int started;
+} AmxScratch;
+int amx_start(AmxScratch *s, int64_t k);
+void amx_stop(AmxScratch *s);
+/* y[m][c] (=|+=, mode) x[m] . W[c] (+ bias[c]), or silu(gate) * up where swiglu, for the panels
+ * (gate/up pairs) [p0, p1) through the tiles, k <= the k amx_start was given: the bits of
+ * matmul_panels/swiglu_panels. xq holds amx_rows_of(m) rows, zero past m. */
+void amx_panels(const Matrix *w, const QRows *xq, int64_t m, float *y, int64_t ldy, int64_t p0, int64_t p1, int swiglu, int mode,
+                const AmxScratch *s);
+/* The rows a QRows buffer holds for m rows of a matmul that may take the tiles: whole tiles. */
+static inline int64_t amx_rows_of(int64_t m) { return m >= AMX_MIN_ROWS ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m; }
 
 /* Bytes of one block of 32 inputs of a block-quantized panel. */
 static inline int64_t qblock_bytes(int32_t dtype) { return dtype == WEIGHT_Q8_0 ? 34 * VW : 20 * VW; }

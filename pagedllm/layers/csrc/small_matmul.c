@@ -751,21 +751,13 @@ void swiglu_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, 
  * runs over them 8 rows at a time with q4_accumulate/q8_accumulate — the operations
  * dot_q4_i8/dot_q8_i8 apply to the same integers, so a row gets the same bits from either path,
  * and which path a row count takes is a matter of speed alone. From AMX_MIN_ROWS rows on (the
- * rows are quantized into whole tiles of 16, the rows past m zero). */
-#define AMX_MIN_ROWS 16
-/* Blocks per pass of the tiles and then the epilogue: their sums (AMX_CHUNK KB) stay in L1 for
- * the epilogue, which a whole row of blocks (48 KB at k = 1536) did not. */
+ * rows are quantized into whole tiles of 16, the rows past m zero: amx_rows_of).
+ *
+ * Blocks per pass of the tiles and then the epilogue (AMX_CHUNK): their sums (8 KB) stay in L1
+ * for the epilogue, which a whole row of blocks (48 KB at k = 1536) did not. */
 #define AMX_CHUNK 8
 
-typedef struct {
-    uint8_t *codes; /* a panel's codes as B rows: nb * AMX_CODE_BYTES */
-    int32_t *isum;  /* 16 rows' sums of AMX_CHUNK blocks, twice (amx_panel) */
-    int started;
-} AmxScratch;
-
-/* This thread's scratch for k inputs and its tile configuration; 0 if the scratch could not be
- * allocated (its rows then take the VNNI path). amx_stop undoes either outcome. */
-static int amx_start(AmxScratch *s, int64_t k) {
+int amx_start(AmxScratch *s, int64_t k) {
     const int64_t nb = k / QBLOCK;
     s->codes = aligned_alloc(64, (size_t)(nb * AMX_CODE_BYTES));
     s->isum = aligned_alloc(64, (size_t)(2 * AMX_CHUNK * AMX_SUM_INTS * (int64_t)sizeof(int32_t)));
@@ -774,7 +766,7 @@ static int amx_start(AmxScratch *s, int64_t k) {
     return s->started;
 }
 
-static void amx_stop(AmxScratch *s) {
+void amx_stop(AmxScratch *s) {
     if (s->started) amx_end();
     free(s->codes);
     free(s->isum);
@@ -838,9 +830,10 @@ static void amx_panel(const Matrix *w, int64_t p, const QRows *xq, int64_t m, co
     epilogue(w, p, (int)m, out);
 }
 
-/* Rows [0, m) of x W^T (or silu(gate) * up) for the panels [p0, p1) (gate/up pairs when swiglu). */
+/* Rows [0, m) of x W^T (or silu(gate) * up) for the panels [p0, p1) (gate/up pairs when swiglu),
+ * m <= ROW_TILE. */
 static void amx_tile(const Matrix *w, const QRows *xq, int64_t m, float *y, int64_t ldy, int64_t p0, int64_t p1, int swiglu,
-                     const AmxScratch *s) {
+                     int mode, const AmxScratch *s) {
     vf out[ROW_TILE], up[ROW_TILE];
     const int64_t width = swiglu ? w->n / 2 : w->n;
     for (int64_t p = p0; p < p1; p++) {
@@ -849,24 +842,27 @@ static void amx_tile(const Matrix *w, const QRows *xq, int64_t m, float *y, int6
             amx_panel(w, 2 * p + 1, xq, m, s, up);
             for (int64_t r = 0; r < m; r++) out[r] = silu(out[r]) * up[r];
         }
-        for (int64_t r = 0; r < m; r++) put(y + r * ldy + p * VW, out[r], width - p * VW, STORE);
+        for (int64_t r = 0; r < m; r++) put(y + r * ldy + p * VW, out[r], width - p * VW, mode);
+    }
+}
+
+void amx_panels(const Matrix *w, const QRows *xq, int64_t m, float *y, int64_t ldy, int64_t p0, int64_t p1, int swiglu, int mode,
+                const AmxScratch *s) {
+    for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
+        const QRows rows = qrows_from(xq, r0);
+        amx_tile(w, &rows, m - r0 < ROW_TILE ? m - r0 : ROW_TILE, y + r0 * ldy, ldy, p0, p1, swiglu, mode, s);
     }
 }
 #else
-#define AMX_MIN_ROWS 16
-#define AMX_ROWS 16
-typedef struct {
-    int started;
-} AmxScratch;
-static inline int amx_usable(void) { return 0; }
-static inline int amx_start(AmxScratch *s, int64_t k) {
+int amx_start(AmxScratch *s, int64_t k) {
     (void)k;
-    return s->started = 0;
+    *s = (AmxScratch){0};
+    return 0;
 }
-static inline void amx_stop(AmxScratch *s) { (void)s; }
-static inline void amx_tile(const Matrix *w, const QRows *xq, int64_t m, float *y, int64_t ldy, int64_t p0, int64_t p1, int swiglu,
-                            const AmxScratch *s) {
-    (void)w, (void)xq, (void)m, (void)y, (void)ldy, (void)p0, (void)p1, (void)swiglu, (void)s;
+void amx_stop(AmxScratch *s) { (void)s; }
+void amx_panels(const Matrix *w, const QRows *xq, int64_t m, float *y, int64_t ldy, int64_t p0, int64_t p1, int swiglu, int mode,
+                const AmxScratch *s) {
+    (void)w, (void)xq, (void)m, (void)y, (void)ldy, (void)p0, (void)p1, (void)swiglu, (void)mode, (void)s;
 }
 #endif
 
@@ -894,16 +890,11 @@ int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, int64_
     QRows xq = {0};
     const int quantized = int8_activations(w) && m > 0;
     const int tiles = quantized && m >= AMX_MIN_ROWS && amx_usable();
-    const int64_t qm = tiles ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m, nb = w->k / QBLOCK;
+    const int64_t qm = tiles ? amx_rows_of(m) : m;
     if (quantized) {
         qbuf = malloc(qrows_bytes(qm, w->k));
         if (qbuf == NULL) return KERNEL_NO_MEMORY;
-        xq = qrows_in(qbuf, qm, w->k);
-        const int64_t pad = qm - m;
-        memset(xq.d + m * nb, 0, pad * nb * sizeof(float));
-        memset(xq.s + m * nb, 0, pad * nb * sizeof(float));
-        memset(xq.sum + m * nb, 0, pad * nb * sizeof(int32_t));
-        memset(xq.q + m * w->k, 0, pad * w->k);
+        xq = qrows_padded(qbuf, m, qm, w->k);
     }
 #pragma omp parallel num_threads(num_threads)
     {
@@ -924,7 +915,7 @@ int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, int64_
             const QRows tile = quantized ? qrows_from(&xq, r0) : xq;
             const QRows *tq = quantized ? &tile : NULL;
             if (amx && rows >= AMX_MIN_ROWS)
-                amx_tile(w, tq, rows, y + r0 * ldy, ldy, lo, hi, swiglu, &scratch);
+                amx_panels(w, tq, rows, y + r0 * ldy, ldy, lo, hi, swiglu, STORE, &scratch);
             else if (swiglu)
                 swiglu_panels(w, x + r0 * ldx, tq, rows, ldx, y + r0 * ldy, ldy, lo, hi, pair);
             else
