@@ -1,22 +1,34 @@
 /* Decode attention straight from the paged KV pool, for CPUs.
  *
  * One sequence per work item. Its context is walked a block at a time, each block read whole and
- * in order (all KV heads of a row are adjacent in the pool), the next block prefetched while the
- * current one is used: the access pattern a memory system streams best, although the blocks are
- * scattered through the pool. Each K/V byte of the context is read once from memory and nothing
- * is gathered into a padded copy.
+ * in order (all KV heads of a row are adjacent in the pool), and as the rows of the current block
+ * are read the same rows of the next block are prefetched, a few lines after every few read: the
+ * access pattern a memory system streams best, although the blocks are scattered through the
+ * pool. Each K/V byte of the context is read once from memory and nothing is gathered into a
+ * padded copy.
  *
- * Within a block, rows are taken TILE = 8 at a time and the arithmetic is register-tiled in
- * vectors of the library's width (16 floats with AVX-512, where a head's size allows, else 8;
- * GCC/Clang vector extensions, so any x86 or Arm SIMD width works):
- *  - scores: every query head of a KV head is dotted with the tile's 8 K rows in 8 independent
- *    vector accumulators, which one shuffle tree then reduces to 8 scores at once — rather than
- *    a horizontal sum per dot product, which left the dot products latency-bound;
- *  - weighted sum: each 8-float slice of an output head is loaded once per tile and gets the
- *    tile's 8 V rows added in a balanced tree — rather than a load and store of the output per
- *    row.
+ * Within a block, rows are taken ROWS at a time (8 with AVX-512, 4 with AVX2) and the arithmetic
+ * is register-blocked over the query heads of a KV head, up to QC = 3 of its GQA group at once,
+ * in vectors of the library's width (16 floats with AVX-512, 8 with AVX2; GCC/Clang vector
+ * extensions, intrinsics only to widen bf16 and round):
+ *  - scores: each K chunk (VW elements of a row) is widened once — bf16 with one vpermw — and
+ *    multiplied into the accumulators of all QC heads, QC x ROWS vectors in registers; a shuffle
+ *    tree then reduces a head's ROWS accumulators to ROWS scores at once (~3 instructions a
+ *    score) rather than a horizontal sum per dot product;
+ *  - exponentials: a head's scores less their largest, in whole vectors (the scores buffer is
+ *    padded to them), the 1 / sum kept for the end;
+ *  - weighted sum: each V chunk is widened once for all QC heads, and each output chunk gets the
+ *    tile's ROWS rows added in a register (one load and store a tile); the output is scaled by
+ *    1 / sum once at the end rather than every probability.
+ * (Before, every query head re-read and re-widened the tile's rows for itself: with a bf16 pool,
+ * twice as many instructions widened elements as multiplied them.) A larger group goes in blocks
+ * of up to QC heads, each widening the rows again; a head_dim that is an odd number of half
+ * vectors (24 with AVX-512) ends in a half chunk whose other lanes are 0.
  * A tile never spans blocks; a short one (the end of a block or of the context) repeats its last
- * row with probability 0, so the code path and summation order depend only on the sequence.
+ * row with probability 0, so the code path and summation order depend only on the sequence. The
+ * sums are kept in the order written (pin()): -ffast-math would let the compiler reorder them,
+ * and it orders them differently for a float32 pool's loaded values and a bfloat16 pool's widened
+ * ones.
  *
  * Parallelised with OpenMP: torch has already loaded libgomp.so.1, so this shares torch's thread
  * pool rather than starting a second one. A sequence is computed by one thread in a fixed order,
@@ -32,9 +44,10 @@
  * attend_sequence() is the work of one sequence for a range of KV heads; attend_rows() that of
  * several query rows of one sequence at consecutive positions (a speculative verification: the
  * newest token and its proposals), each attending up to its own position, with every K/V row read
- * once for all of them. A row's arithmetic is the same as alone (its scores past its context get
- * probability 0, and 0 * v adds nothing), so its result is the same bits. The fused decode step
- * (decode_step.c) hands its (sequence, KV head) items to its threads with these.
+ * from memory once for all of them. A row's arithmetic is the same as alone (its scores past its
+ * context get probability 0, and 0 * v adds nothing), so its result is the same bits. The fused
+ * decode step (decode_step.c) hands its (sequence, KV head) items to its threads with these; a
+ * KV head's result does not depend on the range it is computed in.
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,174 +56,392 @@
 
 #include "kernels.h"
 
-#define TILE 8
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#define ROWS (VW / 2) /* K/V rows per tile: 8 (AVX-512) or 4 (AVX2), QC x ROWS accumulators in registers */
+#define QC 3          /* query heads per register block: SmolLM2's and many models' whole GQA group */
 
-static inline v8 load8(const float *p) {
-    v8 v;
-    memcpy(&v, p, sizeof v);
+/* VW / 2 floats at p into the lower half of a vector whose upper half is 0, and back. */
+static inline vf load_half(const float *p) {
+#if VW == 16
+    return (vf)_mm512_zextps256_ps512(_mm256_loadu_ps(p));
+#else
+    vf v = {0};
+    memcpy(&v, p, sizeof(float) * VW / 2);
     return v;
+#endif
 }
 
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+static inline void store_half(float *p, vf v) {
+#if VW == 16
+    _mm256_storeu_ps(p, _mm512_castps512_ps256((__m512)v));
+#else
+    memcpy(p, &v, sizeof(float) * VW / 2);
+#endif
+}
 
-/* Lane r of the result is the sum of the lanes of a[r]: three rounds of pairwise shuffles. */
-static inline v8 sum_lanes(const v8 a[TILE]) {
-    v8 s[4], u[2];
+/* x, unchanged, as a value the compiler cannot see through. Under -ffast-math it may reassociate
+ * a chain of sums, and it picks the order by where the operands come from, which differs between
+ * a float32 pool (loaded) and a bfloat16 one (widened): passing each partial sum through an empty
+ * asm keeps the order as written, so the two pools' sums round alike. */
+static inline vf pin(vf x) {
+#if defined(__AVX__)
+    __asm__("" : "+v"(x)); /* in its register */
+#else
+    __asm__("" : "+m"(x)); /* through memory: a build without AVX has no register of this size */
+#endif
+    return x;
+}
+
+#if defined(__AVX512BW__)
+/* The 16 bf16 values in the lower half of `bits` as floats, in one instruction (vpermw with
+ * zero-masking: value i to the upper half of lane i, the lower halves 0) where vpmovzxwd + vpslld
+ * take two, both on the ports the FMAs use. */
+static inline vf widen_bf16(__m512i bits) {
+    const __m512i index = _mm512_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8, 7, 7, 6, 6, 5, 5, 4, 4,
+                                           3, 3, 2, 2, 1, 1, 0, 0);
+    return (vf)_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, index, bits);
+}
+#endif
+
+/* VW K/V elements at element d of a row, as floats. */
+static ALWAYS_INLINE vf kv_chunk(const void *row, int64_t d, const int bf16) {
+#if defined(__AVX512BW__)
+    if (bf16) return widen_bf16(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d))));
+#endif
+    return kv_loadv(row, d, bf16);
+}
+
+/* VW / 2 K/V elements at element d of a row, as floats, the other lanes 0: the last piece of a
+ * head_dim that is an odd number of half vectors (24 with AVX-512; with 8-float vectors there is
+ * none). */
+static ALWAYS_INLINE vf kv_half(const void *row, int64_t d, const int bf16) {
+#if VW == 16
+    return (vf)_mm512_zextps256_ps512((__m256)kv_load8(row, d, bf16));
+#else
+    vf v = {0};
+    for (int i = 0; i < VW / 2; i++) v[i] = kv_at(row, d + i, bf16);
+    return v;
+#endif
+}
+
+/* Lane r (r < ROWS) of the result is the sum of a[r]'s lanes. Each round folds every row's lanes
+ * of two vectors in half into one vector (a shuffle each way and an add), so ROWS rows take
+ * ROWS - 1 rounds and a last fold within the vector, ~3 instructions a score, rather than a
+ * horizontal sum of its own per dot product. */
+#define SHUF __builtin_shufflevector
+static inline vf sum_rows(const vf a[ROWS]) {
+#if VW == 16
+    vf b[4], c[2];
     for (int i = 0; i < 4; i++)
-        s[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+        b[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUF(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     for (int i = 0; i < 2; i++)
-        u[i] = __builtin_shufflevector(s[2 * i], s[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-               __builtin_shufflevector(s[2 * i], s[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-    return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+        c[i] = SHUF(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               SHUF(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const vf d = SHUF(c[0], c[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                 SHUF(c[0], c[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUF(d, d, 0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14) +
+           SHUF(d, d, 1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+    vf b[2];
+    for (int i = 0; i < 2; i++)
+        b[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    const vf c = SHUF(b[0], b[1], 0, 1, 4, 5, 8, 9, 12, 13) + SHUF(b[0], b[1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return SHUF(c, c, 0, 2, 4, 6, 0, 2, 4, 6) + SHUF(c, c, 1, 3, 5, 7, 1, 3, 5, 7);
+#endif
 }
 
-/* Into L2 (locality 1), a line at a time, spread over the tiles of the current block: asking
- * for a whole block at once, or into L1, measured 1.4-1.6x slower on a pool larger than L3 —
- * the requests queue behind L1's few miss buffers instead of overlapping the arithmetic. */
+/* Into L2 (locality 1), a line at a time. Into L1 measured 7 % faster on a pool in L3 but 4-5 %
+ * slower on one in memory (64 sequences, two threads); with the non-temporal hint, 2.3x slower. */
 static inline void prefetch_rows(const void *rows, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)rows + i, 0, 1);
 }
 
-/* Calls tile(rows, t0, n, ctx) for every tile of positions [first, len): rows[r] is position
- * t0 + r's row (all KV heads) for r < n and repeats the last row after that. While a tile is
- * computed, the same rows of the next block are prefetched. */
-typedef void (*TileFn)(const void *const rows[TILE], int64_t t0, int64_t n, void *ctx);
+/* A walk over the positions [first, len) of one sequence's context in one cache, a block at a
+ * time and ROWS positions at a time within a block (a tile never spans blocks). */
+typedef struct {
+    const char *pool;
+    const int64_t *table;
+    int64_t row_bytes, block_size, next, len;
+} Walk;
 
-static void for_each_tile(const void *cache, const int64_t *table, int64_t first, int64_t len, Shape s, TileFn tile,
-                          void *ctx) {
-    const int64_t row_bytes = s.num_kv_heads * s.head_dim * (int64_t)kv_bytes(s.kv_bf16), block_bytes = s.block_size * row_bytes;
-    const char *pool = cache;
-    for (int64_t blk = first / s.block_size; blk * s.block_size < len; blk++) {
-        const int64_t start = blk * s.block_size > first ? blk * s.block_size : first;
-        const int64_t stop = (blk + 1) * s.block_size < len ? (blk + 1) * s.block_size : len;
-        /* block blk's row of position t is at base + t * row_bytes */
-        const char *next = stop < len ? pool + table[blk + 1] * block_bytes - (blk + 1) * block_bytes : NULL;
-        const char *base = pool + table[blk] * block_bytes - blk * block_bytes;
-        for (int64_t t0 = start; t0 < stop; t0 += TILE) {
-            const int64_t n = stop - t0 < TILE ? stop - t0 : TILE;
-            if (next != NULL) prefetch_rows(next + (t0 + s.block_size) * row_bytes, n * row_bytes);
-            const void *rows[TILE];
-            for (int64_t r = 0; r < TILE; r++) rows[r] = base + (t0 + (r < n ? r : n - 1)) * row_bytes;
-            tile(rows, t0, n, ctx);
-        }
+typedef struct {
+    const char *rows[ROWS]; /* position t0 + r's row (all KV heads) for r < n; the last row repeated after that */
+    int64_t t0, n;
+    const char *ahead; /* the same rows of the next block: what is left of them to prefetch */
+    int64_t ahead_bytes;
+} Tile;
+
+/* As many bytes of the tile's share of the next block as were just read: the prefetches spread
+ * through the arithmetic. Asked for all at the start of a tile, they queue behind L1's few miss
+ * buffers: 1.25x slower on a pool in L3 (64 sequences, one thread), the same from memory. */
+static inline void prefetch_ahead(Tile *t, int64_t bytes) {
+    bytes = bytes < t->ahead_bytes ? bytes : t->ahead_bytes;
+    if (bytes <= 0) return;
+    prefetch_rows(t->ahead, bytes);
+    t->ahead += bytes;
+    t->ahead_bytes -= bytes;
+}
+
+static inline Walk walk(const void *cache, const int64_t *table, int64_t first, int64_t len, Shape s) {
+    return (Walk){cache, table, s.num_kv_heads * s.head_dim * (int64_t)kv_bytes(s.kv_bf16), s.block_size, first, len};
+}
+
+/* The walk's next tile into *t, 0 when there is none. */
+static inline int next_tile(Walk *w, Tile *t) {
+    if (w->next >= w->len) return 0;
+    const int64_t bs = w->block_size, blk = w->next / bs, stop = (blk + 1) * bs < w->len ? (blk + 1) * bs : w->len;
+    t->t0 = w->next;
+    t->n = stop - t->t0 < ROWS ? stop - t->t0 : ROWS;
+    const char *block = w->pool + w->table[blk] * bs * w->row_bytes;
+    t->ahead = NULL;
+    t->ahead_bytes = 0;
+    if (stop < w->len) {
+        t->ahead = w->pool + (w->table[blk + 1] * bs + t->t0 - blk * bs) * w->row_bytes;
+        t->ahead_bytes = t->n * w->row_bytes;
     }
+    for (int64_t r = 0; r < ROWS; r++) t->rows[r] = block + (t->t0 - blk * bs + (r < t->n ? r : t->n - 1)) * w->row_bytes;
+    w->next += t->n;
+    return 1;
+}
+
+/* acc[g][r] += q_g . rows[r] over the elements [d, d + VW) (`half`: [d, d + VW / 2)) for query
+ * heads g < qc, D floats apart from q: each K chunk is widened once for all qc heads. */
+static ALWAYS_INLINE void dot_chunk(const float *q, int64_t D, int64_t d, const void *const rows[ROWS], vf acc[QC][ROWS],
+                                    Tile *t, const int qc, const int half, const int bf16) {
+    prefetch_ahead(t, ROWS * (half ? VW / 2 : VW) * (int64_t)kv_bytes(bf16));
+    vf qd[QC];
+    for (int g = 0; g < qc; g++) qd[g] = half ? load_half(q + g * D + d) : loadv(q + g * D + d);
+    for (int r = 0; r < ROWS; r++) {
+        const vf k = half ? kv_half(rows[r], d, bf16) : kv_chunk(rows[r], d, bf16);
+        for (int g = 0; g < qc; g++) acc[g][r] = pin(acc[g][r] + qd[g] * k);
+    }
+}
+
+/* scores[g * stride + r] = scale * q_g . rows[r][0 .. D) for query heads g < qc and the tile's
+ * rows r < ROWS (those past a short tile's end are overwritten by the next tile, or lie in the
+ * padding): ROWS vector accumulators a head, reduced to ROWS scores at once (sum_rows). */
+static ALWAYS_INLINE void score_heads(const float *q, int64_t D, const void *const rows[ROWS], Tile *t, float scale,
+                                      float *scores, int64_t stride, const int qc, const int bf16) {
+    vf acc[QC][ROWS];
+    memset(acc, 0, sizeof acc);
+    int64_t d = 0;
+    for (; d + VW <= D; d += VW) dot_chunk(q, D, d, rows, acc, t, qc, 0, bf16);
+    if (d < D) dot_chunk(q, D, d, rows, acc, t, qc, 1, bf16);
+    for (int g = 0; g < qc; g++) {
+        const vf dots = sum_rows(acc[g]) * scale;
+        memcpy(scores + g * stride, &dots, sizeof(float) * ROWS);
+    }
+}
+
+/* out_g[d .. d + VW) (`half`: VW / 2) += sum over the tile's rows r of w[g * ws + r] * rows[r][d ..]
+ * for query heads g < qc, D floats apart from out: each V chunk widened once for all qc heads,
+ * each output chunk loaded and stored once a tile. */
+static ALWAYS_INLINE void weigh_chunk(float *out, int64_t D, int64_t d, const void *const rows[ROWS], const float *w, int64_t ws,
+                                      Tile *t, const int qc, const int half, const int bf16) {
+    prefetch_ahead(t, ROWS * (half ? VW / 2 : VW) * (int64_t)kv_bytes(bf16));
+    vf v[ROWS];
+    for (int r = 0; r < ROWS; r++) v[r] = half ? kv_half(rows[r], d, bf16) : kv_chunk(rows[r], d, bf16);
+    for (int g = 0; g < qc; g++) {
+        const float *wg = w + g * ws;
+        /* Read the weights afresh each chunk, as the FMAs' broadcast operands: hoisted out of the
+         * loop over chunks they are held as scalars and broadcast into a register for every FMA. */
+        __asm__("" : "+r"(wg));
+        float *o = out + g * D + d;
+        vf acc = half ? load_half(o) : loadv(o);
+        for (int r = 0; r < ROWS; r++) acc = pin(acc + wg[r] * v[r]);
+        half ? store_half(o, acc) : storev(o, acc);
+    }
+}
+
+static ALWAYS_INLINE void weigh_heads(float *out, int64_t D, const void *const rows[ROWS], const float *w, int64_t ws, Tile *t,
+                                      const int qc, const int bf16) {
+    int64_t d = 0;
+    for (; d + VW <= D; d += VW) weigh_chunk(out, D, d, rows, w, ws, t, qc, 0, bf16);
+    if (d < D) weigh_chunk(out, D, d, rows, w, ws, t, qc, 1, bf16);
 }
 
 typedef struct {
     const float *q;
     float *scores, *out;
-    int64_t first, n;  /* scores[((j * (h1 - h0) * G) + qh - h0 * G) * n + (t - first)] for row j */
-    int64_t h0, h1;    /* the KV heads computed */
+    const int64_t *lens; /* row j attends to positions [first, lens[j]) */
+    int64_t first, n;    /* the positions [first, first + n) of the longest row */
+    int64_t stride;      /* scores[((j * (h1 - h0) * G) + qh - h0 * G) * stride + (t - first)] for row j: n and
+                            room for a last tile's whole store and a last whole vector */
+    float *inv;          /* inv[j * (h1 - h0) * G + qh - h0 * G]: 1 / the sum of the head's exponentials */
+    int64_t h0, h1;      /* the KV heads computed */
     int64_t rows, q_stride, out_stride; /* query rows sharing the context (row j: q + j * q_stride) */
     float scale;
     Shape s;
 } Pass;
 
-/* acc[r] = the 8 partial sums of q . rows[r][0 .. D): in full-width vectors where D allows (half
- * the instructions of 8-float ones with AVX-512), whose halves are then added. */
-static inline __attribute__((always_inline)) void dot_tile(const float *q, const void *const rows[TILE], int64_t D, v8 acc[TILE],
-                                                           const int bf16) {
-#if VW == 16
-    if (D % VW == 0) {
-        vf wide[TILE] = {0};
-        for (int64_t d = 0; d < D; d += VW) {
-            const vf qd = loadv(q + d);
-            for (int r = 0; r < TILE; r++) wide[r] += qd * kv_loadv(rows[r], d, bf16);
-        }
-        for (int r = 0; r < TILE; r++)
-            acc[r] = __builtin_shufflevector(wide[r], wide[r], 0, 1, 2, 3, 4, 5, 6, 7) +
-                     __builtin_shufflevector(wide[r], wide[r], 8, 9, 10, 11, 12, 13, 14, 15);
-        return;
-    }
-#endif
-    for (int r = 0; r < TILE; r++) acc[r] = (v8){0};
-    for (int64_t d = 0; d < D; d += 8) {
-        const v8 qd = load8(q + d);
-        for (int r = 0; r < TILE; r++) acc[r] += qd * kv_load8(rows[r], d, bf16);
-    }
-}
+/* Calls `call` with the constant count of query heads from g0 on in a group of G, clipped to QC:
+ * the register blocks take their shape from it. */
+#define BY_QC(G, g0, call) ((G) - (g0) >= 3 ? call(3) : (G) - (g0) == 2 ? call(2) : call(1))
+_Static_assert(QC == 3, "BY_QC spells out the counts 1 .. QC");
 
-/* o[0 .. D) += sum over r of w[r] * rows[r][0 .. D), full-width vectors where D allows. */
-static inline __attribute__((always_inline)) void weigh_rows(float *o, const float w[TILE], const void *const rows[TILE], int64_t D,
-                                                             const int bf16) {
-#if VW == 16
-    if (D % VW == 0) {
-        for (int64_t d = 0; d < D; d += VW) {
-            vf acc = loadv(o + d);
-            for (int r = 0; r < TILE; r++) acc += w[r] * kv_loadv(rows[r], d, bf16);
-            storev(o + d, acc);
-        }
-        return;
-    }
-#endif
-    for (int64_t d = 0; d < D; d += 8) {
-        v8 acc = load8(o + d);
-        for (int r = 0; r < TILE; r++) acc += w[r] * kv_load8(rows[r], d, bf16);
-        store8(o + d, acc);
-    }
-}
-
-/* scores[j][qh][t] = scale * q[j][qh] . k[t][qh / G] for the tile's positions, every row j. */
-static inline __attribute__((always_inline)) void score_tile(const void *const rows[TILE], int64_t t0, int64_t n, void *ctx,
-                                                             const int bf16) {
-    const Pass *p = ctx;
+/* scores[j][qh][t] = scale * q[j][qh] . k[t][qh / G] for the tile's positions, every row j whose
+ * context reaches the tile. */
+static ALWAYS_INLINE void score_tile(const Pass *p, Tile *t, const int bf16) {
     const int64_t D = p->s.head_dim, G = p->s.group, per_row = (p->h1 - p->h0) * G, es = (int64_t)kv_bytes(bf16);
     for (int64_t j = 0; j < p->rows; j++) {
+        if (t->t0 >= p->lens[j]) continue;
         for (int64_t h = p->h0; h < p->h1; h++) {
-            for (int64_t qh = h * G; qh < (h + 1) * G; qh++) {
-                const void *head[TILE];
-                for (int r = 0; r < TILE; r++) head[r] = (const char *)rows[r] + h * D * es;
-                v8 acc[TILE];
-                dot_tile(p->q + j * p->q_stride + qh * D, head, D, acc, bf16);
-                float dots[TILE];
-                store8(dots, sum_lanes(acc) * p->scale);
-                memcpy(p->scores + (j * per_row + qh - p->h0 * G) * p->n + (t0 - p->first), dots, sizeof(float) * n);
+            const void *head[ROWS];
+            for (int r = 0; r < ROWS; r++) head[r] = t->rows[r] + h * D * es;
+            const float *q = p->q + j * p->q_stride + h * G * D;
+            float *scores = p->scores + (j * per_row + (h - p->h0) * G) * p->stride + (t->t0 - p->first);
+            for (int64_t g0 = 0; g0 < G; g0 += QC) {
+#define SCORE(qc) score_heads(q + g0 * D, D, head, t, p->scale, scores + g0 * p->stride, p->stride, qc, bf16)
+                BY_QC(G, g0, SCORE);
+#undef SCORE
             }
         }
     }
 }
 
-/* out[j][qh] += sum over the tile's positions of p[j][qh][t] * v[t][qh / G], every row j. */
-static inline __attribute__((always_inline)) void weigh_tile(const void *const rows[TILE], int64_t t0, int64_t n, void *ctx,
-                                                             const int bf16) {
-    const Pass *p = ctx;
+/* out[g] += sum over the tile's positions of prob[g][t] * v[t] for qc query heads of a KV head
+ * (out slices D floats apart, prob rows p->stride apart): a short tile's weights are copied, 0
+ * for its repeated rows; a whole one's are read where they lie. */
+static ALWAYS_INLINE void weigh_group(const Pass *p, Tile *t, const void *const head[ROWS], const float *prob, float *out,
+                                      const int qc, const int bf16) {
+    float part[QC * ROWS];
+    int64_t ws = p->stride;
+    if (t->n < ROWS) {
+        for (int g = 0; g < qc; g++)
+            for (int r = 0; r < ROWS; r++) part[g * ROWS + r] = r < t->n ? prob[g * ws + r] : 0.0f;
+        prob = part, ws = ROWS;
+    }
+    weigh_heads(out, p->s.head_dim, head, prob, ws, t, qc, bf16);
+}
+
+/* out[j][qh] += sum over the tile's positions of p[j][qh][t] * v[t][qh / G], every row j whose
+ * context reaches the tile (p is 0 past a row's context). */
+static ALWAYS_INLINE void weigh_tile(const Pass *p, Tile *t, const int bf16) {
     const int64_t D = p->s.head_dim, G = p->s.group, per_row = (p->h1 - p->h0) * G, es = (int64_t)kv_bytes(bf16);
     for (int64_t j = 0; j < p->rows; j++) {
+        if (t->t0 >= p->lens[j]) continue;
         for (int64_t h = p->h0; h < p->h1; h++) {
-            for (int64_t qh = h * G; qh < (h + 1) * G; qh++) {
-                const float *prob = p->scores + (j * per_row + qh - p->h0 * G) * p->n + (t0 - p->first);
-                float w[TILE];
-                const void *head[TILE];
-                for (int r = 0; r < TILE; r++) w[r] = r < n ? prob[r] : 0.0f, head[r] = (const char *)rows[r] + h * D * es;
-                weigh_rows(p->out + j * p->out_stride + qh * D, w, head, D, bf16);
+            const void *head[ROWS];
+            for (int r = 0; r < ROWS; r++) head[r] = t->rows[r] + h * D * es;
+            const float *prob = p->scores + (j * per_row + (h - p->h0) * G) * p->stride + (t->t0 - p->first);
+            float *out = p->out + j * p->out_stride + h * G * D;
+            for (int64_t g0 = 0; g0 < G; g0 += QC) {
+#define WEIGH(qc) weigh_group(p, t, head, prob + g0 * p->stride, out + g0 * D, qc, bf16)
+                BY_QC(G, g0, WEIGH);
+#undef WEIGH
             }
         }
     }
 }
 
-/* The tile functions for each pool element type (the type a constant inside each). */
-static void score_tile_f32(const void *const rows[TILE], int64_t t0, int64_t n, void *ctx) { score_tile(rows, t0, n, ctx, 0); }
-static void score_tile_bf16(const void *const rows[TILE], int64_t t0, int64_t n, void *ctx) { score_tile(rows, t0, n, ctx, 1); }
-static void weigh_tile_f32(const void *const rows[TILE], int64_t t0, int64_t n, void *ctx) { weigh_tile(rows, t0, n, ctx, 0); }
-static void weigh_tile_bf16(const void *const rows[TILE], int64_t t0, int64_t n, void *ctx) { weigh_tile(rows, t0, n, ctx, 1); }
+static inline vf splat(float x) { return (vf){0} + x; }
 
-/* Each query head's scores become probabilities, in place: `heads` rows of n scores, `stride`
- * apart; positions n .. stride - 1 (past this head's context) get probability 0. */
-static void softmax(float *scores, int64_t n, int64_t heads, int64_t stride) {
-    for (int64_t qh = 0; qh < heads; qh++) {
-        float *p = scores + qh * stride;
-        float max = -INFINITY, sum = 0.0f;
-        for (int64_t i = 0; i < n; i++) max = p[i] > max ? p[i] : max;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) p[i] = exp_nonpositive(p[i] - max);
-        for (int64_t i = 0; i < n; i++) sum += p[i];
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) p[i] *= inv;
-        for (int64_t i = n; i < stride; i++) p[i] = 0.0f;
+/* Lanes of a where mask is set, of b elsewhere. */
+static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* exp_nonpositive (kernels.h) of every lane. The scalar one in an omp simd loop leaves the last
+ * n % VW scores of every head to a scalar epilogue, a dozen dependent instructions each. */
+static inline vf exp_lanes(vf x) {
+    const vi tiny = x < splat(-87.0f);
+    const vf c = pick(tiny, splat(-87.0f), x), t = c * 1.44269504088896341f + 0.5f;
+#if defined(__AVX512F__)
+    const vf n = (vf)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const vi whole = (vi)_mm512_cvttps_epi32((__m512)n);
+#elif defined(__AVX2__)
+    const vf n = (vf)_mm256_floor_ps((__m256)t);
+    const vi whole = (vi)_mm256_cvttps_epi32((__m256)n);
+#else
+    vf n;
+    vi whole;
+    for (int i = 0; i < VW; i++) n[i] = __builtin_floorf(t[i]), whole[i] = (int32_t)n[i];
+#endif
+    const vf r = c - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return pick(tiny, splat(0.0f), p * (vf)((whole + 127) << 23));
+}
+
+/* The lane-wise larger of a and b: one vmaxps (a compare and a blend take three instructions, on
+ * the path from one vector of scores to the next). */
+static inline vf vmax(vf a, vf b) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(__AVX2__)
+    return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    return pick(b > a, b, a);
+#endif
+}
+
+static inline vf combine(vf a, vf b, const int sum) { return sum ? a + b : vmax(a, b); }
+
+/* The largest lane of x, or the sum of its lanes (`sum`), by halves. */
+static inline float fold(vf x, const int sum) {
+#if VW == 16
+    x = combine(x, SHUF(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7), sum);
+    x = combine(x, SHUF(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11), sum);
+    x = combine(x, SHUF(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13), sum);
+    x = combine(x, SHUF(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14), sum);
+#else
+    x = combine(x, SHUF(x, x, 4, 5, 6, 7, 0, 1, 2, 3), sum);
+    x = combine(x, SHUF(x, x, 2, 3, 0, 1, 6, 7, 4, 5), sum);
+    x = combine(x, SHUF(x, x, 1, 0, 3, 2, 5, 4, 7, 6), sum);
+#endif
+    return x[0];
+}
+
+/* x's first `count` lanes, -inf in the others. */
+static inline vf first_lanes(vf x, int64_t count) {
+    vi lane;
+    for (int i = 0; i < VW; i++) lane[i] = i;
+    return pick(lane < (int32_t)(count < VW ? count : VW), x, splat(-INFINITY));
+}
+
+/* A query head's n scores become their exponentials less the largest, in place, and positions
+ * n .. stride - 1 (past its context, and the padding) 0; returns 1 / their sum, the normalisation
+ * applied to the weighted sum at the end (once a head rather than once a score). Whole vectors
+ * throughout (stride >= n rounded up to VW), the lanes past n taken as -inf. */
+static float exponentiate(float *p, int64_t n, int64_t stride) {
+    vf top = splat(-INFINITY), sum = {0};
+    for (int64_t c = 0; c < n; c += VW) top = vmax(top, first_lanes(loadv(p + c), n - c));
+    const float max = fold(top, 0);
+    int64_t c = 0;
+    for (; c < n; c += VW) {
+        const vf e = exp_lanes(first_lanes(loadv(p + c), n - c) - max);
+        storev(p + c, e);
+        sum += e;
     }
+    memset(p + c, 0, sizeof(float) * (stride - c));
+    return 1.0f / fold(sum, 1);
+}
+
+/* attend_rows for the pool element type bf16 (a constant after inlining): the scores pass over K,
+ * the exponentials, the weighted-sum pass over V, the normalisation. */
+static ALWAYS_INLINE void attend_passes(const Pass *p, const void *k_cache, const void *v_cache, const int64_t *table,
+                                        const int bf16) {
+    const Shape s = p->s;
+    const int64_t len = p->first + p->n, heads = (p->h1 - p->h0) * s.group, D = s.head_dim;
+    Tile t;
+    for (Walk w = walk(k_cache, table, p->first, len, s); next_tile(&w, &t);) score_tile(p, &t, bf16);
+    const int64_t block_bytes = s.block_size * s.num_kv_heads * D * (int64_t)kv_bytes(bf16);
+    prefetch_rows((const char *)v_cache + table[p->first / s.block_size] * block_bytes, block_bytes); /* meanwhile */
+    for (int64_t j = 0; j < p->rows; j++) {
+        for (int64_t i = 0; i < heads; i++)
+            p->inv[j * heads + i] = exponentiate(p->scores + (j * heads + i) * p->stride, p->lens[j] - p->first, p->stride);
+        memset(p->out + j * p->out_stride + p->h0 * s.group * D, 0, sizeof(float) * heads * D);
+    }
+    for (Walk w = walk(v_cache, table, p->first, len, s); next_tile(&w, &t);) weigh_tile(p, &t, bf16);
+    for (int64_t j = 0; j < p->rows; j++)
+        for (int64_t i = 0; i < heads; i++) {
+            float *o = p->out + j * p->out_stride + (p->h0 * s.group + i) * D;
+            for (int64_t d = 0; d < D; d++) o[d] *= p->inv[j * heads + i];
+        }
 }
 
 int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *lens, const void *k_cache, const void *v_cache,
@@ -225,18 +456,15 @@ int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *l
                 return KERNEL_NO_MEMORY;
         return KERNEL_OK;
     }
-    const int64_t heads = (h1 - h0) * s.group;
-    float *scores = malloc(sizeof(float) * (rows * heads * (len - first) - PAGEDLLM_TEST_OFF_BY_ONE));
+    const int64_t heads = (h1 - h0) * s.group, stride = len - first + VW;
+    float *scores = malloc(sizeof(float) * (rows * heads * (stride + 1) - PAGEDLLM_TEST_OFF_BY_ONE));
     if (scores == NULL) return KERNEL_NO_MEMORY;
-    Pass pass = {q, scores, out, first, len - first, h0, h1, rows, q_stride, out_stride, scale, s};
-    for_each_tile(k_cache, table, first, len, s, s.kv_bf16 ? score_tile_bf16 : score_tile_f32, &pass);
-    const int64_t block_bytes = s.block_size * s.num_kv_heads * s.head_dim * (int64_t)kv_bytes(s.kv_bf16);
-    prefetch_rows((const char *)v_cache + table[first / s.block_size] * block_bytes, block_bytes); /* during the softmax */
-    for (int64_t j = 0; j < rows; j++) {
-        softmax(scores + j * heads * (len - first), lens[j] - first, heads, len - first);
-        memset(out + j * out_stride + h0 * s.group * s.head_dim, 0, sizeof(float) * heads * s.head_dim);
-    }
-    for_each_tile(v_cache, table, first, len, s, s.kv_bf16 ? weigh_tile_bf16 : weigh_tile_f32, &pass);
+    const Pass pass = {q,  scores, out,  lens,     first,      len - first, stride, scores + rows * heads * stride,
+                       h0, h1,     rows, q_stride, out_stride, scale,       s};
+    if (s.kv_bf16)
+        attend_passes(&pass, k_cache, v_cache, table, 1);
+    else
+        attend_passes(&pass, k_cache, v_cache, table, 0);
     free(scores);
     return KERNEL_OK;
 }
