@@ -700,8 +700,11 @@ void matmul_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, 
     }
 }
 
-/* silu(g) = g * sigmoid(g), the sigmoid from exp(-|g|) so the exp never overflows. */
-static inline vf silu(vf g) {
+/* silu(g) = g * sigmoid(g), the sigmoid from exp(-|g|) so the exp never overflows. One copy,
+ * not inlined: inlined into different callers (the VNNI loops, the AMX tiles' path), -ffast-math
+ * is free to contract its polynomial into fused multiply-adds differently in each, and the same
+ * rows would get different last bits (it did, for a variant of the AMX path). */
+static __attribute__((noinline)) vf silu(vf g) {
     float lanes[VW];
     storev(lanes, g);
 #pragma omp simd
