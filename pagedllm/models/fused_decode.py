@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Hashable
 
 import torch
 
@@ -89,10 +90,11 @@ class ThreadCount:
             del times[count][: -self.window]
 
     @staticmethod
-    def _key(rows: int) -> int:
+    def _key(rows: Hashable) -> Hashable:
         """Row counts past MAX_ROWS are timed together in powers of two (17-32, 33-64, ...): a
-        batch draining one row at a time would otherwise warm up each count anew."""
-        return rows if rows <= MAX_ROWS else 1 << (rows - 1).bit_length()
+        batch draining one row at a time would otherwise warm up each count anew. Other keys
+        (fused speculation cycles' shapes) as they are."""
+        return 1 << (rows - 1).bit_length() if isinstance(rows, int) and rows > MAX_ROWS else rows
 
     def _median(self, rows: int, threads: int) -> float:
         recent = sorted(self.times[rows][threads])

@@ -10,7 +10,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.layers import kernels
 from pagedllm.layers.small_matmul import MAX_ROWS
 from pagedllm.models import fused_decode
-from pagedllm.models.fused_decode import TILE_ROWS, FusedDecoder
+from pagedllm.models.fused_decode import TILE_ROWS, FusedDecoder, ThreadCount
 
 pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C compiler on this machine")
 
@@ -199,6 +199,19 @@ def test_the_thread_count_follows_the_measured_step_times():
 
 
 @pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "avx2"])
+def test_row_counts_past_16_share_their_timings():
+    """A batch draining from 64 rows would warm each count up anew: 17-32, 33-64, ... are timed
+    together; counts up to 16 and speculation cycles' keys (tuples) each on their own."""
+    key = ThreadCount._key
+    assert [key(r) for r in (1, 16, 17, 32, 33, 40, 64, 65)] == [1, 16, 32, 32, 64, 64, 64, 128]
+    assert key((3, 4)) == (3, 4)
+    tuner = ThreadCount(2, warmup=1)
+    for rows in (40, 33, 64):  # one bucket: each candidate is tried once, then the faster one runs
+        plan = tuner.plan(rows)
+        tuner.record(rows, plan, [0.01 if plan[0] == 2 else 0.02])
+    assert tuner.plan(50) == [2]
+
+
 def test_a_verification_row_gets_the_bits_of_a_1_row_step(model_dir, monkeypatch, build):
     """Greedy speculative decoding is token-identical to plain decoding only because a
     verification row's logits are a 1-row step's, bit for bit: a step of 1-16 rows at
