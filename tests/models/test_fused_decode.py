@@ -198,7 +198,6 @@ def test_the_thread_count_follows_the_measured_step_times():
     assert ThreadCount(1).plan(rows=3, steps=2) == [1, 1]
 
 
-@pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "avx2"])
 def test_row_counts_past_16_share_their_timings():
     """A batch draining from 64 rows would warm each count up anew: 17-32, 33-64, ... are timed
     together; counts up to 16 and speculation cycles' keys (tuples) each on their own."""
@@ -212,6 +211,7 @@ def test_row_counts_past_16_share_their_timings():
     assert tuner.plan(50) == [2]
 
 
+@pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "avx2"])
 def test_a_verification_row_gets_the_bits_of_a_1_row_step(model_dir, monkeypatch, build):
     """Greedy speculative decoding is token-identical to plain decoding only because a
     verification row's logits are a 1-row step's, bit for bit: a step of 1-16 rows at
