@@ -700,11 +700,13 @@ void matmul_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, 
     }
 }
 
-/* silu(g) = g * sigmoid(g), the sigmoid from exp(-|g|) so the exp never overflows. One copy,
- * not inlined: inlined into different callers (the VNNI loops, the AMX tiles' path), -ffast-math
- * is free to contract its polynomial into fused multiply-adds differently in each, and the same
- * rows would get different last bits (it did, for a variant of the AMX path). */
-static __attribute__((noinline)) vf silu(vf g) {
+/* silu(g) = g * sigmoid(g), the sigmoid from exp(-|g|) so the exp never overflows. Inlined into
+ * each caller; under -ffast-math the compiler may contract its polynomial differently in
+ * different callers, so the AMX path's gate/up rows are compared bit for bit with the VNNI
+ * loops' (tests/layers/test_amx_int8.py): a two-panel variant of that path did differ. (A
+ * non-inlined copy agreed in every caller but moved SmolLM2's int8-activation answers off a
+ * near-tie the real-model test pins, so the numerics stay those of the inlined one.) */
+static inline vf silu(vf g) {
     float lanes[VW];
     storev(lanes, g);
 #pragma omp simd
