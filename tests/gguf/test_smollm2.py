@@ -81,6 +81,12 @@ def greedy_agreement(base: LLM, other: LLM) -> tuple[int, int, list[list[int]], 
     return agree, total, ours, same
 
 
+def text_windows(llm: LLM) -> list[list[int]]:
+    """NUM_WINDOWS windows of WINDOW tokens of standard-library text: the perplexity tests' corpus."""
+    ids = llm.get_tokenizer()(stdlib_text(60_000)).input_ids
+    return [ids[i : i + WINDOW] for i in range(0, WINDOW * NUM_WINDOWS, WINDOW)]
+
+
 def perplexity(llm: LLM, windows: list[list[int]]) -> float:
     outputs = llm.generate([{"prompt_token_ids": w} for w in windows], SamplingParams(max_tokens=1, prompt_logprobs=0),
                            use_tqdm=False)
@@ -91,8 +97,7 @@ def perplexity(llm: LLM, windows: list[list[int]]) -> float:
 def test_kept_blocks_perplexity_equals_the_dequantized_path(llm, smollm2):
     """The kept Q4_1 / Q8_0 blocks are the file's weights: perplexity as with every weight
     dequantized to fp32 (only summation order differs), on standard-library text."""
-    ids = llm.get_tokenizer()(stdlib_text(60_000)).input_ids
-    windows = [ids[i : i + WINDOW] for i in range(0, WINDOW * NUM_WINDOWS, WINDOW)]
+    windows = text_windows(llm)
     kept = perplexity(llm, windows)
     dense = perplexity(LLM(str(smollm2), kv_cache_memory=64 << 20, quantization="none"), windows)
     print(f"\n[smollm2 perplexity] {NUM_WINDOWS} windows of {WINDOW} tokens: kept Q4_1/Q8_0 blocks {kept:.4f}, "

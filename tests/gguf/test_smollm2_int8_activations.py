@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_smollm2 import NUM_WINDOWS, WINDOW, greedy_agreement, perplexity  # noqa: E402
-from tiny_models import stdlib_text  # noqa: E402
+from test_smollm2 import NUM_WINDOWS, WINDOW, greedy_agreement, perplexity, text_windows  # noqa: E402
 
 from pagedllm import LLM  # noqa: E402
 from pagedllm.layers.small_matmul import WEIGHT_Q4, WEIGHT_Q8_0  # noqa: E402
@@ -56,8 +54,7 @@ def test_greedy_chat_tokens_agree_with_the_exact_path(exact, int8):
 
 
 def test_perplexity_moves_by_less_than_one_percent(exact, int8):
-    ids = exact.get_tokenizer()(stdlib_text(60_000)).input_ids
-    windows = [ids[i : i + WINDOW] for i in range(0, WINDOW * NUM_WINDOWS, WINDOW)]
+    windows = text_windows(exact)
     base, ours = perplexity(exact, windows), perplexity(int8, windows)
     print(f"\n[int8 activations perplexity] {NUM_WINDOWS} windows of {WINDOW} tokens: exact {base:.4f}, "
           f"int8 activations {ours:.4f} ({ours / base - 1:+.3%})")

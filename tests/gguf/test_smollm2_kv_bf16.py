@@ -12,9 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_smollm2 import NUM_WINDOWS, WINDOW, greedy_agreement, perplexity  # noqa: E402
-from tiny_models import stdlib_text  # noqa: E402
+from test_smollm2 import NUM_WINDOWS, WINDOW, greedy_agreement, perplexity, text_windows  # noqa: E402
 
 from pagedllm import LLM  # noqa: E402
 
@@ -50,8 +48,7 @@ def test_greedy_chat_tokens_agree_with_the_float32_pool(exact, bf16):
 
 
 def test_perplexity_moves_by_less_than_half_a_percent(exact, bf16):
-    ids = exact.get_tokenizer()(stdlib_text(60_000)).input_ids
-    windows = [ids[i : i + WINDOW] for i in range(0, WINDOW * NUM_WINDOWS, WINDOW)]
+    windows = text_windows(exact)
     base, ours = perplexity(exact, windows), perplexity(bf16, windows)
     print(f"\n[bf16 KV perplexity, {bf16.llm_engine.config.decode_backend}] {NUM_WINDOWS} windows of {WINDOW} tokens: "
           f"float32 pool {base:.4f}, bfloat16 pool {ours:.4f} ({ours / base - 1:+.3%})")

@@ -339,20 +339,32 @@ int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *l
  * unchecked loop the fused calls use on their own buffers (greedy_rows is the exported one). */
 void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens, float *logprobs);
 
+/* Cephes' expf, shared by exp_nonpositive and paged_decode.c's vector exp_lanes (c, n, r and p a
+ * float or a vector of floats, so both expand to the same arithmetic): the exponent n =
+ * floor(c log2(e) + 1/2), the reduced argument r = c - n ln2 (ln2 in two parts), and the
+ * degree-6 polynomial p(r) ~ exp(r) on [-ln2/2, ln2/2], its leading coefficient EXP_LEAD. */
+#define EXP_EXPONENT_ARG(c) ((c) * 1.44269504088896341f + 0.5f)
+#define EXP_REDUCED(c, n) ((c) - (n) * 0.693359375f + (n) * 2.12194440e-4f)
+#define EXP_LEAD 1.9875691500e-4f
+#define EXP_POLY(p, r)                   \
+    do {                                 \
+        p = p * r + 1.3981999507e-3f;    \
+        p = p * r + 8.3334519073e-3f;    \
+        p = p * r + 4.1665795894e-2f;    \
+        p = p * r + 1.6666665459e-1f;    \
+        p = p * r + 5.0000001201e-1f;    \
+        p = p * r * r + r + 1.0f;        \
+    } while (0)
+
 /* exp(x) for x <= 0, within 2 ulp of expf (Cephes' expf: 2^n times a degree-6 polynomial on
  * [-ln2/2, ln2/2]), written so that the compiler vectorises it — libm's expf is a scalar call.
  * Below -87 (where expf is under 2e-38) it returns 0, so no subnormal is produced. */
 static inline float exp_nonpositive(float x) {
     const float c = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_floorf(c * 1.44269504088896341f + 0.5f);
-    const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const float n = __builtin_floorf(EXP_EXPONENT_ARG(c));
+    const float r = EXP_REDUCED(c, n);
+    float p = EXP_LEAD;
+    EXP_POLY(p, r);
     union {
         int32_t bits;
         float value;

@@ -344,7 +344,7 @@ static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b
  * n % VW scores of every head to a scalar epilogue, a dozen dependent instructions each. */
 static inline vf exp_lanes(vf x) {
     const vi tiny = x < splat(-87.0f);
-    const vf c = pick(tiny, splat(-87.0f), x), t = c * 1.44269504088896341f + 0.5f;
+    const vf c = pick(tiny, splat(-87.0f), x), t = EXP_EXPONENT_ARG(c);
 #if defined(__AVX512F__)
     const vf n = (vf)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     const vi whole = (vi)_mm512_cvttps_epi32((__m512)n);
@@ -356,14 +356,9 @@ static inline vf exp_lanes(vf x) {
     vi whole;
     for (int i = 0; i < VW; i++) n[i] = __builtin_floorf(t[i]), whole[i] = (int32_t)n[i];
 #endif
-    const vf r = c - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const vf r = EXP_REDUCED(c, n);
+    vf p = splat(EXP_LEAD);
+    EXP_POLY(p, r);
     return pick(tiny, splat(0.0f), p * (vf)((whole + 127) << 23));
 }
 
