@@ -241,7 +241,8 @@ def run(args: argparse.Namespace, config_class: str, shape: dict, workload: Work
     runner = llm.llm_engine.runner
     print(f"attention backend {runner.attention_backend}, CUDA graphs "
           f"{'off' if runner.graphs is None else f'{len(runner.graphs.graphs)} sizes, {runner.graphs.num_replays} replays'}, "
-          f"{runner.num_blocks} KV blocks")
+          f"{runner.num_blocks} KV blocks; async scheduling "
+          f"{f'on ({llm.llm_engine.scheduler.num_deferred_steps} steps deferred)' if runner.planner.async_scheduling else 'off'}")
     rate = single_stream_rate(llm, vocab)
     limit = bandwidth / weight_bytes(llm)
     print(f"single stream: {rate:.1f} tok/s; bandwidth limit {limit:.0f} tok/s ({weight_bytes(llm) / 1e9:.2f} GB of "

@@ -99,6 +99,10 @@ class EngineConfig:
     # Greedy decode steps per engine step when every sequence of a step is a plain greedy decode
     # (multi-step scheduling, step/planner.py); needs the fused decode step, else 1.
     num_scheduler_steps: int = 1
+    # Schedule the next step while the device runs this one, and take this one's output back
+    # meanwhile (vLLM's name; engine/scheduler.py). Off where nothing can overlap: the fused CPU
+    # step, tensor parallelism, KV offload, speculation (step/planner.py says why)
+    async_scheduling: bool = False
     # CUDA graphs for decode steps (worker/cuda_graphs.py) unless this is set (vLLM's name)
     enforce_eager: bool = False
     # CUDA: the share of the GPU's memory the engine may use; the KV pool gets what the weights

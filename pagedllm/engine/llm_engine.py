@@ -3,6 +3,9 @@ model runner and the output processor.
 
 One `step()` = `scheduler.schedule()` → `runner.execute()` (one forward pass, sampling) →
 `scheduler.update_from_output()` (progress, tokens, stop rules, freeing) → `RequestOutput`s.
+With async scheduling a step is launched, the previous step's output taken back while the device
+runs it, and the step itself left in flight when it qualifies (engine/scheduler.py): its outputs
+come with the next `step()`.
 The engine itself changes no request or KV state; it builds the pieces, with the planner that
 decides how steps run (step/planner.py) shared by the scheduler and the runner. Bad input is rejected in `add_request` with a
 ValueError before anything is queued, so one bad request never disturbs the others.
@@ -29,6 +32,7 @@ from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.step.planner import StepPlanner
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.step_results import StepResults
 
 logger = logging.getLogger("pagedllm.engine")
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -82,6 +86,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
+        self._in_flight: StepResults | None = None  # async scheduling: the step whose output is still out
 
     @property
     def device(self) -> torch.device:
@@ -203,6 +208,7 @@ class LLMEngine:
         """After the engine itself failed (an exception out of `step`): every unfinished request
         is marked failed, its KV blocks freed, and its final output finishes with reason "error".
         Nothing else of the engine is trusted afterwards; whoever owns it shuts it down."""
+        self._in_flight = None
         outputs = []
         for request in list(self.requests.values()):
             self.abort_request(request.request_id)
@@ -221,7 +227,7 @@ class LLMEngine:
                 "id": request.request_id, "status": request.state.value, "priority": request.priority,
                 "arrival_time": m.arrival_time, "first_scheduled_time": m.first_scheduled_time,
                 "first_token_time": m.first_token_time, "num_prompt_tokens": len(request.prompt_token_ids),
-                "num_generated_tokens": sum(seq.num_output_tokens for seq in request.seqs),
+                "num_generated_tokens": sum(seq.num_output_tokens - seq.num_pending for seq in request.seqs),
                 "num_samples": len(request.seqs), "num_preemptions": request.num_preemptions,
             })
         return rows
@@ -230,18 +236,37 @@ class LLMEngine:
         return len(self.requests)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._aborted)
+        return bool(self.requests) or bool(self._aborted) or self._in_flight is not None
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         touched: dict[str, Request] = {r.request_id: r for r in self._aborted}
         self._aborted = []
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and not self.scheduler.can_schedule_ahead():
+            self._take_back(in_flight.result(), touched)
+            in_flight = None
         sched = self.scheduler.schedule()
-        output = self.runner.execute(sched)
+        if not self.planner.async_scheduling:
+            self._take_back(self.runner.execute(sched), touched)
+            return self._outputs(touched)
+        launched = self.runner.launch(sched)
+        if in_flight is not None:  # the host's share of the last step while the device runs this one
+            self._take_back(in_flight.result(), touched)
+        if self.scheduler.defer_last():
+            self._in_flight = launched
+        else:
+            self._take_back(launched.result(), touched)
+        return self._outputs(touched)
+
+    def _take_back(self, output, touched: dict[str, Request]) -> None:
+        """A step's output into the requests: prompt logprobs, tokens, progress, stop rules."""
         for seq_id, entries in output.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(self.scheduler.live[seq_id].request, entries)
         for seq in self.scheduler.update_from_output(output, self.output_processor.process_token):
             touched[seq.request.request_id] = seq.request
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
             if request.finished:

@@ -40,6 +40,18 @@ and stamps the blocks each scheduled sequence reads (LRU eviction of the prefix 
 publishes full blocks to the prefix cache, and finishes sequences when the output processor's
 stop rules say so. Extra samples of a request (n / best_of) are forked here, when the first
 sample's prompt completes: they share its blocks and sample from the same logits row.
+
+Async scheduling (`async_scheduling`, vLLM's name; the planner says where it runs): the engine
+may schedule the next step while the device still runs this one. `defer_last()` then advances
+the sequences of the step just sent as if its output were back — their progress, and one
+placeholder (`PENDING_TOKEN`) per token each will be given, which the runner fills on the device
+from the step's samples — and `update_from_output()` later swaps the placeholders for the real
+tokens and applies the stop rules. Only steps whose every sequence needs nothing of its latest
+tokens on the host qualify (no grammar, penalties, proposals, prompt logprobs or forks), and the
+next step is scheduled ahead only when it cannot preempt (`can_schedule_ahead`): the engine
+otherwise takes the output back first. A sequence that stops at a step already had
+the next one scheduled: that token is computed and dropped, and the blocks it wrote are freed
+before any later step, in the device's order, can reuse them.
 """
 from __future__ import annotations
 
@@ -54,9 +66,10 @@ from pagedllm.engine.block_manager import BlockManager
 from pagedllm.engine.runner_mirror import RunnerMirror
 from pagedllm.engine.sequence import Sequence, SequenceStatus
 from pagedllm.spec_decode.stats import SpecDecodeStats
-from pagedllm.step.planner import StepPlanner
+from pagedllm.step.planner import StepPlanner, tokens_left
 from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
-from pagedllm.step.scheduler_output import PromptLogprobsRequest, ScheduledChunk, SchedulerOutput, SequenceUpdate
+from pagedllm.step.scheduler_output import (PENDING_TOKEN, PromptLogprobsRequest, ScheduledChunk, SchedulerOutput,
+                                             SequenceUpdate)
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm.scheduler")
@@ -71,6 +84,7 @@ class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # including the speculative tokens to verify
     num_spec: int = 0  # its proposals verified in this chunk
+    token_budget: int = 0  # tokens the step gives it (its chunk's budget)
 
     @property
     def completes_context(self) -> bool:
@@ -87,6 +101,15 @@ class _Step:
     preempted: list[Sequence] = field(default_factory=list)
     num_blocks: int = 0  # block-table entries of the scheduled sequences (shared blocks counted twice)
     fusing: bool = False  # its decodes are meant for fused speculation cycles
+
+
+@dataclass
+class _Record:
+    """A step sent to the runner whose output has not been taken back yet."""
+
+    scheduled: list[ScheduledSequence]
+    forked: bool  # it forked samples (they sample from their parent's row)
+    deferred: bool = False  # its sequences were advanced ahead of its output (`defer_last`)
 
 
 @dataclass
@@ -121,10 +144,11 @@ class Scheduler:
         self.live: dict[int, Sequence] = {}  # every unfinished sequence, by id
         self._finished_ids: list[int] = []  # finished since the last schedule(), for the runner
         self._ended: list[Sequence] = []  # ended by the scheduler itself during schedule()
-        self._scheduled: list[ScheduledSequence] = []  # what the last schedule() sent to the runner
+        self._records: deque[_Record] = deque()  # steps sent to the runner, oldest first
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_prompt_tokens_total = 0
+        self.num_deferred_steps = 0  # steps whose sequences advanced before their output was back
         self.spec_stats = SpecDecodeStats()
         self._admissions = 0  # admission counter: fcfs preempts the latest admitted
         # vLLM's rounding: int(watermark * blocks), so small pools keep no watermark.
@@ -176,6 +200,7 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
         self.block_manager.free(seq.seq_id)
+        seq.drop_pending()
         if seq.status is SequenceStatus.SWAPPED and status is not SequenceStatus.FINISHED_ABORTED:
             seq.set_status(SequenceStatus.RUNNING)  # the state diagram ends sequences from RUNNING
         seq.set_status(status)
@@ -222,14 +247,45 @@ class Scheduler:
             chunk.max_proposals = max_proposals
         if not forks and len(sampled) == len(step.scheduled):
             self._plan_burst(step)
+        for item, chunk in zip(step.scheduled, out.chunks):
+            item.token_budget = chunk.token_budget
         self._describe(step, forks)  # after the burst's reservation: the tables as the runner will use them
         for seq in [item.seq for item in step.scheduled] + [child for child, _ in forks]:
             self.block_manager.touch(seq.seq_id)
         out.blocks_to_zero, out.host_blocks_to_zero = self.block_manager.take_blocks_to_zero()
         self._attach_masks(out, sampled + [child for child, _ in forks])
         out.finished_seq_ids, self._finished_ids = self._finished_ids, []
-        self._scheduled = step.scheduled
+        self._records.append(_Record(step.scheduled, bool(forks)))
         return out
+
+    # ---- async scheduling ----------------------------------------------------------------------
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled while the last one's output is still out: the
+        pool holds every running sequence's next tokens (a burst's, plus a copy-on-write block
+        each) above the watermark, so the step cannot preempt — a sequence whose tokens are
+        placeholders is never preempted (`_preempt`). Admissions and swap-ins never preempt;
+        they take only what is left."""
+        bm, steps = self.block_manager, self.planner.num_scheduler_steps
+        need = sum(bm.blocks_for(seq.num_tokens + steps) - len(bm.tables.get(seq.seq_id, ())) + 1 for seq in self.running)
+        return bm.num_free_blocks - need >= self.watermark_blocks
+
+    def defer_last(self) -> bool:
+        """Advance the sequences of the step just scheduled as if its output were back, so the
+        next step can be scheduled before it is; False (nothing changed) when the step does not
+        qualify. Each gets its progress and one placeholder per token the step gives it."""
+        record = self._records[-1]
+        items = [item for item in record.scheduled if not item.seq.finished]
+        if (not self.planner.async_scheduling or record.forked or not items
+                or not all(not item.num_spec and self.planner.overlappable(item.seq) for item in items)):
+            return False
+        for item in items:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens + max(item.token_budget - 1, 0)
+            seq.token_ids.extend([PENDING_TOKEN] * item.token_budget)
+            seq.num_pending = item.token_budget
+        record.deferred = True
+        self.num_deferred_steps += 1
+        return True
 
     def _describe(self, step: _Step, forks: list[tuple[Sequence, int]]) -> None:
         """What the runner is told of each sequence the step computes or forks: the whole
@@ -300,11 +356,16 @@ class Scheduler:
         A decode that verified speculative tokens computed only the accepted ones: its progress
         grows by 1 + accepted, and the KV written for rejected proposals is simply overwritten
         later (its slots stay in the sequence's table). A multi-step decode computed one position
-        per token it was given back but the last."""
+        per token it was given back but the last. A deferred step (`defer_last`) advanced
+        already: its placeholders give way to the tokens. A sequence that ended since its step
+        was scheduled (a stop rule of the step before, an abort) takes nothing."""
         changed = {seq.seq_id: seq for seq in self._ended}
         self._ended = []
-        for item in self._scheduled:
+        record = self._records.popleft()
+        for item in record.scheduled:
             seq = item.seq
+            if seq.finished:
+                continue
             changed[seq.seq_id] = seq
             tokens = output.sampled.get(seq.seq_id, [])
             if item.num_spec:
@@ -314,13 +375,15 @@ class Scheduler:
             # Positions computed past the chunk's known tokens: every token given back but the
             # last (accepted proposals, or a multi-step or fused burst's tokens).
             extra = max(len(tokens) - 1, 0)
-            seq.num_computed_tokens += item.num_new_tokens - item.num_spec + extra
+            if record.deferred:
+                seq.drop_pending()
+            else:
+                seq.num_computed_tokens += item.num_new_tokens - item.num_spec + extra
             seq.num_draft_computed = output.draft_computed.get(seq.seq_id, seq.num_draft_computed)
             computed_ids = seq.token_ids + [t.token_id for t in tokens[:extra]]
             self.block_manager.cache_full_blocks(seq.seq_id, computed_ids, self._num_publishable(seq))
             self._append(seq, tokens, on_token)
             seq.spec_token_ids = output.spec_token_ids.get(seq.seq_id, []) if not seq.finished else []
-        self._scheduled = []
         for seq_id, tokens in output.sampled.items():
             seq = self.live.get(seq_id)
             if seq is not None and seq_id not in changed:  # a sample forked this step
@@ -387,6 +450,8 @@ class Scheduler:
         budget left. `reserved`: tokens kept for the decodes after it."""
         if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
             return budget
+        if seq.num_pending and tokens_left(seq, self.config.max_model_len) <= 0:
+            return budget  # its tokens on the device are its last: it ends when they are back
         if self._exceeds_pool(seq):
             done.add(seq.seq_id)
             self._end_for_capacity(seq)
@@ -509,6 +574,7 @@ class Scheduler:
         self._ended.append(seq)
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:
+        assert not seq.num_pending, "a sequence whose tokens are still on the device is preempted (can_schedule_ahead)"
         self.num_preemptions += 1
         seq.request.num_preemptions += 1
         step.preempted.append(seq)

@@ -71,6 +71,9 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify at the next step
     grammar: Any = None  # the structured-output matcher (llguidance), when the output is constrained
     num_draft_computed: int = 0  # positions whose draft-model KV is valid (speculative decoding)
+    # Async scheduling: how many of `token_ids` are placeholders (PENDING_TOKEN) for tokens a step
+    # still running on the device will sample; they count as output for planning (max_tokens)
+    num_pending: int = 0
 
     @property
     def params(self) -> SamplingParams:
@@ -99,6 +102,13 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    def drop_pending(self) -> None:
+        """Remove the placeholders of tokens still on the device (their real values are being
+        taken back, or the sequence ended and they will never be)."""
+        if self.num_pending:
+            del self.token_ids[-self.num_pending :]
+            self.num_pending = 0
 
     def set_status(self, status: SequenceStatus) -> None:
         assert status in _TRANSITIONS.get(self.status, ()), f"illegal transition {self.status} -> {status}"

@@ -92,6 +92,8 @@ class StepPlanner:
     draft_kernel_attention: bool = False  # the draft model attends with the C kernels
     draft_fused_decode: bool = False  # the draft's one-token passes run as fused decode steps
     fused_spec_cycles: bool = False  # greedy speculation cycles in one C call
+    # The next step scheduled while the device runs this one (engine/scheduler.py, async scheduling)
+    async_scheduling: bool = False
 
     # ---- start-up ----------------------------------------------------------------------------
     @classmethod
@@ -115,12 +117,13 @@ class StepPlanner:
             logger.warning("num_scheduler_steps=%d needs the fused decode step (CPU) or the C/Triton attention kernels "
                            "on one device without offload or speculation: every engine step runs one step",
                            config.num_scheduler_steps)
+        overlap = _async_scheduling(config, fused)
         graphs = (not config.enforce_eager and device.type == "cuda" and attention == "triton"
                   and config.tensor_parallel_size == 1 and not config.kv_offload and model_config.moe is None)
         panels = fused or (fused_possible and config.quantization in ("q4", "gguf"))
         planner = cls(max_model_len, config.tensor_parallel_size, config.kv_offload, attention, fused, panels, graphs,
                       config.num_scheduler_steps if fused or device_bursts else 1,
-                      MAX_ROWS if fused else config.max_num_seqs, config.speculative_config)
+                      MAX_ROWS if fused else config.max_num_seqs, config.speculative_config, async_scheduling=overlap)
         return planner._with_draft(dtype, device)
 
     def _with_draft(self, dtype: torch.dtype, device: torch.device) -> "StepPlanner":
@@ -205,6 +208,14 @@ class StepPlanner:
         steps = min(self.num_scheduler_steps, *(tokens_left(seq, self.max_model_len) for seq in seqs))
         return Burst(steps, 1, 0) if steps > 1 else None
 
+    def overlappable(self, seq: PlannedSequence) -> bool:
+        """Whether a sequence's step may be advanced before its output is back (async
+        scheduling): nothing of its next step needs its latest tokens on the host — no grammar
+        mask, no penalties over its history, no proposals, no prompt logprobs."""
+        params = seq.params
+        return (seq.grammar is None and not seq.spec_token_ids and params.prompt_logprobs is None
+                and params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty)
+
     # ---- the runner's questions --------------------------------------------------------------
     def step_kind(self, budget: int, max_proposals: int) -> StepKind:
         """How to fill a step's token budget (a burst gives every sequence the same one)."""
@@ -285,6 +296,22 @@ def _fused_decode_possible(config: EngineConfig, model_config: ModelConfig, dtyp
         reasons.append("the CPU kernels could not be built (see the log)")
     if reasons and config.decode_backend == "fused":
         raise ValueError("decode_backend='fused' cannot be used: " + "; ".join(reasons))
+    return not reasons
+
+
+def _async_scheduling(config: EngineConfig, fused: bool) -> bool:
+    """Async scheduling where it can overlap anything: one process whose forward passes are
+    queued on a device (or the CPU's modules path, which runs it in order), without speculation
+    or layer-wise offload (they read each step's tokens on the host); the fused C step returns
+    only once it has run, so there is nothing to overlap."""
+    if not config.async_scheduling:
+        return False
+    clashes = {"the fused C decode step (decode_backend='torch' turns it off)": fused,
+               "tensor_parallel_size > 1": config.tensor_parallel_size > 1, "kv_offload": config.kv_offload,
+               "speculative_config": config.speculative_config is not None}
+    reasons = [name for name, clash in clashes.items() if clash]
+    if reasons:
+        logger.warning("async_scheduling is off: it does not run with %s", ", ".join(reasons))
     return not reasons
 
 

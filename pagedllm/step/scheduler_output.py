@@ -22,6 +22,11 @@ from pagedllm.sampling_params import SamplingParams
 
 BlockPairs = list[tuple[int, int]]
 
+# A token sampled by a step whose output has not reached the host yet (async scheduling: the
+# next step is scheduled while the device still runs this one). A sequence's new token ids may
+# end with it; the runner takes such an input from the previous step's samples on the device.
+PENDING_TOKEN = -1
+
 
 @dataclass
 class PromptLogprobsRequest:

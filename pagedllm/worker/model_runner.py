@@ -7,6 +7,9 @@ each sequence between steps (worker/sequence_state.py), and sees only the step's
 sequences, the swap and copy-on-write maps, stages the flat batch (worker/input_batch.py) and
 the sampling parameters (worker/sampling_inputs.py) in one transfer per dtype, runs the forward
 pass, samples on the device and reads the results back in one copy (worker/step_results.py).
+`launch` returns as soon as the step is queued on the device, its results still on their way
+(async scheduling: the engine works on the previous step meanwhile); a step's inputs may then
+name tokens the step before sampled (`PENDING_TOKEN`), which are copied into place on the device.
 How a step's token budgets are filled — one forward pass, greedy steps in one fused call,
 speculation cycles — and which backends run it are the planner's decisions (step/planner.py);
 speculation itself is a speculator the runner is given (spec_decode/speculator.py).
@@ -28,7 +31,7 @@ from pagedllm.models.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step.planner import StepKind, StepPlanner
 from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
-from pagedllm.step.scheduler_output import NewSequence, ScheduledChunk, SchedulerOutput
+from pagedllm.step.scheduler_output import PENDING_TOKEN, NewSequence, ScheduledChunk, SchedulerOutput
 from pagedllm.worker.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from pagedllm.worker.gpu_memory import MemoryReading, kv_cache_budget
 from pagedllm.worker.input_batch import BatchChunk, BatchLayout, attention_metadata, stage_batch
@@ -38,7 +41,8 @@ from pagedllm.worker.malloc import keep_freed_memory
 from pagedllm.worker.sampling_inputs import SampleRow, sampling_metadata, stage_sampling
 from pagedllm.worker.sequence_state import SequenceStates
 from pagedllm.worker.staging import Staging
-from pagedllm.worker.step_results import fetch_results, score_prompt_tokens, stage_logit_rows
+from pagedllm.worker.step_results import (PackedResults, ReadyResults, StepResults, pack_results, score_prompt_tokens,
+                                          stage_logit_rows)
 
 if TYPE_CHECKING:  # the engine gives the runner its speculator; spec_decode builds on this package
     from pagedllm.spec_decode.speculator import Speculator
@@ -76,6 +80,9 @@ class ModelRunner:
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
         self.sampler = Sampler(config.seed, self.device, kernels.load() if self.device.type == "cpu" else None)
         self.generators: dict[int, torch.Generator] = {}  # seq id -> a seeded sequence's own generator
+        # Async scheduling: the last step's final samples on the device (one per sample row), and
+        # each sampled sequence's row in them, for the next step's placeholder inputs
+        self._last_samples: tuple[torch.Tensor, dict[int, int]] | None = None
         self.graphs: DecodeGraphs | None = None
         self.offload: LayerwiseKVOffload | None = None
         self.num_blocks, self.num_cpu_blocks = pool_sizes or self._pool_sizes()
@@ -186,8 +193,14 @@ class ModelRunner:
         return kv_cache_budget(reading, self.config.gpu_memory_utilization)
 
     # ---- the step ----------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run a step and wait for its results."""
+        return self.launch(sched).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> StepResults:
+        """Queue a step on the device; its results come when asked for (a step that speculates,
+        or runs as a fused C call, has them already)."""
         started = time.perf_counter()
         self._apply(sched)
         chunks = [self._batch_chunk(chunk) for chunk in sched.chunks]
@@ -198,20 +211,24 @@ class ModelRunner:
         _stage_block_maps(sched, staging)
         if not chunks:
             self._apply_block_maps(sched, staging.to(self.device))
-            return ModelRunnerOutput()
+            return ReadyResults(ModelRunnerOutput())
         first = sched.chunks[0]  # a burst gives every chunk the same budget
         kind = self.planner.step_kind(first.token_budget, first.max_proposals)
         if kind is StepKind.GREEDY_STEPS:
             return self._greedy_steps(sched, chunks, rows, staging, first.token_budget)
         if kind is StepKind.SPEC_CYCLES:
             self._apply_block_maps(sched, staging.to(self.device))
-            return self.speculator.run_fused(chunks, rows, first.token_budget)
-        result = self._forward(sched, chunks, rows, staging)
-        if self.speculator is not None and result is not None:
-            self.speculator.target_time_s += time.perf_counter() - started
-            self.speculator.propose(chunks, rows, [chunk.max_proposals for chunk in sched.chunks], result, self.sampler,
-                                    self._generator)
-        return result if result is not None else ModelRunnerOutput()
+            return ReadyResults(self.speculator.run_fused(chunks, rows, first.token_budget))
+        pending = self._forward(sched, chunks, rows, staging)
+        if pending is None:
+            return ReadyResults(ModelRunnerOutput())  # a tensor-parallel worker
+        if self.speculator is None:
+            return pending
+        result = pending.result()
+        self.speculator.target_time_s += time.perf_counter() - started
+        self.speculator.propose(chunks, rows, [chunk.max_proposals for chunk in sched.chunks], result, self.sampler,
+                                self._generator)
+        return ReadyResults(result)
 
     def _batch_chunk(self, chunk: ScheduledChunk) -> BatchChunk:
         """A scheduled chunk's tokens (its proposals to verify are the speculator's)."""
@@ -234,7 +251,7 @@ class ModelRunner:
         return rows
 
     def _forward(self, sched: SchedulerOutput, chunks: list[BatchChunk], rows: list[SampleRow],
-                 staging: Staging) -> ModelRunnerOutput | None:
+                 staging: Staging) -> StepResults | None:
         """One forward pass and its samples: plain rows, then rows verifying proposals, then the
         prompt positions whose logprobs were asked for. None on a tensor-parallel worker."""
         graph_size = self._graph_size(chunks)
@@ -249,7 +266,9 @@ class ModelRunner:
         spec_plan = stage_sampling(expanded, staging, "verify.sampling.")
         if spec:
             self.speculator.stage_verify(spec, staging)
+        self._stage_pending_inputs(chunks, layout, staging)
         views = staging.to(self.device)
+        self._fill_pending_inputs(views)
         self._apply_block_maps(sched, views)
         logits = self._logits(layout, views, graph_size)
         if logits is None:
@@ -264,7 +283,9 @@ class ModelRunner:
             verified = self.speculator.sample_verified(self.sampler, logits[len(plain) : len(plain) + len(expanded)], spec_meta, batch)
             groups.append((spec, verified))
         scored = score_prompt_tokens(logits[len(plain) + len(expanded) :], views.get("prompt_targets"), prompt_rows)
-        return fetch_results(groups, scored, prompt_rows)
+        if plain:
+            self._keep_last_samples(plain, groups[0][1].token_ids)
+        return pack_results(groups, scored, prompt_rows)
 
     def _logits(self, layout: BatchLayout, views: dict[str, torch.Tensor], graph_size: int | None) -> torch.Tensor | None:
         """The sampled rows' logits: the forward pass replayed from a CUDA graph, or run (as one
@@ -287,13 +308,14 @@ class ModelRunner:
         return [c if c.is_decode else replace(c, num_spec=c.num_tokens - 1) for c in chunks]
 
     def _greedy_steps(self, sched: SchedulerOutput, chunks: list[BatchChunk], rows: list[SampleRow], staging: Staging,
-                      num_steps: int) -> ModelRunnerOutput:
+                      num_steps: int) -> StepResults:
         """Multi-step scheduling: `num_steps` greedy steps of plain decodes, each row's argmax its
         next input; every row gets num_steps tokens. On CPU one fused C call; elsewhere the steps
         run back to back on the device (_device_greedy_steps)."""
         if not self.planner.fused_decode:
             tokens, logprobs = self._device_greedy_steps(sched, chunks, rows, staging, num_steps)
-            return _greedy_output(rows, tokens, logprobs)
+            self._keep_last_samples(rows, tokens[-1])
+            return _greedy_results(rows, tokens, logprobs)
         layout = stage_batch(chunks, self.block_size, self.kernel_attention, staging, num_steps=num_steps)
         stage_logit_rows(chunks, layout, staging, [rows])
         views = staging.to(self.device)
@@ -303,7 +325,7 @@ class ModelRunner:
             raise RuntimeError("a multi-step step reached a runner that cannot run it as one fused call")
         tokens, logprobs = self.model.fused.greedy_steps(views["input_ids"], views["positions"], meta, views["logit_rows"],
                                                          num_steps)
-        return _greedy_output(rows, tokens, logprobs)
+        return _greedy_results(rows, tokens, logprobs)
 
     def _device_greedy_steps(self, sched: SchedulerOutput, chunks: list[BatchChunk], rows: list[SampleRow],
                              staging: Staging, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,7 +333,7 @@ class ModelRunner:
         nothing between them on the host: each step's argmax is written into the next step's
         input ids on the device, and the positions, context lengths and slots advance there too
         (the staged block tables already cover the burst's positions); the tokens come back in
-        one device-to-host copy at the end. Why: a GPU decode step is shorter than the engine's
+        one device-to-host copy after the step. Why: a GPU decode step is shorter than the engine's
         Python around it (scheduling, the step's arrays, output processing), so one step per
         engine step leaves the GPU idle most of the time (vLLM's multi-step scheduling)."""
         graph_size = self._graph_size(chunks)
@@ -319,7 +341,9 @@ class ModelRunner:
         layout = stage_batch(chunks, self.block_size, self.kernel_attention, staging, num_steps=num_steps,
                              triton=self.triton_attention, pad_rows=pad_rows)
         stage_logit_rows(chunks, layout, staging, [rows])
+        self._stage_pending_inputs(chunks, layout, staging)
         views = staging.to(self.device)
+        self._fill_pending_inputs(views)
         self._apply_block_maps(sched, views)
         real = len(chunks)  # decode rows 0 .. real - 1 (the padding after them)
         logit_rows = views["logit_rows"]
@@ -334,7 +358,35 @@ class ModelRunner:
             if step + 1 < num_steps:
                 views["input_ids"].index_copy_(0, logit_rows, tokens[step])
                 self._advance_decodes(layout, views, real)
-        return tokens.cpu(), logprobs.cpu()
+        return tokens, logprobs
+
+    def _stage_pending_inputs(self, chunks: list[BatchChunk], layout: BatchLayout, staging: Staging) -> None:
+        """Async scheduling: the rows whose input is a token the step before sampled, still a
+        placeholder here (only a decode's last token can be one), and where it is among that
+        step's samples."""
+        if not self.planner.async_scheduling:
+            return
+        rows, sources = [], []
+        for index, chunk in enumerate(chunks):
+            if chunk.token_ids and chunk.token_ids[-1] == PENDING_TOKEN:
+                if self._last_samples is None or chunk.seq_id not in self._last_samples[1]:
+                    raise RuntimeError(f"sequence {chunk.seq_id}'s input token was not sampled by the step before")
+                rows.append(layout.last_rows[index])
+                sources.append(self._last_samples[1][chunk.seq_id])
+        if rows:
+            staging.add("pending.rows", rows)
+            staging.add("pending.sources", sources)
+
+    def _fill_pending_inputs(self, views: dict[str, torch.Tensor]) -> None:
+        if "pending.rows" in views:
+            samples = self._last_samples[0].index_select(0, views["pending.sources"])
+            views["input_ids"].index_copy_(0, views["pending.rows"], samples.to(views["input_ids"].dtype))
+        self._last_samples = None
+
+    def _keep_last_samples(self, rows: list[SampleRow], tokens: torch.Tensor) -> None:
+        """The step's final token of each sample row, on the device, for the next step's inputs."""
+        if self.planner.async_scheduling:
+            self._last_samples = (tokens, {row.seq_id: index for index, row in enumerate(rows)})
 
     def _advance_decodes(self, layout: BatchLayout, views: dict[str, torch.Tensor], real: int) -> None:
         """Every real decode row one position on: its position and context length, and the slot
@@ -440,10 +492,24 @@ def _stage_block_maps(sched: SchedulerOutput, staging: Staging) -> None:
         staging.add("zero.device", sched.blocks_to_zero)
 
 
-def _greedy_output(rows: list[SampleRow], tokens: torch.Tensor, logprobs: torch.Tensor) -> ModelRunnerOutput:
-    """A burst's tokens and their logprobs ([num_steps, rows]) as each row's sampled tokens."""
+def _greedy_results(rows: list[SampleRow], tokens: torch.Tensor, logprobs: torch.Tensor) -> StepResults:
+    """A burst's tokens and their logprobs ([num_steps, rows]), packed for one copy to the host."""
+    steps = tokens.shape[0]
+    packed = torch.cat([tokens.t().reshape(-1).double(), logprobs.t().reshape(-1).double()])
+
+    def unpack(values: list[float]) -> ModelRunnerOutput:
+        half = len(values) // 2
+        ids = [[int(v) for v in values[r * steps : (r + 1) * steps]] for r in range(len(rows))]
+        lps = [values[half + r * steps : half + (r + 1) * steps] for r in range(len(rows))]
+        return _greedy_output(rows, ids, lps)
+
+    return PackedResults(packed, unpack)
+
+
+def _greedy_output(rows: list[SampleRow], tokens: list[list[int]], logprobs: list[list[float]]) -> ModelRunnerOutput:
+    """A burst's tokens and their logprobs (per row, per step) as each row's sampled tokens."""
     result = ModelRunnerOutput()
-    for row, ids, values in zip(rows, tokens.t().tolist(), logprobs.t().tolist()):
+    for row, ids, values in zip(rows, tokens, logprobs):
         ranked = row.params.logprobs == 0  # an argmax's rank is 1, and no alternatives were asked for
         result.sampled[row.seq_id] = [SampledToken(token, logprob, 1, []) if ranked else SampledToken(token, logprob)
                                       for token, logprob in zip(ids, values)]

@@ -4,11 +4,14 @@ Logits are computed only for rows that sample (a sequence's last scheduled posit
 position of a decode that verifies proposals) and rows whose prompt logprobs were asked for. The
 sampled tokens, their logprobs, ranks and top-N, and every prompt logprob are packed into one
 float64 tensor (token ids are exact in float64) and read back with a single `.tolist()`: one
-device->host synchronisation per step.
+device->host synchronisation per step. The copy is started when the step is launched and waited
+for only when its results are asked for (`StepResults.result()`), so under async scheduling the
+host works on the previous step meanwhile.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import torch
 
@@ -17,6 +20,43 @@ from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
 from pagedllm.worker.input_batch import BatchChunk, BatchLayout
 from pagedllm.worker.sampling_inputs import SampleRow
 from pagedllm.worker.staging import Staging
+
+
+class StepResults(Protocol):
+    """A launched step's results, on their way to the host."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+@dataclass
+class ReadyResults:
+    """Results already on the host."""
+
+    output: ModelRunnerOutput
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
+class PackedResults:
+    """One flat tensor of a step's results, copied to the host as soon as the device has it
+    (pinned memory, asynchronously on CUDA), and turned into the runner's output when asked."""
+
+    def __init__(self, packed: torch.Tensor, unpack: Callable[[list[float]], ModelRunnerOutput]):
+        self._unpack = unpack
+        self._event = None
+        if packed.device.type == "cuda":
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed
+
+    def result(self) -> ModelRunnerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._unpack(self._host.tolist())  # the step's one device->host synchronisation
 
 
 @dataclass
@@ -75,25 +115,36 @@ def _columns(out: SamplerOutput) -> torch.Tensor:
 
 
 def fetch_results(groups: list[tuple[list[SampleRow], SamplerOutput]], scored: SamplerOutput | None, prompt: PromptRows) -> ModelRunnerOutput:
+    return pack_results(groups, scored, prompt).result()
+
+
+def pack_results(groups: list[tuple[list[SampleRow], SamplerOutput]], scored: SamplerOutput | None,
+                 prompt: PromptRows) -> StepResults:
     """`groups`: sample rows with their sampler output over their logit rows (a row with k
     proposals owns k + 1 of them, whose tokens end at the first -1)."""
     outs = [out for _, out in groups] + ([scored] if scored is not None else [])
     if not outs:
-        return ModelRunnerOutput()
+        return ReadyResults(ModelRunnerOutput())
     parts = [_columns(out) for out in outs]
-    values = torch.cat([p.reshape(-1) for p in parts]).tolist()  # the step's one device->host copy
+    widths = [part.shape[1] for part in parts]
+    samples = [rows for rows, _ in groups]
+    return PackedResults(torch.cat([p.reshape(-1) for p in parts]),
+                         lambda values: _unpack(values, samples, widths, scored is not None, prompt))
+
+
+def _unpack(values: list[float], groups: list[list[SampleRow]], widths: list[int], scored: bool,
+            prompt: PromptRows) -> ModelRunnerOutput:
     result = ModelRunnerOutput()
     offset = 0
-    for (samples, _), part in zip(groups, parts):
-        width = part.shape[1]
+    for samples, width in zip(groups, widths):
         for sample in samples:
             tokens = result.sampled.setdefault(sample.seq_id, [])
             for _ in range(1 + len(sample.spec_token_ids)):
                 if values[offset] >= 0:
                     tokens.append(_entry(values, offset, width, sample.params.logprobs))
                 offset += width
-    if scored is not None:
-        width = parts[-1].shape[1]
+    if scored:
+        width = widths[-1]
         for seq_id, num, count in prompt.entries:
             result.prompt_logprobs[seq_id] = [_entry(values, offset + i * width, width, num) for i in range(count)]
             offset += count * width
