@@ -182,6 +182,7 @@ class ModelRunner:
             self.speculator = speculator
             self.states.clear()
             self.generators.clear()
+            self._last_samples = None
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         reading = MemoryReading(total, free, torch.cuda.memory_reserved(self.device),

@@ -114,10 +114,6 @@ def _columns(out: SamplerOutput) -> torch.Tensor:
     return torch.cat([c.to(torch.float64) for c in columns], dim=1)
 
 
-def fetch_results(groups: list[tuple[list[SampleRow], SamplerOutput]], scored: SamplerOutput | None, prompt: PromptRows) -> ModelRunnerOutput:
-    return pack_results(groups, scored, prompt).result()
-
-
 def pack_results(groups: list[tuple[list[SampleRow], SamplerOutput]], scored: SamplerOutput | None,
                  prompt: PromptRows) -> StepResults:
     """`groups`: sample rows with their sampler output over their logit rows (a row with k
