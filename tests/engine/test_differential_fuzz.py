@@ -3,7 +3,9 @@
 The C path is the engine as it runs by default on a CPU: the fused decode step (prompts that
 fit one step laid out as its rows, multi-step bursts, speculative verification rows), the C
 attention kernels and the C greedy sampler. The reference is the same engine without a
-compiler: PyTorch modules, SDPA, torch's sampler. Hypothesis draws the batches where the C
+compiler: PyTorch modules, SDPA, torch's sampler, scheduling asynchronously (each step launched
+before the last one's output is back, where the step allows it; the C path's fused step runs
+synchronously), so the fuzz holds async scheduling to the synchronous engine too. Hypothesis draws the batches where the C
 path's bookkeeping is thin — n and best_of up to 16 (more logit rows than rows: issue 28's
 crash), beam search up to 10 beams (the widest the engine takes), prompts ending just before, at and after block boundaries
 (forks copy-on-write a partly filled block, or share only full ones), prompts sharing prefixes
@@ -115,5 +117,5 @@ def compare(folder: str, monkeypatch, batch: dict) -> None:
     with monkeypatch.context() as patch:  # the engine as it runs without a compiler: no kernel at all
         patch.setattr(kernels, "compiler", lambda: None)
         patch.setattr(kernels, "_libraries", {})
-        reference = run(folder, batch, attention_backend="sdpa", decode_backend="torch")
+        reference = run(folder, batch, attention_backend="sdpa", decode_backend="torch", async_scheduling=True)
     assert c_path == reference
