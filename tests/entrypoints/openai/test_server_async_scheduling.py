@@ -1,0 +1,58 @@
+"""`pagedllm serve --async-scheduling`: a real server whose engine launches each step before the
+last one's output is back (on a CPU through the modules, `--decode-backend torch`, as a GPU
+runs) streams the text the plain server gives, stops where it stops, and a client that walks
+away mid-stream leaves nothing behind."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from server_process import API_KEY, start_server
+
+
+@pytest.fixture(scope="module")
+def async_server(serve_models, tmp_path_factory):
+    args = ["--model", str(serve_models / "tiny-llama"), "--served-model-name", "tiny-async", "--api-key", API_KEY,
+            "--max-model-len", "1024", "--num-kv-blocks", "256", "--async-scheduling", "--decode-backend", "torch"]
+    server = start_server(args, tmp_path_factory.mktemp("async-logs") / "server.log")
+    yield server
+    server.stop()
+    log = server.log.read_text()
+    assert "Traceback" not in log and "async_scheduling is off" not in log
+
+
+@pytest.fixture(scope="module")
+def async_client(async_server):
+    return openai.OpenAI(base_url=async_server.base_url, api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.mark.parametrize("stops", [False, True])
+def test_an_async_server_streams_what_the_plain_one_answers(async_client, client, stops):
+    prompt = "def main():\n    "
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=29, temperature=0)
+    stop = None
+    if stops:  # a stop string met mid-text: the step after it was already launched
+        middle = len(plain.choices[0].text) // 2
+        stop = plain.choices[0].text[middle : middle + 2]
+        plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=29, temperature=0, stop=stop)
+        assert plain.choices[0].finish_reason == "stop"
+    stream = async_client.completions.create(model="tiny-async", prompt=prompt, max_tokens=29, temperature=0, stop=stop,
+                                             stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == plain.choices[0].text and finish == [plain.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_a_client_leaving_mid_stream_frees_its_blocks(async_server, async_client):
+    stream = async_client.chat.completions.create(model="tiny-async", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=400, temperature=0, stream=True,
+                                                  extra_body={"ignore_eos": True})
+    for index, _ in enumerate(stream):
+        if index == 5:
+            break
+    stream.close()  # the server aborts the request while a step of it is in flight
+    answer = async_client.completions.create(model="tiny-async", prompt="x", max_tokens=3, temperature=0)
+    assert answer.choices[0].finish_reason == "length"
+    async_server.wait_idle("tiny-async")
