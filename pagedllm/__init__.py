@@ -2,6 +2,6 @@
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "BeamSearchOutput", "BeamSearchSequence"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "BeamSearchOutput", "BeamSearchSequence"]

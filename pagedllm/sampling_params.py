@@ -1,6 +1,7 @@
 """Per-request sampling parameters (vLLM's names and defaults), validated on construction."""
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,17 @@ MIN_TOP_P = 1e-6
 PENALTY_RANGE = (0.01, 100.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token in effect, 100 forces it
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs the engine's `step()` reports for a request (vLLM's names and values):
+    every step's whole output so far, or only the final one (what `LLM.generate` asks for: no
+    snapshot of an unfinished request is built, so a long batch does not copy every sequence's
+    tokens and logprobs at every step). DELTA (only what is new) is not built."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -73,6 +85,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # only these tokens may be sampled (vLLM's allowed_token_ids)
     allowed_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +148,9 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
+        if self.output_kind not in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+            raise ValueError(f"output_kind must be RequestOutputKind.CUMULATIVE or FINAL_ONLY, got {self.output_kind!r} "
+                             "(DELTA outputs are not supported)")
         self._validate_token_choices()
 
     def _validate_token_choices(self) -> None:

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pagedllm.engine.detokenizer import Detokenizer, find_stop, held_back
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.step.runner_output import SampledToken
 
 
@@ -75,8 +76,12 @@ class OutputProcessor:
 
     # ---- outputs -----------------------------------------------------------------------------
     def make_output(self, request: Request) -> RequestOutput | None:
+        """The request's output now; None while it runs if it asked only for its final one (or
+        keeps more samples than it returns, whose best are known only at the end)."""
         params = request.params
         seqs = request.seqs
+        if params.output_kind is RequestOutputKind.FINAL_ONLY and not request.finished:
+            return None
         if params.best_of > params.n:
             if not request.finished:
                 return None  # the best n are only known at the end

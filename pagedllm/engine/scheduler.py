@@ -380,7 +380,8 @@ class Scheduler:
             else:
                 seq.num_computed_tokens += item.num_new_tokens - item.num_spec + extra
             seq.num_draft_computed = output.draft_computed.get(seq.seq_id, seq.num_draft_computed)
-            computed_ids = seq.token_ids + [t.token_id for t in tokens[:extra]]
+            # (a copy only when a burst computed positions past the tokens appended so far)
+            computed_ids = seq.token_ids + [t.token_id for t in tokens[:extra]] if extra else seq.token_ids
             self.block_manager.cache_full_blocks(seq.seq_id, computed_ids, self._num_publishable(seq))
             self._append(seq, tokens, on_token)
             seq.spec_token_ids = output.spec_token_ids.get(seq.seq_id, []) if not seq.finished else []

@@ -25,7 +25,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self._finished  # set below: asked for every sequence at every step, an enum hash is slow
 
 
 class RequestState(enum.Enum):
@@ -41,6 +41,8 @@ class RequestState(enum.Enum):
 
 
 _FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
+for _status in SequenceStatus:
+    _status._finished = _status in _FINISHED
 
 # The sequence state diagram, plus RUNNING -> WAITING for recompute preemption.
 _TRANSITIONS = {
@@ -101,7 +103,7 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        return self.status._finished
 
     def drop_pending(self) -> None:
         """Remove the placeholders of tokens still on the device (their real values are being
@@ -163,4 +165,7 @@ class Request:
     def finished(self) -> bool:
         # Before the fork only the first sample exists, and the fork happens before its first
         # token is sampled, so "all samples finished" holds at every point of the lifecycle.
-        return all(s.finished for s in self.seqs)
+        for seq in self.seqs:
+            if not seq.status._finished:
+                return False
+        return True

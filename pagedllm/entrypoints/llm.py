@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from typing import Any, Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -12,7 +13,7 @@ from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.entrypoints.chat_template import render_chat
 from pagedllm.outputs import BeamSearchOutput, RequestOutput
 from pagedllm.paths import default_model
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -102,6 +103,8 @@ class LLM:
         try:
             for prompt, sp, prio in zip(prompt_list, params_list, priorities):
                 request_id = str(next(self._counter))
+                if isinstance(sp, SamplingParams):  # only finished outputs are returned (vLLM's LLM does the same)
+                    sp = replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
                 self.llm_engine.add_request(request_id, prompt, sp, priority=prio)
                 ids.append(request_id)
             return self._run(ids, use_tqdm)
