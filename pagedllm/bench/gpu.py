@@ -91,11 +91,13 @@ def decode_busy_share(llm, vocab: int, batch: int = BUSY_BATCH, steps: int = BUS
     num_scheduler_steps greedy steps where the engine has them: ms are then per engine step)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pagedllm import SamplingParams
+    from pagedllm import RequestOutputKind, SamplingParams
 
     engine = llm.llm_engine
     per_step = engine.planner.num_scheduler_steps  # greedy steps per engine step (a burst: --engine-arg num_scheduler_steps=8)
-    params = SamplingParams(temperature=0, max_tokens=(2 * steps + 16) * per_step, ignore_eos=True)
+    # final outputs only, as the offline workload's LLM.generate asks for them (no per-step snapshots)
+    params = SamplingParams(temperature=0, max_tokens=(2 * steps + 16) * per_step, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(batch):
         engine.add_request(f"busy-{i}", {"prompt_token_ids": [(7 * i + j) % (vocab - 20) + 10 for j in range(128)]}, params)
     while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
