@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.config import EngineConfig, ModelConfig
 from pagedllm.layers import kernels, triton_attention
 from pagedllm.step.planner import StepPlanner
@@ -86,6 +86,33 @@ def test_a_step_that_needs_its_tokens_on_the_host_is_not_deferred(model_dir):
         results[overlap] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
         assert llm.llm_engine.scheduler.num_deferred_steps == 0
     assert results[True] == results[False]
+
+
+@needs_cc
+def test_a_grammar_and_a_penalised_request_joining_a_pipelined_batch(model_dir):
+    """A constrained and a penalised request arrive while plain decodes' steps are in flight:
+    they are admitted without a wait, the steps holding them run synchronously, and every
+    request ends as on the synchronous engine."""
+    plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    late = {"g": SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex="[a-z]{3,12}")),
+            "pen": SamplingParams(temperature=0.7, seed=5, max_tokens=15, presence_penalty=0.4)}
+    results = {}
+    for overlap in (False, True):
+        llm = LLM(str(model_dir("llama")), decode_backend="torch", async_scheduling=overlap)
+        engine, outputs = llm.llm_engine, []
+        for index in range(3):
+            engine.add_request(f"p{index}", PROMPTS[index], plain)
+        for _ in range(4):
+            outputs += engine.step()
+        for offset, (request_id, params) in enumerate(late.items()):
+            engine.add_request(request_id, PROMPTS[3 + offset], params)
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        results[overlap] = {o.request_id: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+                            for o in outputs if o.finished}
+        assert (engine.scheduler.num_deferred_steps > 0) == overlap
+        assert_nothing_held(llm)
+    assert results[True] == results[False] and results[True]["g"][2] == "stop"
 
 
 @needs_cc
