@@ -47,7 +47,8 @@ the sequences of the step just sent as if its output were back — their progres
 placeholder (`PENDING_TOKEN`) per token each will be given, which the runner fills on the device
 from the step's samples — and `update_from_output()` later swaps the placeholders for the real
 tokens and applies the stop rules. Only steps whose every sequence needs nothing of its latest
-tokens on the host qualify (no grammar, penalties, proposals, prompt logprobs or forks), and the
+tokens on the host qualify (no grammar, proposals, prompt logprobs or forks; the runner puts the
+newest token among a penalised row's tokens on the device), and the
 next step is scheduled ahead only when it cannot preempt (`can_schedule_ahead`): the engine
 otherwise takes the output back first. A sequence that stops at a step already had
 the next one scheduled: that token is computed and dropped, and the blocks it wrote are freed

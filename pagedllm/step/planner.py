@@ -211,10 +211,8 @@ class StepPlanner:
     def overlappable(self, seq: PlannedSequence) -> bool:
         """Whether a sequence's step may be advanced before its output is back (async
         scheduling): nothing of its next step needs its latest tokens on the host — no grammar
-        mask, no penalties over its history, no proposals, no prompt logprobs."""
-        params = seq.params
-        return (seq.grammar is None and not seq.spec_token_ids and params.prompt_logprobs is None
-                and params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty)
+        mask, no proposals, no prompt logprobs. (Penalties read the latest token on the device.)"""
+        return seq.grammar is None and not seq.spec_token_ids and seq.params.prompt_logprobs is None
 
     # ---- the runner's questions --------------------------------------------------------------
     def step_kind(self, budget: int, max_proposals: int) -> StepKind:

@@ -267,7 +267,7 @@ class ModelRunner:
         spec_plan = stage_sampling(expanded, staging, "verify.sampling.")
         if spec:
             self.speculator.stage_verify(spec, staging)
-        self._stage_pending_inputs(chunks, layout, staging)
+        self._stage_pending_inputs(chunks, layout, staging, plain if plain_plan.penalised else None)
         views = staging.to(self.device)
         self._fill_pending_inputs(views)
         self._apply_block_maps(sched, views)
@@ -286,7 +286,7 @@ class ModelRunner:
         scored = score_prompt_tokens(logits[len(plain) + len(expanded) :], views.get("prompt_targets"), prompt_rows)
         if plain:
             self._keep_last_samples(plain, groups[0][1].token_ids)
-        return pack_results(groups, scored, prompt_rows)
+        return self._patching_history(pack_results(groups, scored, prompt_rows), rows)
 
     def _logits(self, layout: BatchLayout, views: dict[str, torch.Tensor], graph_size: int | None) -> torch.Tensor | None:
         """The sampled rows' logits: the forward pass replayed from a CUDA graph, or run (as one
@@ -316,7 +316,7 @@ class ModelRunner:
         if not self.planner.fused_decode:
             tokens, logprobs = self._device_greedy_steps(sched, chunks, rows, staging, num_steps)
             self._keep_last_samples(rows, tokens[-1])
-            return _greedy_results(rows, tokens, logprobs)
+            return self._patching_history(_greedy_results(rows, tokens, logprobs), rows)
         layout = stage_batch(chunks, self.block_size, self.kernel_attention, staging, num_steps=num_steps)
         stage_logit_rows(chunks, layout, staging, [rows])
         views = staging.to(self.device)
@@ -361,28 +361,48 @@ class ModelRunner:
                 self._advance_decodes(layout, views, real)
         return tokens, logprobs
 
-    def _stage_pending_inputs(self, chunks: list[BatchChunk], layout: BatchLayout, staging: Staging) -> None:
+    def _stage_pending_inputs(self, chunks: list[BatchChunk], layout: BatchLayout, staging: Staging,
+                              penalised: list[SampleRow] | None = None) -> None:
         """Async scheduling: the rows whose input is a token the step before sampled, still a
-        placeholder here (only a decode's last token can be one), and where it is among that
-        step's samples."""
+        placeholder here (only a decode's last token can be one: older ones were replaced when
+        their step's results came back, `_patching_history`), and where it is among that step's
+        samples; with `penalised` (the sample rows whose penalties were staged), each row's
+        source too, for the placeholder among its penalised tokens."""
         if not self.planner.async_scheduling:
             return
-        rows, sources = [], []
+        rows, sources = [], {}
         for index, chunk in enumerate(chunks):
             if chunk.token_ids and chunk.token_ids[-1] == PENDING_TOKEN:
                 if self._last_samples is None or chunk.seq_id not in self._last_samples[1]:
                     raise RuntimeError(f"sequence {chunk.seq_id}'s input token was not sampled by the step before")
                 rows.append(layout.last_rows[index])
-                sources.append(self._last_samples[1][chunk.seq_id])
+                sources[chunk.seq_id] = self._last_samples[1][chunk.seq_id]
         if rows:
             staging.add("pending.rows", rows)
-            staging.add("pending.sources", sources)
+            staging.add("pending.sources", list(sources.values()))
+            if penalised is not None:
+                staging.add("pending.row_sources", [sources.get(row.seq_id, 0) for row in penalised])
 
     def _fill_pending_inputs(self, views: dict[str, torch.Tensor]) -> None:
+        """The placeholders' tokens copied into place on the device: the inputs, and the
+        penalised tokens (prompt and output for repetition, output for presence and frequency)."""
         if "pending.rows" in views:
-            samples = self._last_samples[0].index_select(0, views["pending.sources"])
+            last = self._last_samples[0]
+            samples = last.index_select(0, views["pending.sources"])
             views["input_ids"].index_copy_(0, views["pending.rows"], samples.to(views["input_ids"].dtype))
+            for name in ("sampling.seen", "sampling.output"):
+                pairs = views.get(name)
+                if pairs is not None and "pending.row_sources" in views:
+                    tokens = last.index_select(0, views["pending.row_sources"].index_select(0, pairs[:, 0]))
+                    pairs[:, 1] = torch.where(pairs[:, 1] < 0, tokens.to(pairs.dtype), pairs[:, 1])
         self._last_samples = None
+
+    def _patching_history(self, results: StepResults, rows: list[SampleRow]) -> StepResults:
+        """Async scheduling: when the step's tokens reach the host, they replace the placeholders
+        the runner's copy of each sequence was given for them meanwhile (penalties read it)."""
+        if not self.planner.async_scheduling:
+            return results
+        return _HistoryPatch(results, self.states, {row.seq_id: len(row.token_ids) for row in rows})
 
     def _keep_last_samples(self, rows: list[SampleRow], tokens: torch.Tensor) -> None:
         """The step's final token of each sample row, on the device, for the next step's inputs."""
@@ -491,6 +511,26 @@ def _stage_block_maps(sched: SchedulerOutput, staging: Staging) -> None:
         staging.add("copy.pairs", sched.blocks_to_copy, shape=(len(sched.blocks_to_copy), 2))
     if sched.blocks_to_zero:
         staging.add("zero.device", sched.blocks_to_zero)
+
+
+class _HistoryPatch:
+    """A step's results that, when taken, write its tokens over the placeholders for them in the
+    runner's sequences (from `starts[seq]`, the index of the step's first token)."""
+
+    def __init__(self, results: StepResults, states: SequenceStates, starts: dict[int, int]):
+        self.results, self.states, self.starts = results, states, starts
+
+    def result(self) -> ModelRunnerOutput:
+        output = self.results.result()
+        for seq_id, tokens in output.sampled.items():
+            state, start = self.states.get(seq_id), self.starts.get(seq_id)
+            if state is None or start is None:
+                continue
+            history = state.token_ids
+            for index, token in enumerate(tokens, start):
+                if index < len(history) and history[index] == PENDING_TOKEN:
+                    history[index] = token.token_id
+        return output
 
 
 def _greedy_results(rows: list[SampleRow], tokens: torch.Tensor, logprobs: torch.Tensor) -> StepResults:

@@ -76,23 +76,30 @@ def test_async_scheduling_gives_the_synchronous_engines_outputs(mode, model_dir)
 
 
 @needs_cc
-def test_a_step_that_needs_its_tokens_on_the_host_is_not_deferred(model_dir):
-    """Penalties read a sequence's whole history on the host, so their steps are taken back
-    before the next is scheduled; outputs stay the synchronous engine's."""
-    params = [SamplingParams(temperature=0, max_tokens=12, presence_penalty=0.5, frequency_penalty=0.3)] * 3
+def test_penalties_read_the_token_still_on_the_device(model_dir):
+    """A penalised decode's newest token is a placeholder when its next step is launched: the
+    runner puts the sampled token among the penalised ones on the device (and into its copy of
+    the history once the step's results are back), so penalised steps are deferred too and
+    give the synchronous engine's tokens."""
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=1.5, frequency_penalty=2.0),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=16, frequency_penalty=1.2, min_tokens=4),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
     results = {}
     for overlap in (False, True):
         llm = LLM(str(model_dir("llama")), decode_backend="torch", async_scheduling=overlap)
-        results[overlap] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
-        assert llm.llm_engine.scheduler.num_deferred_steps == 0
+        outputs = llm.generate(PROMPTS, [params[i % len(params)] for i in range(len(PROMPTS))], use_tqdm=False)
+        results[overlap] = [o.outputs[0].token_ids for o in outputs]
+        assert (llm.llm_engine.scheduler.num_deferred_steps > 10) == overlap
+        assert_nothing_held(llm)
     assert results[True] == results[False]
 
 
 @needs_cc
 def test_a_grammar_and_a_penalised_request_joining_a_pipelined_batch(model_dir):
     """A constrained and a penalised request arrive while plain decodes' steps are in flight:
-    they are admitted without a wait, the steps holding them run synchronously, and every
-    request ends as on the synchronous engine."""
+    they are admitted without a wait, the steps holding the grammar run synchronously (its mask
+    needs the token), and every request ends as on the synchronous engine."""
     plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     late = {"g": SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex="[a-z]{3,12}")),
             "pen": SamplingParams(temperature=0.7, seed=5, max_tokens=15, presence_penalty=0.4)}
