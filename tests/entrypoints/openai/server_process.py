@@ -70,3 +70,25 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         assert error["param"] == param, error
     assert contains in error["message"], error
     return error
+
+
+def stream_like_plain(client, streaming_client, model: str, stops: bool) -> tuple[list, object]:
+    """Streams a greedy completion from `model` on `streaming_client` and checks it against the
+    plain server's (`client`, model "tiny"): the same text, finish reason and token count. With
+    `stops`, a stop string met mid-text ends both. Returns (the stream's chunks, the plain answer)."""
+    prompt = "def main():\n    "
+    plain = client.completions.create(model=MAIN, prompt=prompt, max_tokens=29, temperature=0)
+    stop = None
+    if stops:
+        middle = len(plain.choices[0].text) // 2
+        stop = plain.choices[0].text[middle : middle + 2]
+        plain = client.completions.create(model=MAIN, prompt=prompt, max_tokens=29, temperature=0, stop=stop)
+        assert plain.choices[0].finish_reason == "stop"
+    stream = streaming_client.completions.create(model=model, prompt=prompt, max_tokens=29, temperature=0, stop=stop,
+                                                 stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == plain.choices[0].text and finish == [plain.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    return chunks, plain

@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from server_process import API_KEY, start_server
+from server_process import API_KEY, start_server, stream_like_plain
 
 
 @pytest.fixture(scope="module")
@@ -28,21 +28,7 @@ def async_client(async_server):
 
 @pytest.mark.parametrize("stops", [False, True])
 def test_an_async_server_streams_what_the_plain_one_answers(async_client, client, stops):
-    prompt = "def main():\n    "
-    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=29, temperature=0)
-    stop = None
-    if stops:  # a stop string met mid-text: the step after it was already launched
-        middle = len(plain.choices[0].text) // 2
-        stop = plain.choices[0].text[middle : middle + 2]
-        plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=29, temperature=0, stop=stop)
-        assert plain.choices[0].finish_reason == "stop"
-    stream = async_client.completions.create(model="tiny-async", prompt=prompt, max_tokens=29, temperature=0, stop=stop,
-                                             stream=True, stream_options={"include_usage": True})
-    chunks = list(stream)
-    text = "".join(c.choices[0].text for c in chunks if c.choices)
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert text == plain.choices[0].text and finish == [plain.choices[0].finish_reason]
-    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    stream_like_plain(client, async_client, "tiny-async", stops)  # with stops: the step after the stop was launched
 
 
 def test_a_client_leaving_mid_stream_frees_its_blocks(async_server, async_client):

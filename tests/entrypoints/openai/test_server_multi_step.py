@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from pagedllm.layers import kernels
-from server_process import API_KEY, start_server
+from server_process import API_KEY, start_server, stream_like_plain
 
 pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C compiler: no fused decode step")
 
@@ -24,20 +24,7 @@ def multi_client(serve_models, tmp_path_factory):
 
 @pytest.mark.parametrize("stops", [False, True])
 def test_a_multi_step_server_streams_what_the_plain_one_answers(multi_client, client, stops):
-    prompt = "def main():\n    "
-    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=29, temperature=0)
-    stop = None
-    if stops:  # a stop string met in the middle of the text, so in the middle of a burst
-        middle = len(plain.choices[0].text) // 2
-        stop = plain.choices[0].text[middle : middle + 2]
-        plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=29, temperature=0, stop=stop)
-        assert plain.choices[0].finish_reason == "stop"
-    stream = multi_client.completions.create(model="tiny-multi", prompt=prompt, max_tokens=29, temperature=0, stop=stop,
-                                             stream=True, stream_options={"include_usage": True})
-    chunks = list(stream)
-    text = "".join(c.choices[0].text for c in chunks if c.choices)
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert text == plain.choices[0].text and finish == [plain.choices[0].finish_reason]
-    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    # with stops: a stop string met in the middle of the text, so in the middle of a burst
+    chunks, plain = stream_like_plain(client, multi_client, "tiny-multi", stops)
     deltas = [c for c in chunks if c.choices and c.choices[0].text]
     assert len(deltas) <= plain.usage.completion_tokens // 4  # tokens came in bursts, not one per step
