@@ -212,6 +212,10 @@ class BeamSearcher:
             if search_id is None:
                 others.append(output)
             elif output.finished:
+                failed = next((c for c in output.outputs if c.finish_reason == "error"), None)
+                if failed is not None:  # the engine ended the round's request (LLMEngine.step)
+                    self.abort(search_id)
+                    raise RuntimeError(f"beam search {search_id!r}: {failed.stop_reason}")
                 self._take(search_id, output)
         return others
 

@@ -217,6 +217,13 @@ class BlockManager:
         self._to_zero_cpu.clear()
         return device, host
 
+    def requeue_zero(self, device: list[int], host: list[int]) -> None:
+        """Blocks a step that failed was to zero: zeroed with the next step instead (a block
+        zeroed twice is still zero; one handed out meanwhile is zeroed before it is written)."""
+        if self.secure:
+            self._to_zero.update(dict.fromkeys(device))
+            self._to_zero_cpu.update(dict.fromkeys(host))
+
     def _free_cpu(self, cpu_blocks: list[int]) -> None:
         self._cpu_free.extend(cpu_blocks)
         if self.secure:

@@ -37,6 +37,8 @@ from pagedllm.worker.step_results import StepResults
 logger = logging.getLogger("pagedllm.engine")
 PromptType = Union[str, list[int], dict[str, Any]]
 MAX_LOGPROBS = 20
+# Failed steps in a row after which the engine, not a request, is taken to be broken (`step`)
+MAX_FAILED_STEPS = 4
 
 
 def load_tokenizer(path: str):
@@ -87,6 +89,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._in_flight: StepResults | None = None  # async scheduling: the step whose output is still out
+        self._failed_steps = 0  # steps in a row that raised (`step`)
 
     @property
     def device(self) -> torch.device:
@@ -209,12 +212,20 @@ class LLMEngine:
         is marked failed, its KV blocks freed, and its final output finishes with reason "error".
         Nothing else of the engine is trusted afterwards; whoever owns it shuts it down."""
         self._in_flight = None
-        outputs = []
-        for request in list(self.requests.values()):
-            self.abort_request(request.request_id)
-            request.error = error
-            outputs.append(self.output_processor.failed_output(request))
         self._aborted = []
+        return self._fail_requests(list(self.requests.values()), error)
+
+    def _fail_requests(self, requests: list[Request], error: str) -> list[RequestOutput]:
+        """End `requests` now, KV blocks freed, each sample finishing with reason "error"."""
+        outputs = []
+        for request in requests:
+            self.requests.pop(request.request_id, None)
+            for seq in request.seqs:
+                if not seq.finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            request.error = error
+            request.metrics.finished_time = time.time()
+            outputs.append(self.output_processor.failed_output(request))
         return outputs
 
     def request_states(self) -> list[dict[str, Any]]:
@@ -240,8 +251,41 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step. A step that raises ends the requests it was computing (finish reason
+        "error", the cause logged) and nothing else: the others go on at the next step. Only
+        when MAX_FAILED_STEPS steps in a row fail — the engine, not a request, is broken — does
+        the exception leave `step`, and the engine's owner fails what is left."""
         touched: dict[str, Request] = {r.request_id: r for r in self._aborted}
         self._aborted = []
+        try:
+            self._step(touched)
+        except Exception as exc:
+            failed = self._recover(exc, touched)
+            return failed + self._outputs(touched)
+        self._failed_steps = 0
+        return self._outputs(touched)
+
+    def _recover(self, exc: Exception, touched: dict[str, Request]) -> list[RequestOutput]:
+        """Give up the steps in flight and end the requests they computed; see `step`."""
+        self._failed_steps += 1
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            logger.error("%d engine steps in a row failed; the engine is broken", self._failed_steps)
+            raise exc
+        if self.planner.tensor_parallel_size > 1:
+            raise exc  # the ranks' collectives are out of step: the group cannot go on
+        self._in_flight = None
+        self.runner.abandon_steps()
+        victims, ended = self.scheduler.abandon_steps()
+        for seq in ended:
+            touched[seq.request.request_id] = seq.request
+        requests = {seq.request.request_id: seq.request for seq in victims}
+        logger.error("an engine step failed; ending the %d request(s) it computed (%s) with finish reason 'error'",
+                     len(requests), ", ".join(sorted(requests)), exc_info=exc)
+        for request_id in requests:
+            touched.pop(request_id, None)
+        return self._fail_requests(list(requests.values()), f"the engine step computing this request failed: {exc!r}")
+
+    def _step(self, touched: dict[str, Request]) -> None:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None and not self.scheduler.can_schedule_ahead():
             self._take_back(in_flight.result(), touched)
@@ -249,7 +293,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not self.planner.async_scheduling:
             self._take_back(self.runner.execute(sched), touched)
-            return self._outputs(touched)
+            return
         launched = self.runner.launch(sched)
         if in_flight is not None:  # the host's share of the last step while the device runs this one
             self._take_back(in_flight.result(), touched)
@@ -257,7 +301,6 @@ class LLMEngine:
             self._in_flight = launched
         else:
             self._take_back(launched.result(), touched)
-        return self._outputs(touched)
 
     def _take_back(self, output, touched: dict[str, Request]) -> None:
         """A step's output into the requests: prompt logprobs, tokens, progress, stop rules."""

@@ -111,6 +111,8 @@ class _Record:
     scheduled: list[ScheduledSequence]
     forked: bool  # it forked samples (they sample from their parent's row)
     deferred: bool = False  # its sequences were advanced ahead of its output (`defer_last`)
+    out: SchedulerOutput | None = None  # what the runner was sent (for `abandon_steps`)
+    swapped_out: list[Sequence] = field(default_factory=list)  # preempted to host memory by this step
 
 
 @dataclass
@@ -146,6 +148,7 @@ class Scheduler:
         self._finished_ids: list[int] = []  # finished since the last schedule(), for the runner
         self._ended: list[Sequence] = []  # ended by the scheduler itself during schedule()
         self._records: deque[_Record] = deque()  # steps sent to the runner, oldest first
+        self._resend_preempted: list[int] = []  # recompute preemptions of an abandoned step, for the runner
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_prompt_tokens_total = 0
@@ -217,14 +220,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.block_manager.tick()
         step = _Step()
-        self._preempt_under_watermark(step)
-        step.fusing = self.planner.fuses_speculation(self.running, bool(self.waiting or self.swapped))
-        budget = self._schedule_running(step, self.config.max_num_batched_tokens)
-        if not step.preempted:
-            budget = self._schedule_swapped(step, budget)
-            if not self.swapped:  # swapped-out sequences come back before waiting ones are admitted
-                self._schedule_waiting(step, budget)
-        return self._finalize(step)
+        try:
+            self._preempt_under_watermark(step)
+            step.fusing = self.planner.fuses_speculation(self.running, bool(self.waiting or self.swapped))
+            budget = self._schedule_running(step, self.config.max_num_batched_tokens)
+            if not step.preempted:
+                budget = self._schedule_swapped(step, budget)
+                if not self.swapped:  # swapped-out sequences come back before waiting ones are admitted
+                    self._schedule_waiting(step, budget)
+            return self._finalize(step)
+        except Exception:
+            if not self._records or self._records[-1].out is not step.out:  # what it touched, for abandon_steps
+                self._records.append(self._record(step, forked=True))
+            raise
 
     def _finalize(self, step: _Step) -> SchedulerOutput:
         """Turn the scheduled sequences into the runner's step: their chunks and token budgets,
@@ -254,10 +262,36 @@ class Scheduler:
         for seq in [item.seq for item in step.scheduled] + [child for child, _ in forks]:
             self.block_manager.touch(seq.seq_id)
         out.blocks_to_zero, out.host_blocks_to_zero = self.block_manager.take_blocks_to_zero()
-        self._attach_masks(out, sampled + [child for child, _ in forks])
         out.finished_seq_ids, self._finished_ids = self._finished_ids, []
-        self._records.append(_Record(step.scheduled, bool(forks)))
+        out.preempted_seq_ids[:0], self._resend_preempted = self._resend_preempted, []
+        self._records.append(self._record(step, bool(forks)))
+        self._attach_masks(out, sampled + [child for child, _ in forks])
         return out
+
+    @staticmethod
+    def _record(step: _Step, forked: bool) -> _Record:
+        swapped_out = [seq for seq in step.preempted if seq.status is SequenceStatus.SWAPPED]
+        return _Record(step.scheduled, forked, out=step.out, swapped_out=swapped_out)
+
+    def abandon_steps(self) -> tuple[set[Sequence], list[Sequence]]:
+        """After a step failed (in scheduling, on the device or taking its output back): every
+        step whose output was not taken back is given up. Returns (the sequences whose state it
+        may have left half-changed — what it computed or forked, and what it swapped out, for
+        their KV may never have reached host memory —, the sequences the scheduler ended on its
+        own meanwhile). The caller ends the first set's requests; the rest of the engine goes
+        on. What the runner was to be told (finished and preempted sequences) and the blocks it
+        was to zero are sent again with the next step: applying them twice is harmless."""
+        victims: set[Sequence] = set()
+        for record in self._records:
+            victims.update(item.seq for item in record.scheduled)
+            victims.update(record.swapped_out)
+            if record.out is not None:
+                self._finished_ids[:0] = record.out.finished_seq_ids
+                self._resend_preempted += record.out.preempted_seq_ids
+                self.block_manager.requeue_zero(record.out.blocks_to_zero, record.out.host_blocks_to_zero)
+        self._records.clear()
+        ended, self._ended = self._ended, []
+        return victims, ended
 
     # ---- async scheduling ----------------------------------------------------------------------
     def can_schedule_ahead(self) -> bool:
@@ -360,9 +394,8 @@ class Scheduler:
         per token it was given back but the last. A deferred step (`defer_last`) advanced
         already: its placeholders give way to the tokens. A sequence that ended since its step
         was scheduled (a stop rule of the step before, an abort) takes nothing."""
-        changed = {seq.seq_id: seq for seq in self._ended}
-        self._ended = []
-        record = self._records.popleft()
+        record = self._records[0]  # left in place until its output is in: abandon_steps() finds it
+        changed: dict[int, Sequence] = {}
         for item in record.scheduled:
             seq = item.seq
             if seq.finished:
@@ -391,6 +424,9 @@ class Scheduler:
             if seq is not None and seq_id not in changed:  # a sample forked this step
                 changed[seq_id] = seq
                 self._append(seq, tokens, on_token)
+        self._records.popleft()
+        changed.update((seq.seq_id, seq) for seq in self._ended)
+        self._ended = []
         return list(changed.values())
 
     def _num_publishable(self, seq: Sequence) -> int:

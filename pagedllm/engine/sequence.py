@@ -91,7 +91,8 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """The tokens sampled so far; never a placeholder of a token still on the device."""
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_pending]
 
     @property
     def num_output_tokens(self) -> int:

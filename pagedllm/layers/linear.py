@@ -103,7 +103,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.library is not None:
-            return matmul(self.library, x.reshape(-1, x.shape[-1]), self.small).view(*x.shape[:-1], -1)
+            out = matmul(self.library, x.reshape(-1, x.shape[-1]), self.small)
+            return out.view(*x.shape[:-1], out.shape[-1])  # (the width named: a batch may have no rows)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

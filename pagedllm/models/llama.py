@@ -210,7 +210,12 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """[rows, vocab] float32 logits; under tensor parallelism on rank 0 only (None elsewhere)."""
+        """[rows, vocab] float32 logits; under tensor parallelism on rank 0 only (None elsewhere).
+        A step may sample no row at all (every chunk a prompt's non-final part): the LM head is
+        then skipped on every rank alike (they all see the same rows), not run on nothing."""
+        if hidden.shape[0] == 0:
+            empty = torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=hidden.device)
+            return empty if self.group is None or self.group.is_first else None
         logits = self.lm_head(hidden).float()
         if self.group is None:
             return logits

@@ -94,6 +94,8 @@ class StepPlanner:
     fused_spec_cycles: bool = False  # greedy speculation cycles in one C call
     # The next step scheduled while the device runs this one (engine/scheduler.py, async scheduling)
     async_scheduling: bool = False
+    # What the operator asked for and does not get, and why (the server prints it at start)
+    notices: tuple[str, ...] = ()
 
     # ---- start-up ----------------------------------------------------------------------------
     @classmethod
@@ -117,13 +119,14 @@ class StepPlanner:
             logger.warning("num_scheduler_steps=%d needs the fused decode step (CPU) or the C/Triton attention kernels "
                            "on one device without offload or speculation: every engine step runs one step",
                            config.num_scheduler_steps)
-        overlap = _async_scheduling(config, fused)
+        overlap, notices = _async_scheduling(config, fused)
         graphs = (not config.enforce_eager and device.type == "cuda" and attention == "triton"
                   and config.tensor_parallel_size == 1 and not config.kv_offload and model_config.moe is None)
         panels = fused or (fused_possible and config.quantization in ("q4", "gguf"))
         planner = cls(max_model_len, config.tensor_parallel_size, config.kv_offload, attention, fused, panels, graphs,
                       config.num_scheduler_steps if fused or device_bursts else 1,
-                      MAX_ROWS if fused else config.max_num_seqs, config.speculative_config, async_scheduling=overlap)
+                      MAX_ROWS if fused else config.max_num_seqs, config.speculative_config, async_scheduling=overlap,
+                      notices=notices)
         return planner._with_draft(dtype, device)
 
     def _with_draft(self, dtype: torch.dtype, device: torch.device) -> "StepPlanner":
@@ -297,20 +300,23 @@ def _fused_decode_possible(config: EngineConfig, model_config: ModelConfig, dtyp
     return not reasons
 
 
-def _async_scheduling(config: EngineConfig, fused: bool) -> bool:
+def _async_scheduling(config: EngineConfig, fused: bool) -> tuple[bool, tuple[str, ...]]:
     """Async scheduling where it can overlap anything: one process whose forward passes are
     queued on a device (or the CPU's modules path, which runs it in order), without speculation
     or layer-wise offload (they read each step's tokens on the host); the fused C step returns
-    only once it has run, so there is nothing to overlap."""
+    only once it has run, so there is nothing to overlap. (Whether it runs, and the notice
+    saying why not.)"""
     if not config.async_scheduling:
-        return False
+        return False, ()
     clashes = {"the fused C decode step (decode_backend='torch' turns it off)": fused,
                "tensor_parallel_size > 1": config.tensor_parallel_size > 1, "kv_offload": config.kv_offload,
                "speculative_config": config.speculative_config is not None}
     reasons = [name for name, clash in clashes.items() if clash]
-    if reasons:
-        logger.warning("async_scheduling is off: it does not run with %s", ", ".join(reasons))
-    return not reasons
+    if not reasons:
+        return True, ()
+    notice = f"async_scheduling is off: it does not run with {', '.join(reasons)}"
+    logger.warning(notice)
+    return False, (notice,)
 
 
 def _attention_backend(config: EngineConfig, head_dim: int, dtype: torch.dtype, device: torch.device) -> str:

@@ -231,6 +231,12 @@ class ModelRunner:
                                 self._generator)
         return ReadyResults(result)
 
+    def abandon_steps(self) -> None:
+        """A step failed and the engine gave up the steps in flight (LLMEngine.step): no later
+        step's inputs come from their samples. (The sequences they computed are ended, and the
+        next step's finished ids drop them.)"""
+        self._last_samples = None
+
     def _batch_chunk(self, chunk: ScheduledChunk) -> BatchChunk:
         """A scheduled chunk's tokens (its proposals to verify are the speculator's)."""
         return self.states.batch_chunk(chunk, self.speculator.proposals(chunk.seq_id) if self.speculator is not None else [])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -113,8 +114,12 @@ class ModelRegistry:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
+        """Load the start-up models; what each was asked to run and does not (EngineInfo.notices)
+        is printed whatever the log level, as the server's banner is."""
         for spec in self.settings.models:
-            await self._load(spec.name, spec.path)
+            served = await self._load(spec.name, spec.path)
+            for notice in served.info.notices:
+                print(f"pagedllm serve: model {spec.name!r}: {notice}", file=sys.stderr, flush=True)
 
     async def stop(self) -> None:
         for task in list(self._loading.values()):

@@ -46,13 +46,15 @@ class EngineInfo:
     block_size: int
     max_num_batched_tokens: int
     eos_token_ids: frozenset[int] = frozenset()  # where beam search's hypotheses end
+    notices: tuple[str, ...] = ()  # options asked for that this engine does not run, and why (StepPlanner)
 
     @classmethod
     def of(cls, engine) -> EngineInfo:
         manager = engine.block_manager
         return cls(engine.max_model_len, manager.num_blocks * manager.block_size, engine.config.max_num_seqs,
                    engine.model_config.vocab_size, manager.block_size,
-                   engine.config.resolve_max_num_batched_tokens(engine.max_model_len), frozenset(engine.eos_token_ids))
+                   engine.config.resolve_max_num_batched_tokens(engine.max_model_len), frozenset(engine.eos_token_ids),
+                   engine.planner.notices)
 
 
 class ReplicaCore:

@@ -28,7 +28,7 @@ from pagedllm.entrypoints.openai.errors import param_from_message
 from pagedllm.entrypoints.openai.models import ServedModel
 from pagedllm.entrypoints.openai.protocol import SamplingFields
 from pagedllm.entrypoints.openai.serving import EnginePrompt, final_outputs, submitted
-from pagedllm.http_errors import BadRequestError
+from pagedllm.http_errors import BadRequestError, ServiceUnavailableError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams
 
@@ -89,6 +89,9 @@ async def run(served: ServedModel, search_id: str, prompt: EnginePrompt, search:
                              prompt_param) as group:
             outputs = await final_outputs(group, raw, prompt_param)
         for beam, output in zip(beams, outputs):
+            if output.outputs[0].finish_reason == "error":  # the engine ended it (LLMEngine.step); logged there
+                raise ServiceUnavailableError(f"a step of the beam search failed: {output.outputs[0].stop_reason}",
+                                              code="request_failed")
             if output.outputs[0].finish_reason == "abort" or not output.outputs[0].logprobs:
                 raise EngineStoppedError(f"model {served.name!r} stopped while the beam search ran")
             beam.candidates = candidates(output)

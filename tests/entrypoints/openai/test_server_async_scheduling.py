@@ -42,3 +42,25 @@ def test_a_client_leaving_mid_stream_frees_its_blocks(async_server, async_client
     answer = async_client.completions.create(model="tiny-async", prompt="x", max_tokens=3, temperature=0)
     assert answer.choices[0].finish_reason == "length"
     async_server.wait_idle("tiny-async")
+
+
+def test_placeholders_never_reach_a_stream(async_client, client):
+    """While a step is in flight its sequences hold placeholder tokens (-1): a streamed completion
+    with logprobs and token ids as text shows only sampled tokens, as the plain server does."""
+    asked = dict(model="tiny-async", prompt="def main():\n    ", max_tokens=12, temperature=0, logprobs=2,
+                 extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    chunks = list(async_client.completions.create(stream=True, **asked))
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    plain = client.completions.create(**{**asked, "model": "tiny"})
+    assert tokens == plain.choices[0].logprobs.tokens and len(tokens) == 12
+    assert all(t.startswith("token_id:") and int(t.split(":")[1]) >= 0 for t in tokens)
+
+
+def test_a_server_that_cannot_run_async_says_so_at_start(serve_models, tmp_path):
+    """On the fused C decode step there is nothing to overlap: the operator reads why at start,
+    whatever the log level."""
+    args = ["--model", str(serve_models / "tiny-llama"), "--served-model-name", "tiny-fused", "--api-key", API_KEY,
+            "--num-kv-blocks", "64", "--async-scheduling"]
+    server = start_server(args, tmp_path / "server.log")
+    server.stop()
+    assert "model 'tiny-fused': async_scheduling is off: it does not run with the fused C decode step" in server.log.read_text()

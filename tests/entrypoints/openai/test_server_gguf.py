@@ -9,6 +9,7 @@ import json
 import openai
 import pytest
 from server_process import start_server
+from tiny_models import stdlib_text
 
 from pagedllm.paths import DEFAULT_MODEL_NAME
 
@@ -17,11 +18,22 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def smollm2_client(tmp_path_factory):
-    server = start_server(["--kv-cache-memory", str(64 << 20), "--max-model-len", "2048"],
+    server = start_server(["--kv-cache-memory", str(160 << 20), "--max-model-len", "4096"],
                           tmp_path_factory.mktemp("gguf-logs") / "server.log")
     yield openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
     server.stop()
     assert "Traceback" not in server.log.read_text()
+
+
+def test_a_document_longer_than_one_steps_budget_is_summarised(smollm2_client):
+    """A prompt longer than the default step budget (2,048 tokens): its first chunk samples
+    nothing, which once killed the engine. The answer comes, and the server goes on."""
+    document = stdlib_text(9_000)
+    messages = [{"role": "user", "content": f"Summarise this file in one sentence.\n\n{document}"}]
+    reply = smollm2_client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=messages, max_tokens=16, temperature=0)
+    assert reply.usage.prompt_tokens > 2048 and reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.choices[0].message.content.strip()
+    test_answers_a_factual_question(smollm2_client)
 
 
 def test_the_default_model_is_served(smollm2_client):
