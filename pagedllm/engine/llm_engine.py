@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Union
 
@@ -279,8 +280,8 @@ class LLMEngine:
         for seq in ended:
             touched[seq.request.request_id] = seq.request
         requests = {seq.request.request_id: seq.request for seq in victims}
-        logger.error("an engine step failed; ending the %d request(s) it computed (%s) with finish reason 'error'",
-                     len(requests), ", ".join(sorted(requests)), exc_info=exc)
+        logger.error("an engine step failed; ending the %d request(s) it computed (%s) with finish reason 'error':\n%s",
+                     len(requests), ", ".join(sorted(requests)), "".join(traceback.format_exception(exc)).rstrip())
         for request_id in requests:
             touched.pop(request_id, None)
         return self._fail_requests(list(requests.values()), f"the engine step computing this request failed: {exc!r}")

@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+import traceback
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -263,8 +264,10 @@ class AsyncEngine:
                     self._publish(self.engine.step())
                 self.stats = self.engine.get_stats()
         except BaseException as exc:  # a bug in the engine: fail its requests, report unhealthy
-            logger.exception("engine loop of model %r died", self.name)
-            self.error = exc
+            # The traceback as text: a log record holding its frames (and so the engine) would keep the
+            # weights and KV pool alive past unload, as would the error kept here
+            logger.error("engine loop of model %r died:\n%s", self.name, traceback.format_exc().rstrip())
+            self.error = _without_traceback(exc)
             self._fail_all(exc)
         finally:
             self._shutdown_engine()
@@ -385,6 +388,17 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: the server is exiting
             pass
+
+
+def _without_traceback(exc: BaseException) -> BaseException:
+    """`exc` and the exceptions chained to it, their tracebacks (logged already) dropped."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+    return exc
 
 
 def _deliver(deliveries: list[tuple[RequestGroup, RequestOutput]]) -> None:

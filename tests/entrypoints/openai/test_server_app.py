@@ -67,6 +67,28 @@ def test_unloading_releases_the_engine(app_client, model_dir):
     assert engine() is None, "the unloaded engine (weights, KV pool) is still referenced"
 
 
+def test_a_dead_engine_is_released_at_unload(app_client, model_dir):
+    """The engine's error (its traceback holds the engine loop's frames) must not keep the engine's
+    weights and KV pool alive until some later garbage collection."""
+    name = model_dir("llama").name
+    assert app_client.post(f"/v1/models/{name}/load", params={"wait": True}).json() == {"status": "ready"}
+    engine = app_client.app.state.models.get(name).engine.engine
+
+    def broken_step():
+        raise RuntimeError("injected engine failure")
+
+    engine.step = broken_step
+    released = weakref.ref(engine)
+    del engine
+    assert_error(app_client.post("/v1/completions", json={"model": name, "prompt": "x"}), 503, None, "injected")
+    gc.disable()  # only what unloading itself releases counts
+    try:
+        assert app_client.delete(f"/v1/models/{name}").json() == {"status": "unloaded"}
+        assert released() is None, "the dead engine (weights, KV pool) outlived its unload"
+    finally:
+        gc.enable()
+
+
 # ---- fuzzing: any body, never a 500 --------------------------------------------------------
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
