@@ -45,11 +45,12 @@ $(CHROMIUM):
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium
 
 # Not in `make test`: schemathesis at 100 examples per operation (> 2,000 cases), five 200-client disconnect
-# storms, the training faults, and the crash hunt (hostile inputs, then schemathesis with n / best_of /
+# storms, the training faults and the hostile job inputs at full size (a 50,000-file dataset), and the crash hunt (hostile inputs, then schemathesis with n / best_of /
 # logprobs at their maxima, against a server whose C kernels run under ASan + UBSan). Figures land in
 # soak-results/*.json; docs/reliability.md quotes the last run.
 SOAK_TESTS := tests/entrypoints/openai/test_server_schema_fuzz.py tests/entrypoints/openai/test_server_storm.py \
-	tests/entrypoints/openai/test_server_crash_hunt.py tests/jobs/test_faults.py tests/jobs/test_lifecycle.py
+	tests/entrypoints/openai/test_server_crash_hunt.py tests/jobs/test_faults.py tests/jobs/test_lifecycle.py \
+	tests/jobs/test_hostile.py
 soak: $(STAMP)
 	rm -rf soak-results
 	PAGEDLLM_SOAK=1 PAGEDLLM_SOAK_REPORT_DIR=soak-results $(BIN)/python -m pytest -q -s $(SOAK_TESTS)

@@ -26,7 +26,7 @@ from pathlib import Path
 from pagedllm.config import EngineConfig, ModelConfig, ModelLoadError
 from pagedllm.entrypoints.engine_args import add_engine_arguments, engine_args
 from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES
-from pagedllm.jobs.settings import default_data_dir
+from pagedllm.jobs.settings import DEFAULT_MAX_PENDING_JOBS, default_data_dir
 from pagedllm.paths import DEFAULT_MODEL_NAME, TINY_MODEL, DefaultModelMissing, default_model
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training job store, job logs and default checkpoint folders (default: %(default)s)")
     parser.add_argument("--train-slots", type=int, default=None,
                         help="processes training jobs may use at once (default: the GPUs, else the CPU cores)")
+    parser.add_argument("--max-pending-jobs", type=int, default=DEFAULT_MAX_PENDING_JOBS, metavar="N",
+                        help="training jobs that may wait to start; past it a submission or resume is a 429 "
+                             "(default: %(default)s)")
     parser.add_argument("--allowed-path", action="append", default=[], metavar="DIR",
                         help="a folder training jobs may read and write besides the data dir (repeatable; "
                              "every path a job names must resolve under one of them)")
@@ -109,6 +112,7 @@ def build_settings(args: argparse.Namespace):
         data_dir=args.data_dir,
         train_slots=args.train_slots,
         allowed_paths=args.allowed_path,
+        max_pending_jobs=args.max_pending_jobs,
         cluster=args.cluster,
         data_parallel_size=args.data_parallel_size,
     )

@@ -22,8 +22,9 @@ import os
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
+from pagedllm.jobs.body import encodable
 from pagedllm.training.config import ConfigError
-from pagedllm.training.corpus import STDLIB_ALIAS, folder_files, within
+from pagedllm.training.corpus import STDLIB_ALIAS, folder_files
 from pagedllm.training.provenance import SERVICE_KEY_FILE
 from pagedllm.training.tokenizer import BUNDLED_TOKENIZER_ALIAS
 
@@ -69,14 +70,14 @@ class AllowedRoots:
             raise ConfigError(field, f"cannot be resolved: {type(exc).__name__}: {exc.args[-1] if exc.args else ''}") from exc
         if looped:
             raise ConfigError(field, f"{value!r} cannot be resolved: it goes through a symlink loop")
-        if not any(resolved == root or resolved.is_relative_to(root) for root in self.roots):
+        if not self.holds(resolved):
             raise ConfigError(field, f"{value!r} is outside the folders this server lets jobs use: {self.describe()} "
                                      "(symlinks are followed; the operator can add a folder with pagedllm serve --allowed-path)")
         return resolved
 
-    def contains(self, path: Path) -> bool:
-        """Whether `path`, its links followed, lies under an allowed root."""
-        return within(path, self.roots)
+    def holds(self, resolved: Path) -> bool:
+        """Whether a real path (links already followed) lies under an allowed root."""
+        return any(resolved == root or resolved.is_relative_to(root) for root in self.roots)
 
     def private(self, path: Path) -> bool:
         """Whether `path` (its links followed) is one of the job service's own files."""
@@ -88,11 +89,24 @@ class AllowedRoots:
             raise ConfigError(field, f"{value!r} now resolves elsewhere (a symlink changed since the job was submitted)")
 
 
+MAX_GLOB_CHARS = 512
+
+
 def check_file_glob(pattern: str) -> None:
-    """A dataset folder's glob must stay in the folder: relative, and without `..`."""
-    parts = PurePosixPath(pattern).parts
-    if not pattern or "\x00" in pattern or PurePosixPath(pattern).is_absolute() or ".." in parts or "\\" in pattern:
-        raise ConfigError(FILE_GLOB, f"{pattern!r} must be a non-empty relative pattern without '..' (e.g. '**/*.py')")
+    """A dataset folder's glob must stay in the folder (relative, without `..`), be one pathlib
+    accepts (`**` only as a whole component: `a**` was a 500 at the walk), name files (not `.`), and
+    recurse at most once: each further `**` multiplies the walk by the folder's depth."""
+    if not isinstance(pattern, str) or not pattern or len(pattern) > MAX_GLOB_CHARS:
+        raise ConfigError(FILE_GLOB, f"must be a non-empty pattern of at most {MAX_GLOB_CHARS} characters")
+    path = PurePosixPath(pattern)
+    if not encodable(pattern):  # a row stored before text was checked (body.py)
+        raise ConfigError(FILE_GLOB, f"{pattern!r} must be valid Unicode (it contains a lone surrogate)")
+    if "\x00" in pattern or path.is_absolute() or ".." in path.parts or "\\" in pattern or not path.parts:
+        raise ConfigError(FILE_GLOB, f"{pattern!r} must be a relative pattern naming files, without '..' (e.g. '**/*.py')")
+    if any("**" in part and part != "**" for part in path.parts):
+        raise ConfigError(FILE_GLOB, f"{pattern!r}: '**' can only be a whole path component (e.g. '**/*.py', not 'a**')")
+    if path.parts.count("**") > 1:
+        raise ConfigError(FILE_GLOB, f"{pattern!r} has more than one '**': one recursive component at most")
 
 
 def confine_data(data: dict, roots: AllowedRoots) -> dict:
@@ -118,16 +132,29 @@ def _data_path(roots: AllowedRoots, field: str, value: str) -> Path:
 
 def check_dataset_files(dataset_path: str, file_glob: str, roots: AllowedRoots) -> None:
     """Every file a dataset folder's glob takes lies under an allowed root once its links are
-    followed, and none is the service's own; ConfigError naming the first that does not."""
-    folder = Path(dataset_path)
+    followed, and none is the service's own; ConfigError naming the first that does not.
+
+    Only a file reached through a link (itself, or a folder on its way from the dataset folder) is
+    resolved: the others are where they are, inside the (resolved) folder. Resolving every file
+    took 5 of the 6.7 s that checking 50,000 files did."""
+    folder = real_path(dataset_path)
     if not folder.is_dir():
         return  # a single file: resolved already; a missing path is reported by the trainer's own checks
+    linked: dict[Path, bool] = {folder: False}
     for file in folder_files(folder, file_glob):
-        if not roots.contains(file):
-            raise ConfigError(DATASET_PATH, f"{file} (taken by file_glob {file_glob!r}) is a link to {real_path(file)}, outside the "
+        real = real_path(file) if file.is_symlink() or _through_link(file.parent, linked) else file
+        if not roots.holds(real):
+            raise ConfigError(DATASET_PATH, f"{file} (taken by file_glob {file_glob!r}) is a link to {real}, outside the "
                                             f"folders this server lets jobs use: {roots.describe()}; links pointing out are refused")
-        if roots.private(file):
+        if real.parent == roots.data_dir and real.name in SERVICE_FILES:
             raise ConfigError(DATASET_PATH, f"{file} (taken by file_glob {file_glob!r}) is one of the job service's own files, not data")
+
+
+def _through_link(folder: Path, linked: dict[Path, bool]) -> bool:
+    """Whether `folder` (under the dataset folder, a key of `linked`) is, or lies in, a symlinked folder."""
+    if folder not in linked:
+        linked[folder] = folder.is_symlink() or _through_link(folder.parent, linked)
+    return linked[folder]
 
 
 def confine_checkpoint_dir(value: str, roots: AllowedRoots) -> Path:

@@ -76,7 +76,9 @@ def tail_offset(path: Path, lines: int) -> int:
 
 
 async def follow(path: Path, offset: int, finished: Callable[[], bool], poll_s: float = 0.25) -> AsyncIterator[bytes]:
-    """Bytes from `offset` on as they are written, until the job has ended and the log is drained."""
+    """Bytes from `offset` on as they are written, until the job has ended and the log is drained
+    (an offset past the end is taken as the end, as `read_chunk` takes it)."""
+    offset = min(offset, _size(path))
     while True:
         done = finished()  # checked before reading, so nothing written before the end is missed
         data = _read(path, offset, MAX_CHUNK)

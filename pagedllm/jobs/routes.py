@@ -6,8 +6,6 @@ request the job's state does not allow 409, a service without its data dir 503.
 """
 from __future__ import annotations
 
-import json
-import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -15,8 +13,17 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from pagedllm.http_errors import BadRequestError, ConflictError, NotFoundError, ServiceUnavailableError, error_responses
+from pagedllm.http_errors import (
+    APIError,
+    BadRequestError,
+    ConflictError,
+    ErrorResponse,
+    NotFoundError,
+    ServiceUnavailableError,
+    error_responses,
+)
 from pagedllm.jobs import logs
+from pagedllm.jobs.body import INT64_MAX, BodyError, parse_body
 from pagedllm.jobs.records import JobState
 from pagedllm.jobs.schemas import (
     CheckpointRequested,
@@ -31,12 +38,24 @@ from pagedllm.jobs.schemas import (
     MetricsList,
     ResumeRequest,
 )
-from pagedllm.jobs.service import JobNotFound, JobService, Unavailable, WrongState
+from pagedllm.jobs.service import JobNotFound, JobService, QueueFull, Unavailable, WrongState
 from pagedllm.jobs.views import checkpoint_views, job_view
 from pagedllm.training.config import ConfigError
 
 jobs_router = APIRouter(tags=["training"], responses=error_responses(400, 404, 409, 503))
 JOB = "/v1/training/jobs/{job_id}"
+
+
+class QueueFullError(APIError):
+    """429: as many jobs wait as the server allows (--max-pending-jobs). 429, not 503: the limit is on
+    what callers queued, it clears when jobs start or are cancelled (minutes, not the seconds a
+    Retry-After would promise), and it is what OpenAI's fine-tuning API answers to too many queued jobs."""
+
+    status_code = 429
+    default_code = "queue_full"
+
+
+QUEUE_FULL_RESPONSE = {"model": ErrorResponse, "description": "as many jobs wait as --max-pending-jobs allows (`queue_full`)"}
 
 
 def service(request: Request) -> JobService:
@@ -55,9 +74,10 @@ def api_errors() -> Iterator[None]:
         raise ConflictError(str(exc), code="invalid_job_state") from exc
     except Unavailable as exc:
         raise ServiceUnavailableError(str(exc)) from exc
+    except QueueFull as exc:
+        raise QueueFullError(str(exc)) from exc
 
 
-TOML_TYPES = ("application/toml", "text/x-toml", "text/toml")
 JOB_BODY = {"requestBody": {"required": True, "description": (
     "a TrainingJob without job_id and status (the schema of `pagedllm train --config`), as JSON, "
     "or as the TOML of a job file with Content-Type: application/toml"), "content": {
@@ -66,27 +86,16 @@ JOB_BODY = {"requestBody": {"required": True, "description": (
     }}}
 
 
-async def job_request_body(request: Request) -> dict[str, Any]:
-    """The submitted job as a dict: TOML when the content type says so (a job file pasted or
-    posted as it is, read by the same parser as `pagedllm train --config job.toml`), else JSON."""
-    raw = await request.body()
-    content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    language = "TOML" if content_type in TOML_TYPES else "JSON"
-    try:
-        text = raw.decode("utf-8")
-        body = tomllib.loads(text) if language == "TOML" else json.loads(text)
-    except (UnicodeDecodeError, ValueError) as exc:  # TOMLDecodeError and JSONDecodeError are ValueErrors
-        raise BadRequestError(f"the request body is not valid {language}: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequestError(f"the request body must be a {'TOML table' if language == 'TOML' else 'JSON object'}")
-    return body
-
-
-@jobs_router.post("/v1/training/jobs", response_model=JobCreated, openapi_extra=JOB_BODY)
+@jobs_router.post("/v1/training/jobs", response_model=JobCreated, openapi_extra=JOB_BODY,
+                  responses={429: QUEUE_FULL_RESPONSE})
 async def submit_job(request: Request) -> JobCreated:
-    body = await job_request_body(request)
+    raw = await request.body()
     with api_errors():
-        job = service(request).submit(body)
+        try:
+            body = parse_body(raw, request.headers.get("content-type", ""))
+        except BodyError as exc:
+            raise BadRequestError(str(exc)) from exc
+        job = await service(request).submit(body)
     return JobCreated(job_id=job.job_id, status=job.status)
 
 
@@ -127,18 +136,18 @@ async def list_checkpoints(request: Request, job_id: str) -> list[CheckpointView
         return checkpoint_views(service(request).checkpoints(job_id))
 
 
-@jobs_router.post(JOB + "/resume", response_model=JobStatusResponse)
+@jobs_router.post(JOB + "/resume", response_model=JobStatusResponse, responses={429: QUEUE_FULL_RESPONSE})
 async def resume_job(request: Request, job_id: str, body: ResumeRequest | None = None) -> JobStatusResponse:
     checkpoint_id = str(body.checkpoint_id) if body is not None and body.checkpoint_id is not None else None
     data_parallel_size = body.data_parallel_size if body is not None else None
     with api_errors():
-        status = service(request).resume(job_id, checkpoint_id, data_parallel_size)
+        status = await service(request).resume(job_id, checkpoint_id, data_parallel_size)
     return JobStatusResponse(job_id=job_id, status=status)
 
 
 @jobs_router.get(JOB + "/metrics", response_model=MetricsList)
-async def job_metrics(request: Request, job_id: str, since_step: int = Query(0, ge=0),
-                      limit: int | None = Query(None, ge=1)) -> MetricsList:
+async def job_metrics(request: Request, job_id: str, since_step: int = Query(0, ge=0, le=INT64_MAX),
+                      limit: int | None = Query(None, ge=1, le=INT64_MAX)) -> MetricsList:
     jobs = service(request)
     with api_errors():
         jobs.get(job_id)
@@ -149,8 +158,8 @@ async def job_metrics(request: Request, job_id: str, since_step: int = Query(0, 
                  responses={200: {"description": "JSON, or text/plain streamed until the job ends when follow=true",
                                   "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def job_logs(request: Request, job_id: str,
-                   offset: int | None = Query(None, ge=0, description="byte offset to read from (default 0)"),
-                   tail: int | None = Query(None, ge=1, description="start at the last N lines instead"),
+                   offset: int | None = Query(None, ge=0, le=INT64_MAX, description="byte offset to read from (default 0)"),
+                   tail: int | None = Query(None, ge=1, le=INT64_MAX, description="start at the last N lines instead"),
                    limit: int = Query(logs.MAX_CHUNK, ge=1, le=logs.MAX_CHUNK, description="bytes at most"),
                    follow: bool = Query(False, description="stream as text/plain until the job has ended")):
     jobs = service(request)

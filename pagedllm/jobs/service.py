@@ -47,7 +47,7 @@ from pagedllm.jobs.ray_cluster import RayCluster, RayRun, ray_address
 from pagedllm.jobs.records import RESUMABLE, JobRecord, JobState, RunRecord, Transition
 from pagedllm.jobs.schemas import ClusterNode, ClusterStatus, NodeJob
 from pagedllm.jobs.slots import startable, used_slots
-from pagedllm.jobs.settings import JobServiceConfig
+from pagedllm.jobs.settings import DEFAULT_MAX_PENDING_JOBS, JobServiceConfig
 from pagedllm.jobs.store import JobStore, SQLiteJobStore
 from pagedllm.jobs.submission import build_config, check_checkpoint_dir, check_runnable
 from pagedllm.training.checkpoint import CheckpointStatus
@@ -71,6 +71,10 @@ class WrongState(RuntimeError):
 
 class Unavailable(RuntimeError):
     """The service cannot serve (no data dir, or another server owns it)."""
+
+
+class QueueFull(RuntimeError):
+    """As many jobs are PENDING as the server allows (HTTP 429)."""
 
 
 @dataclass
@@ -97,16 +101,18 @@ class JobService:
         self.ray: RayCluster | None = None  # with --cluster ray: the backend that places and runs jobs
         self.active: dict[str, Active] = {}  # job_id -> the job's processes and monitor
         self._task: asyncio.Task | None = None
+        self._scheduling = asyncio.Lock()  # one scheduling pass at a time: the loop's, or a resume's
         self._lock_fd: int | None = None
         self.key = b""  # the checkpoint key, read once the data dir is ours (open)
 
     @classmethod
     def from_settings(cls, data_dir: str | None, slots: int | None, allowed_paths: list[str] | tuple[str, ...] = (),
-                      cluster: str | None = None) -> JobService:
+                      cluster: str | None = None, max_pending_jobs: int = DEFAULT_MAX_PENDING_JOBS) -> JobService:
         if data_dir is None:
             return cls(None, unavailable="the training job service needs a data dir (pagedllm serve --data-dir DIR)")
         return cls(JobServiceConfig(Path(data_dir).expanduser().resolve(), slots or default_slots(),
-                                    allowed_paths=tuple(Path(p) for p in allowed_paths), cluster=cluster))
+                                    allowed_paths=tuple(Path(p) for p in allowed_paths), cluster=cluster,
+                                    max_pending_jobs=max_pending_jobs))
 
     # ---- lifecycle ----
 
@@ -199,12 +205,16 @@ class JobService:
     async def _loop(self) -> None:
         while True:
             self.tick()
+            try:
+                await self.schedule()
+            except Exception:
+                log.exception("job service: schedule failed")
             await asyncio.sleep(self.config.poll_interval_s)
 
     def tick(self) -> None:
+        """Follow the running jobs and sample the cluster (quick: no dataset walk; `schedule` starts jobs)."""
         for active in list(self.active.values()):
             self._guarded(self._watch, active)
-        self._guarded(self.schedule)
         if self.ray is not None:
             self._guarded(self.ray.sample)
         else:
@@ -267,23 +277,45 @@ class JobService:
         del self.active[job.job_id]
         log.info("job %s %s%s", job.job_id, state.value, f": {reason}" if reason else "")
 
-    def schedule(self) -> None:
+    async def schedule(self) -> None:
         """Start PENDING jobs in queue order while they fit the free slots."""
-        store = self.require()
-        if self.ray is not None:
-            return self._schedule_on_ray(store.jobs([JobState.PENDING]))
-        free = self.config.slots - self.slots_in_use()
-        for job in startable(store.jobs([JobState.PENDING]), free):
-            self._launch(job)
+        async with self._scheduling:
+            store = self.require()
+            if self.ray is not None:
+                return await self._schedule_on_ray(store.jobs([JobState.PENDING]))
+            free = self.config.slots - self.slots_in_use()
+            for job in startable(store.jobs([JobState.PENDING]), free):
+                await self._start(job)
 
-    def _schedule_on_ray(self, pending: list[JobRecord]) -> None:
+    async def _schedule_on_ray(self, pending: list[JobRecord]) -> None:
         """Strict FIFO over placement groups: the head of the queue asks Ray for its bundles, and nothing
         behind it starts before Ray has reserved all of them."""
         for job in sorted(pending, key=lambda j: j.queue_seq):
             group = self.ray.reserve(job.job_id, job.world_size, job.run + 1)
             if group is None:
                 return
-            self._launch(job, group)
+            await self._start(job, group)
+
+    async def _start(self, job: JobRecord, group=None) -> None:
+        """Check the job again (its dataset walk on a worker thread, never on the event loop), then
+        launch it if it is still the PENDING job it was (not cancelled or re-queued meanwhile)."""
+        problem = await asyncio.to_thread(self._launch_problem, job)
+        current = self.require().get(job.job_id)
+        if current is None or current.status is not JobState.PENDING or current.queue_seq != job.queue_seq:
+            if group is not None:
+                self.ray.release_group(group)
+            return
+        self._launch(current, group, problem)
+
+    def _launch_problem(self, job: JobRecord) -> str | None:
+        """Why the job can no longer run (e.g. the dataset went away while it waited, a symlink changed,
+        this server allows fewer folders), or None."""
+        try:
+            check_confined(job.config, self.roots)
+            check_runnable(job.config, job.world_size)
+        except ConfigError as exc:
+            return str(exc)
+        return None
 
     def slots_in_use(self) -> int:
         return used_slots(a.job for a in self.active.values())
@@ -299,16 +331,13 @@ class JobService:
 
     # ---- launching ----
 
-    def _launch(self, job: JobRecord, group=None) -> None:
+    def _launch(self, job: JobRecord, group=None, problem: str | None = None) -> None:
         store = self.require()
         paths = JobPaths.of(self.config.data_dir, job.job_id)
-        try:
-            check_confined(job.config, self.roots)  # a symlink changed, or this server allows fewer folders
-            check_runnable(job.config, job.world_size)
-        except ConfigError as exc:  # e.g. the dataset went away while the job waited
+        if problem is not None:
             if group is not None:
                 self.ray.release_group(group)
-            job.failure_reason = f"invalid config at launch: {exc}"
+            job.failure_reason = f"invalid config at launch: {problem}"
             store.save(job, [change_status(job, JobState.FAILED, job.failure_reason)])
             return
         self._prepare_run(job, paths)
@@ -415,11 +444,14 @@ class JobService:
             raise JobNotFound(f"no training job {job_id}")
         return job
 
-    def submit(self, body: dict[str, Any]) -> JobRecord:
-        """Validate and store a new job as PENDING (the next tick starts it when slots are free)."""
+    async def submit(self, body: dict[str, Any]) -> JobRecord:
+        """Validate and store a new job as PENDING (the next tick starts it when slots are free). The
+        validation walks the dataset: on a worker thread, so the event loop serves on meanwhile."""
         store = self.require()
+        self._check_queue_room()
         job_id = str(uuid.uuid4())
-        config, world = build_config(body, job_id, self.roots, self.capacity(), self._slots_name())
+        config, world = await asyncio.to_thread(build_config, body, job_id, self.roots, self.capacity(), self._slots_name())
+        self._check_queue_room()  # others may have been queued while this one was checked
         owners = {j.config["checkpoint_config"]["checkpoint_dir"]: j.job_id for j in store.jobs()}
         check_checkpoint_dir(config, job_id, owners)
         now = time.time()
@@ -482,17 +514,25 @@ class JobService:
         self.require().save(job, [transition])
         return checkpoint_id
 
-    def resume(self, job_id: str, checkpoint_id: str | None, data_parallel_size: int | None = None) -> JobState:
+    def _check_queue_room(self) -> None:
+        limit = self.config.max_pending_jobs
+        if len(self.require().jobs([JobState.PENDING])) >= limit:
+            raise QueueFull(f"{limit} training jobs are already waiting to start, the most this server queues "
+                            "(pagedllm serve --max-pending-jobs); submit again once one has started or been cancelled")
+
+    async def resume(self, job_id: str, checkpoint_id: str | None, data_parallel_size: int | None = None) -> JobState:
         """Queue a FAILED or CANCELLED job again, to continue from a COMPLETE checkpoint — with
         `data_parallel_size`, on that many replicas (a cluster that lost a node: the checkpoint is
         resharded, the global batch stays, so the steps are the same)."""
-        job, store = self.get(job_id), self.require()
-        if job.status not in RESUMABLE:
-            raise WrongState(f"job {job_id} is {job.status.value}: only FAILED or CANCELLED jobs can be resumed")
+        job, store = self._resumable(job_id), self.require()
         sync_checkpoints(store, job, self.key)
         abandon_unfinished_saves(store, job)
         record = self._resume_point(job, checkpoint_id)
-        resized = self._resized(job, data_parallel_size) if data_parallel_size is not None else None
+        self._check_queue_room()
+        resized = None
+        if data_parallel_size is not None:  # checked as a submission is: on a worker thread
+            resized = await asyncio.to_thread(self._resized, job, data_parallel_size)
+            self._resumable(job_id)  # still: not resumed by another request meanwhile
         if resized is None and job.world_size > self.capacity():
             raise WrongState(f"job {job_id} needs {job.world_size} slots but the {self._slots_name()} are "
                              f"{self.capacity()}: resume it with a smaller data_parallel_size")
@@ -507,8 +547,14 @@ class JobService:
                 else f"resume requested: from the newest intact COMPLETE checkpoint (now {record['checkpoint_id']}, "
                      f"step {record['step']})")
         store.save(job, [change_status(job, JobState.PENDING, what)])
-        self.schedule()
+        await self.schedule()
         return self.get(job_id).status
+
+    def _resumable(self, job_id: str) -> JobRecord:
+        job = self.get(job_id)
+        if job.status not in RESUMABLE:
+            raise WrongState(f"job {job_id} is {job.status.value}: only FAILED or CANCELLED jobs can be resumed")
+        return job
 
     def _resized(self, job: JobRecord, data_parallel_size: int) -> tuple[dict, int]:
         """The job's config with another data_parallel_size, checked as a new submission would be."""

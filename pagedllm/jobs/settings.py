@@ -14,6 +14,9 @@ def default_data_dir() -> Path:
     return Path(base) / "pagedllm"
 
 
+DEFAULT_MAX_PENDING_JOBS = 100  # a queue a person can still read; each tick reads every PENDING job
+
+
 @dataclass
 class JobServiceConfig:
     data_dir: Path  # jobs.db, jobs/<id>/{job.json, events.jsonl, train.log, checkpoints/}
@@ -22,4 +25,5 @@ class JobServiceConfig:
     poll_interval_s: float = 0.25  # how often running jobs' events are read
     allowed_paths: tuple[Path, ...] = field(default_factory=tuple)  # besides data_dir: folders jobs may use
     cluster: str | None = None  # "ray" or "ray://HOST:PORT": place jobs on a Ray cluster (None: this node)
+    max_pending_jobs: int = DEFAULT_MAX_PENDING_JOBS  # PENDING jobs at most; a submission or resume past it is a 429
     rank_failure_grace_s: float = 10.0  # after one rank failed or was lost, the others' time to report before SIGKILL

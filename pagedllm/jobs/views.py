@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from pagedllm.jobs.body import printable
 from pagedllm.jobs.records import JobRecord
 from pagedllm.jobs.schemas import CheckpointSummary, CheckpointView, CurrentMetrics, JobView, RunView, StateChange
 from pagedllm.jobs.store import JobStore
@@ -27,13 +28,13 @@ def current_metrics(store: JobStore, job: JobRecord) -> CurrentMetrics:
 def job_view(store: JobStore, job: JobRecord) -> JobView:
     runs = [RunView(**{**vars(r), "started_at": _time(r.started_at), "ended_at": _time(r.ended_at)})
             for r in store.runs(job.job_id)]
-    history = [StateChange(status=t.status, at=_time(t.at), reason=t.reason) for t in store.history(job.job_id)]
+    history = [StateChange(status=t.status, at=_time(t.at), reason=printable(t.reason)) for t in store.history(job.job_id)]
     return JobView.model_validate({
-        **job.config,
+        **printable(job.config),  # a row stored before text was checked may hold a lone surrogate
         "status": job.status, "world_size": job.world_size,
         "created_at": _time(job.created_at), "updated_at": _time(job.updated_at),
         "started_at": _time(job.started_at), "finished_at": _time(job.finished_at),
-        "failure_reason": job.failure_reason, "cancel_requested": job.cancel_requested,
+        "failure_reason": printable(job.failure_reason), "cancel_requested": job.cancel_requested,
         "pid": job.pid, "processes": job.processes,
         "metrics": current_metrics(store, job), "runs": runs, "history": history,
     })

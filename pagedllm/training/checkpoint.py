@@ -152,10 +152,15 @@ class Checkpoint(BaseModel):
     world_size: int = 1
     status_reason: str | None = None
     signature: str | None = None  # provenance.sign() of the rest, under the writer's key
+    job_config_checksum: str | None = None  # "sha256:..." of the folder's job.json (None: written before it was kept)
 
     def payload(self) -> bytes:
-        """What the signature covers: the whole record but the signature."""
-        return self.model_copy(update={"signature": None}).model_dump_json().encode()
+        """What the signature covers: the whole record but the signature, so the job id, and the job's
+        config by its checksum. A manifest written before the checksum was kept is covered as it was
+        signed then (the field left out), so it stays loadable."""
+        unsigned = self.model_copy(update={"signature": None})
+        exclude = {"job_config_checksum"} if self.job_config_checksum is None else None
+        return unsigned.model_dump_json(exclude=exclude).encode()
 
 
 # ---- manifests on disk -------------------------------------------------------------------------
@@ -196,21 +201,33 @@ def authentic(manifest: Checkpoint, key: bytes) -> bool:
 
 
 def check_provenance(step_dir: Path, manifest: Checkpoint, key: bytes, job_id: uuid.UUID | str | None = None) -> None:
-    """ProvenanceError unless `key` signed the manifest (for job `job_id`, when given), and the
-    folder's job.json names the same job: the checks before anything else of it is read."""
+    """ProvenanceError unless `key` signed the manifest, for job `job_id` (when given), and the
+    folder's job.json is the one it was signed with (its checksum; before checksums were kept: it
+    names the same job): the checks before anything else of it is read."""
     refuse = (f"refusing to load checkpoint {step_dir}: it was not written by this job's service ({{}}); a checkpoint's "
               "files include pickles that run code when loaded. Remove the folder or choose another checkpoint_dir")
     if not authentic(manifest, key):
         why = "its manifest is unsigned" if manifest.signature is None else "its manifest's signature is not this service's"
         raise ProvenanceError(refuse.format(why))
     if job_id is not None and str(manifest.job_id) != str(job_id):
-        raise ProvenanceError(refuse.format(f"it belongs to job {manifest.job_id}, not {job_id}"))
+        raise ProvenanceError(f"refusing to load checkpoint {step_dir}: it was signed for job {manifest.job_id}, not this "
+                              f"job ({job_id}); a job resumes only from its own checkpoints (a copy of another job's "
+                              "checkpoint is not one). Remove the folder, or resume the job that wrote it")
     try:
-        named = json.loads((step_dir / "job.json").read_text()).get("job_id")
+        job_json = (step_dir / "job.json").read_bytes()
+        named = json.loads(job_json).get("job_id")
     except (OSError, ValueError, AttributeError):
-        named = None
-    if str(named) != str(manifest.job_id):
+        job_json, named = None, None
+    if manifest.job_config_checksum is not None:
+        if job_json is None or sha256_bytes(job_json) != manifest.job_config_checksum:
+            raise ProvenanceError(refuse.format("its job.json is not the one its manifest was signed with"))
+    elif str(named) != str(manifest.job_id):
         raise ProvenanceError(refuse.format(f"its job.json names job {named}, its manifest job {manifest.job_id}"))
+
+
+def own_checkpoint(manifest: Checkpoint, key: bytes, job_id: uuid.UUID | str) -> bool:
+    """Whether this job wrote the manifest: signed with its key, for its id (what pruning may touch)."""
+    return str(manifest.job_id) == str(job_id) and authentic(manifest, key)
 
 
 def list_checkpoints(checkpoint_dir: Path, skip_unreadable: bool = False) -> list[tuple[Path, Checkpoint]]:
@@ -248,6 +265,10 @@ def resolve_checkpoint(ref: str | Path, checkpoint_dir: Path | None = None) -> P
             if str(manifest.checkpoint_id) == str(ref) or step_dir.name == str(ref):
                 return step_dir
     raise FileNotFoundError(f"checkpoint not found: {ref}")
+
+
+def sha256_bytes(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def sha256_file(path: Path) -> str:
@@ -379,12 +400,13 @@ class CheckpointManager:
               blocking: bool) -> uuid.UUID:
         manifest = Checkpoint(checkpoint_id=checkpoint_id or uuid.uuid4(), job_id=self.job_id, step=step,
                               timestamp=datetime.now(timezone.utc), status=CheckpointStatus.SAVING,
-                              metadata=metadata, world_size=self.world)
+                              metadata=metadata, world_size=self.world,
+                              job_config_checksum=sha256_bytes(self.job_json.encode()))
         if self.rank == 0:
             if step_dir.exists():
                 shutil.rmtree(step_dir)
             step_dir.mkdir(parents=True)
-            (step_dir / "job.json").write_text(self.job_json)
+            (step_dir / "job.json").write_bytes(self.job_json.encode())  # the bytes job_config_checksum covers
             write_manifest(step_dir, manifest, self.key)
             self.on_event("checkpoint", status="SAVING", checkpoint_id=str(manifest.checkpoint_id), step=step, path=str(step_dir))
         dist.barrier()
@@ -482,10 +504,11 @@ class CheckpointManager:
             "status": CheckpointStatus.COMPLETE, "shards": shards, "optimizer_states": optim, "rng_states": rng})
 
     def _prune(self) -> None:
-        """Keep the newest max_checkpoints_to_keep COMPLETE checkpoints; older ones become DELETED
-        (only those signed with this job's key: a folder someone else wrote is left alone)."""
+        """Keep the newest max_checkpoints_to_keep COMPLETE checkpoints of this job; older ones become
+        DELETED. Only this job's (signed with its key, for its id): a folder someone else wrote, or a
+        copy of another job's checkpoint, is left alone."""
         complete = [(p, m) for p, m in list_checkpoints(self.dir)
-                    if m.status is CheckpointStatus.COMPLETE and authentic(m, self.key)]
+                    if m.status is CheckpointStatus.COMPLETE and own_checkpoint(m, self.key, self.job_id)]
         for step_dir, manifest in complete[:-self.config.max_checkpoints_to_keep]:
             for sub in ("model", "optim"):
                 shutil.rmtree(step_dir / sub, ignore_errors=True)
@@ -512,12 +535,13 @@ class CheckpointManager:
 
     def load(self, resume_from: str | None) -> Checkpoint | None:
         """Restore the newest intact checkpoint (or `resume_from`); None if there is none to resume.
-        ProvenanceError if the one to try was not written by this job's service: a planted folder
-        stops the job with a message naming it, rather than being loaded or silently passed over."""
+        ProvenanceError if the one to try was not written by this job's service, or was written for
+        another job: a planted folder or a copied one stops the job with a message naming it, rather
+        than being loaded or silently passed over."""
         for step_dir in self.candidates(resume_from):
             manifest = read_manifest(step_dir)
             assert manifest is not None
-            check_provenance(step_dir, manifest, self.key)
+            check_provenance(step_dir, manifest, self.key, self.job_id)
             if manifest.status is not CheckpointStatus.COMPLETE:
                 if resume_from:
                     raise ValueError(f"--resume-from: checkpoint {step_dir} is {manifest.status.value}, not COMPLETE")

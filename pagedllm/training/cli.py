@@ -8,13 +8,12 @@ so the pid a supervisor started is torchrun's and its signals reach the workers 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import uuid
 from pathlib import Path
 
 from pagedllm.training.config import ConfigError, TrainingJob, apply_overrides, load_job, resolve
+from pagedllm.training.provenance import continue_job
 from pagedllm.training.run_options import add_run_arguments
 
 
@@ -57,7 +56,7 @@ def prepare_job(args: argparse.Namespace) -> TrainingJob:
     job = apply_overrides(load_job(args.config), args.set)
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ConfigError("--nproc-per-node", "needs --nproc-per-node >= 1 and --nnodes >= 1")
-    return _keep_job_id(check_job(job, args.nproc_per_node * args.nnodes))
+    return continue_job(check_job(job, args.nproc_per_node * args.nnodes))
 
 
 def check_job(job: TrainingJob, world_size: int) -> TrainingJob:
@@ -76,16 +75,6 @@ def check_job(job: TrainingJob, world_size: int) -> TrainingJob:
         tokenizer_files(job.data.tokenizer_path)
     except FileNotFoundError as exc:
         raise ConfigError("data_config.tokenizer_path", str(exc)) from exc
-    return job
-
-
-def _keep_job_id(job: TrainingJob) -> TrainingJob:
-    """A config without job_id, relaunched on the same checkpoint_dir, continues the same job."""
-    previous = job.checkpoint_dir / "job.json"
-    if "job_id" not in job.model_fields_set and previous.is_file():
-        old = json.loads(previous.read_text()).get("job_id")
-        if old:
-            return job.model_copy(update={"job_id": uuid.UUID(old)})
     return job
 
 

@@ -35,7 +35,9 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False)
+    # allow_inf_nan=False: `learning_rate: Infinity` (JSON) or `inf` (TOML) is refused naming the field,
+    # in every float field of every section, as the OpenAI routes refuse them in requests.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_enum_values=False, allow_inf_nan=False)
 
 
 class JobStatus(str, enum.Enum):
@@ -210,6 +212,7 @@ class TrainingJob(BaseModel):
         validate_by_alias=True,
         serialize_by_alias=True,
         protected_namespaces=(),
+        allow_inf_nan=False,
     )
 
     job_id: uuid.UUID = Field(default_factory=uuid.uuid4)

@@ -20,9 +20,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import secrets
+import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.training.config import TrainingJob
 
 KEY_ENV = "PAGEDLLM_CHECKPOINT_KEY"
 KEY_FILE_ENV = "PAGEDLLM_CHECKPOINT_KEY_FILE"
@@ -74,3 +80,18 @@ def sign(payload: bytes, key: bytes) -> str:
 def signed_by(payload: bytes, signature: str | None, key: bytes) -> bool:
     """Whether `signature` is `sign(payload, key)` (compared in constant time)."""
     return signature is not None and hmac.compare_digest(signature, sign(payload, key))
+
+
+def continue_job(job: TrainingJob) -> TrainingJob:
+    """A config that does not name its job_id, run again on the same checkpoint_dir, continues the
+    job that wrote it (the id in the folder's job.json): checkpoints are loaded and pruned only by
+    the job they were signed for, so a rerun of `pagedllm train --config job.toml` must be that job.
+    A config that names its job_id (the job service's always do) is that job, whatever the folder holds."""
+    previous = job.checkpoint_dir / "job.json"
+    if "job_id" in job.model_fields_set or not previous.is_file():
+        return job
+    try:
+        old = json.loads(previous.read_text()).get("job_id")
+        return job.model_copy(update={"job_id": uuid.UUID(old)}) if old else job
+    except (OSError, ValueError, AttributeError, TypeError):
+        return job  # not a job.json this version wrote: the job keeps its own id (its checkpoints refuse the folder's)

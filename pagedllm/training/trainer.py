@@ -27,6 +27,7 @@ from pagedllm.training.control import Controller, Decision
 from pagedllm.spec_decode import draft_vocab
 from pagedllm.training.data import TrainingData, build_cache, default_cache_dir
 from pagedllm.training.export import export_checkpoint
+from pagedllm.training.provenance import continue_job
 from pagedllm.training.model import build_model, flops_per_token, num_params
 from pagedllm.training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from pagedllm.training.parallel import (
@@ -81,7 +82,7 @@ def init_distributed() -> bool:
 class Trainer:
     def __init__(self, job: TrainingJob, options: RunOptions) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.job = resolve(job, self.world)
+        self.job = resolve(continue_job(job), self.world)
         self.options = options
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.dims = ParallelDims.from_config(self.job.parallelism)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -169,6 +170,13 @@ def kill_leftovers(data_dir: Path) -> list[int]:
             pass
     psutil.wait_procs(procs, timeout=10)
     return [p.pid for p in procs]
+
+
+def stand_in(job_id: str, data_dir: Path, script: str) -> subprocess.Popen:
+    """A shell tagged like a job's launcher (its processes are found and killed as the job's), playing a
+    job where what is tested is the service's own behaviour."""
+    env = {**os.environ, JOB_ID_ENV: job_id, DATA_DIR_ENV: str(data_dir)}
+    return subprocess.Popen(["bash", "-c", script], env=env, start_new_session=True)
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None, contains: str = "") -> dict:

@@ -22,12 +22,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pagedllm.jobs.launcher import DATA_DIR_ENV, JOB_ID_ENV, JobPaths, ProcessRef
+from pagedllm.jobs.launcher import JobPaths, ProcessRef
 from pagedllm.jobs.records import JobRecord, JobState
 from pagedllm.jobs.service import JobService, WrongState
 from pagedllm.jobs.settings import JobServiceConfig
 
-from .helpers import alive, job_body, job_processes
+from .helpers import alive, job_body, job_processes, stand_in
 
 
 def service(data_dir, slots: int = 2, grace: float = 10.0, allowed: tuple[Path, ...] = ()) -> JobService:
@@ -57,11 +57,6 @@ def seed(data_dir, job: JobRecord) -> None:
     """The store as a previous server left it."""
     with opened(data_dir) as svc:
         svc.store.add(job)
-
-
-def stand_in(job_id: str, data_dir, script: str) -> subprocess.Popen:
-    env = {**os.environ, JOB_ID_ENV: job_id, DATA_DIR_ENV: str(data_dir)}
-    return subprocess.Popen(["bash", "-c", script], env=env, start_new_session=True)
 
 
 def test_a_reused_pid_is_not_the_job(tmp_path):
@@ -126,9 +121,9 @@ def test_reattached_job_ignoring_sigterm_is_killed_after_the_grace_period(tmp_pa
 
 def test_pending_job_is_cancelled_without_starting(tmp_path, tiny_paths):
     with opened(tmp_path / "data", allowed=(tiny_paths["corpus"].parent,)) as svc:
-        job = svc.submit(job_body(tiny_paths, ranks=1, steps=3))
+        job = asyncio.run(svc.submit(job_body(tiny_paths, ranks=1, steps=3)))
         assert asyncio.run(svc.cancel(job.job_id)) is JobState.CANCELLED
-        svc.tick()  # nothing to start
+        asyncio.run(svc.schedule())  # nothing to start
         assert not svc.active and svc.get(job.job_id).run == 0
         assert [t.status for t in svc.store.history(job.job_id)] == [JobState.PENDING, JobState.CANCELLED]
         with pytest.raises(WrongState, match="only PENDING, RUNNING or CHECKPOINTING"):

@@ -42,7 +42,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     registry = ModelRegistry(settings, metrics)
     metrics.collect_engine_stats(registry.snapshots)
     metrics.collect_replica_stats(registry.replica_snapshots)
-    jobs = JobService.from_settings(settings.data_dir, settings.train_slots, settings.allowed_paths, settings.cluster)
+    jobs = JobService.from_settings(settings.data_dir, settings.train_slots, settings.allowed_paths, settings.cluster,
+                                    settings.max_pending_jobs)
     services: list[Service] = [registry, jobs]
 
     @asynccontextmanager

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES
+from pagedllm.jobs.settings import DEFAULT_MAX_PENDING_JOBS
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class ServerSettings:
     data_dir: str | None = None  # job store, job logs and default checkpoint folders
     train_slots: int | None = None  # processes training jobs may use at once (None: GPUs, else CPU cores)
     allowed_paths: list[str] = field(default_factory=list)  # besides data_dir: folders training jobs may use
+    max_pending_jobs: int = DEFAULT_MAX_PENDING_JOBS  # training jobs waiting to start, at most (then 429)
     cluster: str | None = None  # "ray" / "ray://HOST:PORT": jobs (and serving replicas) on a Ray cluster
     data_parallel_size: int = 1  # engine replicas per model behind this server (processes, or Ray actors)
 
@@ -51,5 +53,7 @@ class ServerSettings:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.train_slots is not None and self.train_slots < 1:
             raise ValueError(f"train_slots must be >= 1, got {self.train_slots}")
+        if self.max_pending_jobs < 1:
+            raise ValueError(f"max_pending_jobs must be >= 1, got {self.max_pending_jobs}")
         if not 0 < self.degraded_kv_cache_usage <= 1:
             raise ValueError(f"degraded_kv_cache_usage must be in (0, 1], got {self.degraded_kv_cache_usage}")
