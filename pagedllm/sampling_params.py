@@ -13,6 +13,12 @@ _GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0
 MIN_TOP_P = 1e-6
 PENALTY_RANGE = (0.01, 100.0)
+# top_k at or above the vocabulary keeps every token; the bound keeps it a 32-bit integer for the
+# sampler's tensors (2**63 once overflowed their staging and failed the step).
+MAX_TOP_K = 2**31 - 1
+# Beam scores divide by length ** length_penalty: beyond +-10 the power overflows a float at long
+# lengths (2000 raised OverflowError out of the search) and the ranking no longer changes anyway.
+MAX_LENGTH_PENALTY = 10.0
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token in effect, 100 forces it
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -115,6 +121,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] and at least {MIN_TOP_P:g} (smaller rounds to 0), got {self.top_p}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.top_k > MAX_TOP_K:
+            raise ValueError(f"top_k must be <= {MAX_TOP_K} (any value at or above the vocabulary size keeps every token), "
+                             f"got {self.top_k}")
         _number("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
@@ -222,5 +231,7 @@ class BeamSearchParams:
         if self.temperature != 0:
             raise ValueError(f"beam search is deterministic: temperature must be 0, got {self.temperature}")
         _number("length_penalty", self.length_penalty)
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            raise ValueError(f"length_penalty must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], got {self.length_penalty}")
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError(f'early_stopping must be true, false or "never", got {self.early_stopping!r}')

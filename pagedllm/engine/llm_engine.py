@@ -179,7 +179,8 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, more than the whole KV cache holds "
                 f"({pool_tokens} tokens in {capacity} blocks)"
             )
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids or ())):
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise ValueError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})")

@@ -42,6 +42,8 @@ MAX_CHOICE_CHARS = 1000
 MAX_GRAMMAR_CHARS = 64 * 1024  # regex, grammar, and a JSON schema as JSON text
 MAX_NAME_CHARS = 256  # model, user, message and tool names, ids
 MAX_PRIORITY = 2**31 - 1
+# logprob entries one response may carry (serving.check_logprob_volume): ~50 bytes each as JSON
+MAX_LOGPROB_ENTRIES = 1 << 22
 # A token of the vocabulary covers at most its longest entry's characters; twice that per token of
 # context is the most a prompt can have and still fit (the factor leaves room for normalizers that
 # fold several characters into one).

@@ -31,7 +31,7 @@ from pagedllm.entrypoints.openai.async_engine import (
     RequestTimeout,
 )
 from pagedllm.entrypoints.openai.errors import param_from_message
-from pagedllm.entrypoints.openai.limits import PROBE_MARGIN, probe_prefix, valid_unicode
+from pagedllm.entrypoints.openai.limits import MAX_LOGPROB_ENTRIES, PROBE_MARGIN, probe_prefix, valid_unicode
 from pagedllm.entrypoints.openai.models import ServedModel
 from pagedllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from pagedllm.entrypoints.openai.replicas import ReplicaDiedError
@@ -192,6 +192,24 @@ def check_context_length(prompt_len: int, max_tokens: int | None, served: Served
             "or the prompt",
             param,
         )
+
+
+def check_logprob_volume(prompt_lens: list[int], params: SamplingParams, served: ServedModel) -> None:
+    """Logprobs multiply a response: every sample of every prompt carries `logprobs` + 1 entries for
+    each generated token (and, echoed, each prompt token). The product is bounded so that one request
+    cannot make the server build and send gigabytes (n=256 x 8,192 tokens x 21 entries is 44 million)."""
+    if params.logprobs is None and params.prompt_logprobs is None:
+        return
+    per_token = (params.logprobs or 0) + 1
+    entries = 0
+    for prompt_len in prompt_lens:
+        generated = params.max_tokens if params.max_tokens is not None else served.max_model_len - prompt_len
+        echoed = prompt_len * ((params.prompt_logprobs or 0) + 1) if params.prompt_logprobs is not None else 0
+        entries += params.n * generated * per_token + echoed
+    if entries > MAX_LOGPROB_ENTRIES:
+        raise BadRequestError(
+            f"the response would hold {entries} logprob entries (samples x tokens x (logprobs + 1)), more than the "
+            f"limit of {MAX_LOGPROB_ENTRIES}; lower logprobs, n or max_tokens", "logprobs")
 
 
 def check_prompt_chars(served: ServedModel, chars: int, param: str) -> None:

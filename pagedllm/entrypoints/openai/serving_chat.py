@@ -36,6 +36,7 @@ from pagedllm.entrypoints.openai.serving import (
     EnginePrompt,
     accept,
     check_context_length,
+    check_logprob_volume,
     check_prompt_chars,
     clamp,
     encode,
@@ -100,6 +101,7 @@ async def create_chat_completion(req: ChatCompletionRequest, served: ServedModel
         req, served, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         structured_outputs=constraint,
     )
+    check_logprob_volume([len(prompt.token_ids)], params, served)
     builder = ChatBuilder(req, served, raw, new_id("chatcmpl", req.request_id), prompt)
     if req.stream:
         return await stream_response(served, builder.id, [prompt], params, req.priority, MESSAGES, builder.chunks, constraint_param)

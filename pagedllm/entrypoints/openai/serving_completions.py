@@ -27,6 +27,7 @@ from pagedllm.entrypoints.openai.serving import (
     EnginePrompt,
     accept,
     check_context_length,
+    check_logprob_volume,
     clamp,
     encode,
     final_outputs,
@@ -93,6 +94,7 @@ async def create_completion(req: CompletionRequest, served: ServedModel, raw: Re
         prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
         structured_outputs=constraint,
     )
+    check_logprob_volume([len(p.token_ids) for p in prompts], params, served)
     builder = CompletionBuilder(req, served, raw, new_id("cmpl", req.request_id), prompts)
     if req.stream:
         return await stream_response(served, builder.id, prompts, params, req.priority, PROMPT, builder.chunks, constraint_param)

@@ -25,6 +25,14 @@ HOSTILE = [
     ({"top_p": 1e-300}, "top_p", "1e-06"),
     ({"priority": 2**63}, "priority", "2147483647"),
     ({"priority": -(2**63)}, "priority", ""),
+    # each of these once failed a step or the search (issue 39): an OverflowError staging top_k, an
+    # IndexError masking an out-of-vocabulary stop token under min_tokens, a float overflow in the
+    # beam score; the last would have built a response of 5 million logprob entries
+    ({"top_k": 2**63}, "top_k", "2147483647"),
+    ({"min_tokens": 1, "stop_token_ids": [100_000]}, "stop_token_ids", "vocabulary"),
+    ({"use_beam_search": True, "n": 2, "length_penalty": 2000}, "length_penalty", "[-10, 10]"),
+    ({"use_beam_search": True, "n": 2, "length_penalty": -1e308}, "length_penalty", "[-10, 10]"),
+    ({"prompt": [[5]] * MAX_PROMPTS, "n": 16, "max_tokens": 60, "logprobs": 20}, "logprobs", "logprob entries"),
 ]
 
 # (patch to a completion body, the field named): text that is not valid Unicode
