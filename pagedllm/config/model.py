@@ -139,6 +139,11 @@ class ModelConfig:
         except KeyError as exc:
             raise ModelLoadError(f"config.json is missing {exc.args[0]!r}") from exc
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        head_dim = int(raw.get("head_dim") or hidden // max(num_heads, 1))
+        max_position = int(raw.get("max_position_embeddings", 2048))
+        _check_sizes(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                     num_key_value_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+                     max_position_embeddings=max_position)
         if num_heads % num_kv_heads:
             raise ModelLoadError(
                 f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
@@ -149,6 +154,7 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope(raw)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        _check_special_ids(vocab, eos_token_id=eos_ids, bos_token_id=(raw.get("bos_token_id"),))
         return cls(
             path=path,
             model_type=model_type,
@@ -158,12 +164,12 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
             intermediate_size=intermediate,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_position,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(raw.get("attention_bias", False)),
             o_bias=model_type == "llama" and bool(raw.get("attention_bias", False)),
@@ -175,6 +181,30 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             moe=MoEConfig.from_dict(raw, model_type, num_layers, intermediate),
         )
+
+
+# Far above any released model, far below what would exhaust memory by themselves: a config past
+# them is damaged or hostile, and is refused before anything is built from it.
+SIZE_LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "num_hidden_layers": 1 << 10, "num_attention_heads": 1 << 10,
+               "num_key_value_heads": 1 << 10, "head_dim": 1 << 12, "intermediate_size": 1 << 18,
+               "max_position_embeddings": 1 << 24}
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if not 1 <= value <= SIZE_LIMITS[name]:
+            raise ModelLoadError(f"{name}={value} is outside [1, {SIZE_LIMITS[name]}]")
+
+
+def _check_special_ids(vocab: int, **ids: tuple[Any, ...]) -> None:
+    """An end-of-sequence id outside the vocabulary can never be sampled and once indexed past the
+    logits when a request set min_tokens; a file that names one is broken."""
+    for name, values in ids.items():
+        for value in values:
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
+                raise ModelLoadError(f"{name} {value!r} is outside the vocabulary [0, {vocab})")
 
 
 def _architecture(raw: dict[str, Any]) -> str:

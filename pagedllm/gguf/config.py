@@ -20,10 +20,13 @@ _ARCHITECTURE_CLASSES = {
 
 
 def hf_config(model: GGUFModel) -> dict[str, Any]:
-    """config.json's fields for this file."""
+    """config.json's fields for this file, checked against the tensors the file holds."""
     heads = int(model.require("attention.head_count"))
+    if heads < 1:
+        raise ModelLoadError(f"{model.path}: {model.architecture}.attention.head_count={heads}: a model needs at least one head")
     hidden = int(model.require("embedding_length"))
     head_dim = int(model.get("attention.key_length") or hidden // heads)
+    _check_against_tensors(model, heads, hidden, head_dim)
     rope_dims = model.get("rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != head_dim:
         raise ModelLoadError(f"{model.path}: partial rotary embeddings (rope.dimension_count={rope_dims} of "
@@ -57,6 +60,33 @@ def hf_config(model: GGUFModel) -> dict[str, Any]:
         raw["sliding_window"] = int(window)
         raw["use_sliding_window"] = True
     return raw
+
+
+def _check_against_tensors(model: GGUFModel, heads: int, hidden: int, head_dim: int) -> None:
+    """The header's sizes must describe the tensors the file holds. Everything is allocated from
+    the header (the model is built before its weights are read), so a header that lies — 2^31
+    blocks in a 2-block file, a 4-billion-wide FFN — would otherwise allocate for the lie."""
+    arch = model.architecture
+    blocks = {int(name.split(".")[1]) for name in model.tensors if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    count = int(model.require("block_count"))
+    if len(blocks) != count or (blocks and (min(blocks) != 0 or max(blocks) != count - 1)):
+        raise ModelLoadError(f"{model.path}: {arch}.block_count={count}, but the file holds {len(blocks)} blocks "
+                             f"(blk.0 .. blk.{max(blocks, default=-1)})")
+    # GGUF lists a matrix's dimensions innermost first: (input width, output width)
+    expected = {
+        "token_embd.weight": (0, hidden, "embedding_length"),
+        "blk.0.attn_q.weight": (1, heads * head_dim, "attention.head_count x key_length"),
+        "blk.0.ffn_up.weight": (1, int(model.get("feed_forward_length") or 0), "feed_forward_length"),
+    }
+    for name, (dim, size, field) in expected.items():
+        tensor = model.tensors.get(name)
+        if tensor is None or len(tensor.shape) < 2:
+            continue
+        actual = int(tensor.shape[dim])
+        if actual != size:
+            value = size if "x" in field else int(model.get(field))
+            raise ModelLoadError(f"{model.path}: {arch}.{field}={value} does not match tensor {name} "
+                                 f"(shape {[int(d) for d in tensor.shape]})")
 
 
 def _vocab_size(model: GGUFModel) -> int:

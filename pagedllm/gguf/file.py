@@ -11,6 +11,7 @@ never a crash later in the middle of loading.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ class GGUFModel:
     path: str
     metadata: dict[str, Any]
     tensors: dict[str, Any]  # name -> gguf.ReaderTensor
+    data_start: int = 0  # where the tensor data begins; each tensor's offset counts from here
 
     @property
     def architecture(self) -> str:
@@ -88,9 +90,26 @@ def _open(path: str, size: int, mtime_ns: int) -> GGUFModel:
                              f"{type(exc).__name__}: {exc}") from exc
     metadata = {name: _value(field) for name, field in reader.fields.items()}
     tensors = {t.name: t for t in reader.tensors}
-    model = GGUFModel(path, metadata, tensors)
+    model = GGUFModel(path, metadata, tensors, int(reader.data_offset))
     _check(model, size)
     return model
+
+
+def _end(model: GGUFModel, tensor) -> int:
+    """Where the tensor's data ends, in Python integers: the reader adds the header's 64-bit offset
+    and multiplies the dimensions in numpy's uint64, where 2^64 - 1 wraps around to a small number
+    and the data would be read from the wrong place of a file that looks whole."""
+    from gguf import GGML_QUANT_SIZES
+
+    _, _, _, dims, _, offset = tensor.field.parts
+    raw_offset = int(offset[0])
+    elements = math.prod(int(d) for d in dims)
+    block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    start = model.data_start + raw_offset
+    if start != int(tensor.data_offset) or elements != int(tensor.n_elements):
+        raise ModelLoadError(f"{model.path}: tensor {tensor.name!r} has offset {raw_offset} and {elements} elements, "
+                             "which overflow 64 bits: the file is corrupt")
+    return start + elements * type_size // block
 
 
 def _value(field) -> Any:
@@ -111,7 +130,7 @@ def _check(model: GGUFModel, size: int) -> None:
         if kind not in TENSOR_TYPES:
             raise ModelLoadError(f"{model.path}: tensor {tensor.name!r} has type {kind}, which pagedllm cannot read "
                                  f"(supported: {', '.join(TENSOR_TYPES)})")
-        end = tensor.data_offset + tensor.n_bytes
+        end = _end(model, tensor)
         if end > size:
             raise ModelLoadError(f"{model.path} is truncated: tensor {tensor.name!r} ends at byte {end}, "
                                  f"the file has {size}")

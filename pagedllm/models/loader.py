@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pagedllm.config import ModelConfig, ModelLoadError
+from pagedllm.config import ModelConfig, ModelLoadError, available_memory_bytes
 from pagedllm.distributed.group import ParallelGroup, shard_of
 from pagedllm.gguf import is_gguf, open_gguf
 from pagedllm.gguf.weights import blocks as gguf_blocks
@@ -59,6 +59,8 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     local = cfg.shard(group.size) if group is not None else cfg
     with torch.device("meta"):
         model = model_class(cfg)(local, max_position, dtype, group)
+    if device.type == "cpu":
+        _check_fits(model, cfg)
     model.to_empty(device=device)
     model = model.to(dtype)
     # Rotary tables are computed, not loaded: rebuild them on the real device.
@@ -76,6 +78,19 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     if packing_available(device, dtype):
         model.pack_linears()
     return model.eval()
+
+
+def _check_fits(model: CausalLM, cfg: ModelConfig) -> None:
+    """Refuse, before a byte is allocated, weights that cannot fit the memory this machine has now:
+    a config that names 1,000 layers of 16k width would otherwise be allocated until the kernel
+    kills the process (the dense weights are allocated before a GGUF's blocks replace them, so
+    this is the load's peak)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    needed = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+    available = available_memory_bytes()
+    if needed > available:
+        raise ModelLoadError(f"model {cfg.path!r} needs about {needed / 1e9:.1f} GB for its weights, but only "
+                             f"{available / 1e9:.1f} GB is available on this machine")
 
 
 def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:

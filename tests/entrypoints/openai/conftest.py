@@ -2,6 +2,8 @@
 and the official `openai` client pointed at it."""
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,8 +18,8 @@ from tiny_models import build_model, build_tokenizer  # noqa: E402
 
 @pytest.fixture(scope="session")
 def serve_models(tmp_path_factory) -> Path:
-    """A --model-dir: tiny-llama (main, chat template), tiny-qwen2, no-template, and broken
-    (a config.json that is not a model). All allow 4096 positions."""
+    """A --model-dir: tiny-llama (main, chat template), tiny-qwen2, no-template, broken
+    (a config.json that is not a model) and huge (a config larger than memory). All allow 4096 positions."""
     root = tmp_path_factory.mktemp("serve-models")
     build_model(root / "tiny-llama", "llama", max_position_embeddings=4096)
     build_model(root / "tiny-qwen2", "qwen2", seed=1, max_position_embeddings=4096)
@@ -25,6 +27,13 @@ def serve_models(tmp_path_factory) -> Path:
     build_tokenizer(root / "no-template", chat_template=False)
     (root / "broken").mkdir()
     (root / "broken" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    # a config whose weights (1,000 layers of 16k width, ~13 TB) no machine here holds: refused at
+    # load before anything is allocated (issue 39; such a header once drove a server to 20 GB)
+    shutil.copytree(root / "tiny-llama", root / "huge")
+    config = json.loads((root / "huge" / "config.json").read_text())
+    config.update(num_hidden_layers=1000, hidden_size=16384, intermediate_size=65536, num_attention_heads=128,
+                  num_key_value_heads=128, head_dim=128)
+    (root / "huge" / "config.json").write_text(json.dumps(config))
     return root
 
 

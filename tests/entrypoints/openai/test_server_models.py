@@ -121,3 +121,11 @@ def test_a_model_that_fails_to_load_says_why(http):
     card = http.get("/v1/models/broken").json()
     assert card["status"] == "failed" and "GPT2LMHeadModel" in card["error"]
     assert "broken" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+
+
+def test_a_model_larger_than_memory_is_refused_and_the_server_serves_on(client, http):
+    response = http.post("/v1/models/huge/load", params={"wait": "true"})
+    assert response.status_code == 400, response.text
+    assert "GB for its weights" in response.json()["error"]["message"]
+    assert http.get("/v1/models/huge").json()["status"] == "failed"
+    assert client.completions.create(model=MAIN, prompt="hi", max_tokens=2).choices[0].text is not None
