@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedllm.entrypoints.deadline import DeadlineExceeded, call_with_deadline
 from pagedllm.library_errors import describe
+
+# A real template renders a conversation in milliseconds; a loop that runs for seconds is broken or
+# hostile, and holds the model's tokenizer thread while it runs (deadline.py).
+RENDER_SECONDS = 5.0
+# The rendered prompt: far more than any context holds (the prompt-length checks come after), small
+# enough that a template multiplying its input cannot fill memory.
+MAX_RENDERED_CHARS = 1 << 24
 
 # apply_chat_template's own arguments: a template variable of the same name would change what it
 # returns, not what the template sees
@@ -31,8 +39,14 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[d
     if clashing:
         raise ChatTemplateError(f"chat_template_kwargs may not set {clashing}: they are the renderer's own arguments")
     try:
-        return tokenizer.apply_chat_template(
-            messages, tools=tools, documents=documents, chat_template=chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **extra)
+        text = call_with_deadline(
+            RENDER_SECONDS, tokenizer.apply_chat_template, messages, tools=tools, documents=documents,
+            chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **extra)
+    except DeadlineExceeded as exc:
+        raise ChatTemplateError(f"the chat template {exc} rendering these messages") from None
     except Exception as exc:  # jinja2 errors, e.g. a template that enforces role alternation
         raise ChatTemplateError(f"the chat template rejected the messages: {describe(exc)}") from exc
+    if len(text) > MAX_RENDERED_CHARS:
+        raise ChatTemplateError(f"the chat template rendered {len(text)} characters, more than {MAX_RENDERED_CHARS}")
+    return text

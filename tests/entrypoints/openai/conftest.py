@@ -19,7 +19,7 @@ from tiny_models import build_model, build_tokenizer  # noqa: E402
 @pytest.fixture(scope="session")
 def serve_models(tmp_path_factory) -> Path:
     """A --model-dir: tiny-llama (main, chat template), tiny-qwen2, no-template, broken
-    (a config.json that is not a model) and huge (a config larger than memory). All allow 4096 positions."""
+    (a config.json that is not a model) huge (a config larger than memory) and endless-template. All allow 4096 positions."""
     root = tmp_path_factory.mktemp("serve-models")
     build_model(root / "tiny-llama", "llama", max_position_embeddings=4096)
     build_model(root / "tiny-qwen2", "qwen2", seed=1, max_position_embeddings=4096)
@@ -34,6 +34,10 @@ def serve_models(tmp_path_factory) -> Path:
     config.update(num_hidden_layers=1000, hidden_size=16384, intermediate_size=65536, num_attention_heads=128,
                   num_key_value_heads=128, head_dim=128)
     (root / "huge" / "config.json").write_text(json.dumps(config))
+    # a chat template that would loop 10^10 times: stopped at its render deadline (issue 39)
+    shutil.copytree(root / "tiny-llama", root / "endless-template")
+    (root / "endless-template" / "chat_template.jinja").write_text(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
     return root
 
 

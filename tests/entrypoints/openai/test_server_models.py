@@ -129,3 +129,17 @@ def test_a_model_larger_than_memory_is_refused_and_the_server_serves_on(client, 
     assert "GB for its weights" in response.json()["error"]["message"]
     assert http.get("/v1/models/huge").json()["status"] == "failed"
     assert client.completions.create(model=MAIN, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_an_endless_chat_template_is_a_400_at_its_deadline(client, http):
+    """The template's loops ran forever (and on after unload) before renders had a deadline."""
+    assert http.post("/v1/models/endless-template/load", params={"wait": "true"}).json() == {"status": "ready"}
+    start = time.monotonic()
+    response = http.post("/v1/chat/completions", json={"model": "endless-template", "max_tokens": 2,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400 and "did not finish within" in response.json()["error"]["message"], response.text
+    assert time.monotonic() - start < 15
+    assert http.get("/health").status_code == 200
+    completion = http.post("/v1/completions", json={"model": "endless-template", "prompt": "hi", "max_tokens": 2})
+    assert completion.status_code == 200, completion.text
+    assert http.delete("/v1/models/endless-template").json() == {"status": "unloaded"}
