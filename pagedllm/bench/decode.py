@@ -148,9 +148,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None, choices=["int8", "q4", "gguf", "none"],
                         help="pagedllm's weights (a GGUF file keeps its blocks by default)")
     parser.add_argument("--decode-backend", default="auto", choices=["auto", "fused", "torch"])
-    parser.add_argument("--int8-activations", default="off", choices=["off", "on", "both"],
-                        help="the engine argument int8_activations (block-quantized weights); both: an engine of each, "
-                             "measured in turns")
+    parser.add_argument("--int8-activations", default="default", choices=["default", "off", "on", "both"],
+                        help="the engine argument int8_activations: default is the engine's (on for block-quantized "
+                             "weights), off the exact path; both: an engine of each, measured in turns")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", default="1,8")
@@ -210,9 +210,10 @@ def run(args: argparse.Namespace) -> int:
         engine_args["quantization"] = args.quantization
     engine_args.update(parse_engine_args(args.engine_arg))
     engines = []
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.int8_activations]
+    modes = {"default": [None], "off": [False], "on": [True], "both": [False, True]}[args.int8_activations]
     for steps, int8 in [(int(s), m) for s in args.num_scheduler_steps.split(",") for m in modes]:
-        llm = LLM(str(folder), num_scheduler_steps=steps, **engine_args, **({"int8_activations": True} if int8 else {}))
+        llm = LLM(str(folder), num_scheduler_steps=steps, **engine_args, int8_activations=int8)
+        int8 = llm.llm_engine.config.int8_activations
         weights, elements = weight_bytes_per_step(llm), weight_elements(llm)
         for batch in batches:  # warm-up, long enough for the fused step to have tried both thread counts at each size
             run_pagedllm(llm, batch, args.prompt_len, 64, args.seed)

@@ -27,7 +27,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         kind = str(f.type)
         default = f.default if f.default is not dataclasses.MISSING else None
-        if kind == "bool":
+        if kind in ("bool", "bool | None"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"default: {default}")
         else:
             convert = int if "int" in kind else float if "float" in kind else str

@@ -24,7 +24,7 @@ from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.kernel_interface import Layer as LayerStruct
 from pagedllm.layers.kernel_interface import Model as ModelStruct
 from pagedllm.layers.kernel_interface import Step as StepStruct
-from pagedllm.layers.small_matmul import MAX_ROWS, PackedWeight
+from pagedllm.layers.small_matmul import MAX_ROWS, WEIGHT_Q4, WEIGHT_Q8_0, PackedWeight
 
 # The most rows a fused step takes where every matrix multiplies int8 activations through AMX
 # tiles (csrc/amx_int8.c): its matmuls of 16 rows or more are then the tiles', as the modules'
@@ -118,6 +118,10 @@ def _packed(linear) -> PackedWeight:
     return linear.small
 
 
+def _set_int8(matrix, on: bool) -> None:
+    matrix.int8_activations = int(on and matrix.dtype in (WEIGHT_Q8_0, WEIGHT_Q4))
+
+
 class FusedDecoder:
     """Built once the KV pool is bound to the model's attention layers."""
 
@@ -153,6 +157,13 @@ class FusedDecoder:
             cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(), final_norm=model.model.norm.weight.data_ptr(),
             lm_head=ctypes.pointer(self._lm_head), layers=self._layers, kv_bf16=int(k_cache.dtype == torch.bfloat16),
         )
+
+    def set_int8_activations(self, on: bool) -> None:
+        """Every block-quantized matrix of the step multiplies int8 activations (on) or fp32 ones."""
+        for layer in self._layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                _set_int8(getattr(layer, name), on)
+        _set_int8(self._lm_head, on)
 
     def accepts(self, meta: AttentionMetadata, num_rows: int) -> bool:
         """All rows decodes attended by the C kernel (one bucket), at most max_rows of them."""

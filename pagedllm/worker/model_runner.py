@@ -71,10 +71,12 @@ class ModelRunner:
         panels_library = kernels.load() if planner.small_matmul_panels else None
         self.model = load_model(model_config, max_model_len, self.dtype, self.device, group, quantization=config.quantization,
                                 panel_width=panels_library.panel_width() if panels_library is not None else None)
-        if config.int8_activations:  # block-quantized panels multiply int8-quantized activations (small_matmul.c)
-            for linear in self.model.linears():
-                if linear.small is not None:
-                    linear.small.int8_activations = True
+        # Block-quantized panels multiply int8-quantized activations (small_matmul.c) in decode
+        # steps; steps that process prompts keep fp32 activations (_activations_for)
+        self.int8_activations = bool(config.int8_activations)
+        self.int8_every_step = False  # measurement only: prompts too (the quality bound docs/engine.md quotes)
+        self._int8_now: bool | None = None
+        self._activations_for(self.int8_activations)
         self.speculator = speculator
         self.states = SequenceStates()
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
@@ -204,6 +206,8 @@ class ModelRunner:
         or runs as a fused C call, has them already)."""
         started = time.perf_counter()
         self._apply(sched)
+        if self.int8_activations:
+            self._activations_for(all(chunk.num_tokens == 1 for chunk in sched.chunks))
         chunks = [self._batch_chunk(chunk) for chunk in sched.chunks]
         rows = self._sample_rows(sched, chunks)
         if self.offload is not None:
@@ -230,6 +234,25 @@ class ModelRunner:
         self.speculator.propose(chunks, rows, [chunk.max_proposals for chunk in sched.chunks], result, self.sampler,
                                 self._generator)
         return ReadyResults(result)
+
+    def _activations_for(self, decode_only: bool) -> None:
+        """int8 activations in steps of one token per sequence (decodes, multi-step bursts) only.
+
+        Quantizing a row's activations to int8 magnifies the last-bit differences between the
+        paths that process a prompt (one modules pass, fused chunks, a prefix-cache hit's tail)
+        into a visible change: the default model's first token after "What is the capital of
+        France?" is a near-tie (0.08 nats) that flipped to a wrong answer on the repeated
+        question. With prompts in fp32 a prompt's KV and its first token do not depend on how it
+        was split or cached, and decode steps, where int8 pays (weights read per token), keep it."""
+        on = self.int8_activations and (decode_only or self.int8_every_step)
+        if on == self._int8_now:
+            return
+        for linear in self.model.linears():
+            if linear.small is not None:
+                linear.small.int8_activations = on
+        if self.model.fused is not None:
+            self.model.fused.set_int8_activations(on)
+        self._int8_now = on
 
     def abandon_steps(self) -> None:
         """A step failed and the engine gave up the steps in flight (LLMEngine.step): no later

@@ -47,7 +47,7 @@ ENGINES = {
     "multi_step": dict(block_size=4, num_scheduler_steps=4),
     # kept 4-bit blocks (Q4_1 projections, a Q8_0 LM head): the C path reads only the blocks (the
     # fused step, and prefills through small_matmul's tiles), the reference their dequantized values
-    "q4": dict(block_size=4, quantization="q4"),
+    "q4": dict(block_size=4, quantization="q4", int8_activations=False),  # exact: int8 activations are not
 }
 # Prompt lengths around the boundaries of 1-, 4- and 16-token blocks; every prompt is a prefix
 # of one of two base sequences (prefix hits), one of them periodic (n-gram proposals).

@@ -69,6 +69,7 @@ def test_a_lying_header_is_refused_before_allocation(tiny_gguf, tmp_path, key, v
     assert grown_mb < 200, f"refusing the file grew the process by {grown_mb:.0f} MB"
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in scalar add")  # the reader's own sum, which wraps
 def test_a_wrapping_tensor_offset_is_refused(tiny_gguf, tmp_path):
     path = with_tensor_offset(tiny_gguf("llama", "Q4_1"), tmp_path, "blk.1.ffn_down.weight", 2**64 - 1)
     with pytest.raises(ModelLoadError, match=r"tensor 'blk.1.ffn_down.weight' .*offset 18446744073709551615"):
@@ -89,3 +90,30 @@ def test_a_model_larger_than_memory_is_refused_with_its_size(tmp_path, model_dir
     (folder / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelLoadError, match=r"needs about [\d.]+ GB for its weights.*[\d.]+ GB is available"):
         LLM(str(folder), kv_cache_memory=16 << 20)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+def test_a_load_that_fails_after_allocating_frees_what_it_took(tmp_path, model_dir):
+    """A folder whose config is ~540 MB of weights but whose file holds the tiny model's: the
+    weights are allocated, then the first tensor of the wrong shape fails the load. Three such
+    loads leave the process where it was."""
+    import gc
+    import json
+
+    folder = tmp_path / "mismatched"
+    shutil.copytree(model_dir("llama"), folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(num_hidden_layers=2, hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+               num_key_value_heads=16, head_dim=128)
+    (folder / "config.json").write_text(json.dumps(raw))
+    gc.collect()
+    before = _rss_mb()
+    for _ in range(3):
+        with pytest.raises(ModelLoadError, match="has shape"):
+            LLM(str(folder), kv_cache_memory=16 << 20)
+        gc.collect()
+    assert _rss_mb() - before < 300, f"three failed loads kept {_rss_mb() - before:.0f} MB"

@@ -35,7 +35,7 @@ def reference_tokens(path) -> list[list[int]]:
 
 
 def engine_tokens(path, **engine_args) -> list[list[int]]:
-    llm = LLM(str(path), kv_cache_memory=16 << 20, **engine_args)
+    llm = LLM(str(path), kv_cache_memory=16 << 20, **{"int8_activations": False, **engine_args})  # the exact path
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]

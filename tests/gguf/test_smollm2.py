@@ -27,8 +27,9 @@ WINDOW, NUM_WINDOWS = 256, 8
 
 @pytest.fixture(scope="module")
 def llm(smollm2):
-    """The default way: the file's Q4_1 / Q8_0 blocks kept, read by the C kernels."""
-    return LLM(str(smollm2), kv_cache_memory=64 << 20)
+    """The exact path: the file's Q4_1 / Q8_0 blocks kept, read by the C kernels with fp32
+    activations (the default quantizes activations to int8, test_smollm2_int8_activations.py)."""
+    return LLM(str(smollm2), kv_cache_memory=64 << 20, int8_activations=False)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def test_prefix_cache_beam_search_and_ngram_speculation(llm, smollm2):
     beams = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=12))[0].sequences
     assert len(beams) == 3 and beams[0].score >= beams[-1].score
 
-    speculative = LLM(str(smollm2), kv_cache_memory=64 << 20,
+    speculative = LLM(str(smollm2), kv_cache_memory=64 << 20, int8_activations=False,
                       speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
     assert speculative.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == first
     assert speculative.get_stats()["spec_decode_num_accepted_tokens"] > 0

@@ -21,12 +21,13 @@ MEMORY = 64 << 20
 
 @pytest.fixture(scope="module")
 def exact(smollm2):
-    return LLM(str(smollm2), kv_cache_memory=MEMORY)
+    return LLM(str(smollm2), kv_cache_memory=MEMORY, int8_activations=False)
 
 
 @pytest.fixture(scope="module", params=["fused", "torch"])
 def bf16(smollm2, request):
-    return LLM(str(smollm2), kv_cache_memory=MEMORY, kv_cache_dtype="bfloat16", decode_backend=request.param)
+    return LLM(str(smollm2), kv_cache_memory=MEMORY, kv_cache_dtype="bfloat16", decode_backend=request.param,
+               int8_activations=False)
 
 
 def test_the_pool_is_bfloat16_with_twice_the_blocks(exact, bf16):

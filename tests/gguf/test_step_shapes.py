@@ -1,5 +1,7 @@
 """Every step shape on the real default path: SmolLM2-135M-Instruct's GGUF file, its Q4_1 blocks
-read by the C kernels, fused decode steps — the path `pagedllm serve` runs.
+read by the C kernels, fused decode steps — the path `pagedllm serve` runs (held to exact tokens
+with fp32 activations; the default int8 activations, which are not exact, serve every shape in
+the every-path test and in the idle long-prompt test).
 
 A prompt longer than one step's token budget makes steps whose rows are all non-final prompt
 chunks: nothing to sample. Such a step once handed 0 rows to the LM head and killed the engine.
@@ -32,9 +34,9 @@ PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
 
 @pytest.fixture(scope="module")
 def engines(smollm2) -> dict[int, LLM]:
-    """The default path at each budget (prefix caching on, as served)."""
+    """The default path at each budget (prefix caching on, as served), exact."""
     return {budget: LLM(str(smollm2), kv_cache_memory=16 << 20, max_model_len=MAX_MODEL_LEN,
-                        max_num_batched_tokens=budget) for budget in BUDGETS}
+                        max_num_batched_tokens=budget, int8_activations=False) for budget in BUDGETS}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def text_ids(engines) -> list[int]:
 def expected(smollm2, text_ids):
     """expected(offset, length) -> the modules path's greedy tokens for that prompt (cached)."""
     llm = LLM(str(smollm2), kv_cache_memory=16 << 20, max_model_len=MAX_MODEL_LEN, decode_backend="torch",
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, int8_activations=False)
     cache: dict[tuple[int, int], list[int]] = {}
 
     def get(offset: int, length: int) -> list[int]:
@@ -72,7 +74,7 @@ def count_sampleless_steps(llm: LLM) -> list[int]:
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_a_prompt_longer_than_the_budget_on_an_idle_engine(engines, expected, text_ids, budget):
+def test_a_prompt_longer_than_the_budget_on_an_idle_engine(smollm2, engines, expected, text_ids, budget):
     """The defect as found: one prompt, nothing else running, its first chunks sample nothing
     (chunks of up to 16 rows run as one fused C step, longer ones through the modules)."""
     llm = engines[budget]
@@ -83,6 +85,10 @@ def test_a_prompt_longer_than_the_budget_on_an_idle_engine(engines, expected, te
         del llm.llm_engine.runner.launch
     assert count[0] == 90 // budget
     assert out.outputs[0].token_ids == expected(7, 90)
+    default = LLM(str(smollm2), kv_cache_memory=16 << 20, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=budget)
+    assert default.llm_engine.config.int8_activations  # as served: int8 activations
+    out = default.generate([{"prompt_token_ids": text_ids[7 : 7 + 90]}], PARAMS, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == NEW_TOKENS and out.finish_reason == "length"
 
 
 @settings(max_examples=16, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
@@ -109,15 +115,17 @@ def test_every_step_shape_serves_the_modules_paths_tokens(engines, expected, tex
 
 # ---- every path, on a tiny Q4_1 GGUF (the same blocks-only linears, a fraction of the time) ------
 TINY_LEN, TINY_BUDGET = 80, 24
+EXACT_ARGS = dict(int8_activations=False)
 PATHS = {
-    "fused_c": {},
-    "modules": dict(decode_backend="torch"),
-    "int8_activations": dict(int8_activations=True),
+    "fused_c": EXACT_ARGS,
+    "modules": dict(decode_backend="torch", **EXACT_ARGS),
+    "int8_activations": {},  # the default for block-quantized weights
     "bf16_kv": dict(kv_cache_dtype="bfloat16"),
-    "triton_interpreter": dict(attention_backend="triton"),
-    "multi_step": dict(num_scheduler_steps=4),
-    "async": dict(async_scheduling=True, decode_backend="torch"),
-    "ngram_speculation": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
+    "triton_interpreter": dict(attention_backend="triton", **EXACT_ARGS),
+    "multi_step": dict(num_scheduler_steps=4, **EXACT_ARGS),
+    "async": dict(async_scheduling=True, decode_backend="torch", **EXACT_ARGS),
+    "ngram_speculation": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+                              **EXACT_ARGS),
 }
 EXACT = {"fused_c", "modules", "triton_interpreter", "multi_step", "async", "ngram_speculation"}
 TINY_PROMPTS = [list(range(3, 3 + n)) for n in (TINY_BUDGET * 3 + 1, 2, TINY_BUDGET + 1, TINY_LEN - 1)]
@@ -131,7 +139,7 @@ def tiny_q4(tiny_gguf):
 
 @pytest.fixture(scope="module")
 def tiny_expected(tiny_q4) -> list[list[int]]:
-    llm = LLM(tiny_q4, decode_backend="torch", enable_prefix_caching=False, max_model_len=TINY_LEN)
+    llm = LLM(tiny_q4, decode_backend="torch", enable_prefix_caching=False, max_model_len=TINY_LEN, **EXACT_ARGS)
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS], TINY_PARAMS,
                                                          use_tqdm=False)]
 

@@ -189,7 +189,9 @@ class ModelRegistry:
         """Where `name` loads from: a start-up model, or a model folder or NAME.gguf file directly in model_dir."""
         if name in self._startup_paths:
             return self._startup_paths[name]
-        if not self.settings.model_dir or name in ("", ".", "..") or "/" in name or "\\" in name:
+        if not self.settings.model_dir or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+            return None
+        if len(f"{name}.gguf".encode()) > 255:  # no file system holds such a name (stat would raise ENAMETOOLONG)
             return None
         folder = Path(self.settings.model_dir) / name
         if (folder / "config.json").is_file():

@@ -1,7 +1,9 @@
 """The crash hunt (issue 28): a real server whose C kernels are built with AddressSanitizer and
 UBSan (the ASan runtime preloaded into it: any out-of-bounds access or undefined behaviour in a
-kernel ends it with a report), fed the hostile inputs (hostile.py: sizes, ranges, lone
-surrogates; a 50 MB body; many samples of a one-token prompt), then Schemathesis over every route
+kernel ends it with a report), fed the hostile inputs (hostile.py: sizes, ranges, sampling
+extremes, lone surrogates; a 50 MB body; many samples of a one-token prompt; prompts of one to four
+chunks of the step budget on an idle engine; a model larger than memory and a chat template that
+never ends), then Schemathesis over every route
 with n and best_of at max_num_seqs and logprobs at 20 in every completion and chat body
 (crash_hunt_hooks.py). It passes if no answer is a 5xx, the sanitizer reported nothing, and the
 model still serves.
@@ -24,6 +26,7 @@ from pagedllm.layers import kernels
 
 KEY = "sk-crash-hunt"
 MAX_SEQS = 16
+BUDGET = 16  # tokens per step: every prompt over it is prefilled in chunks, alone on an idle engine
 REPORTS = ("ERROR: AddressSanitizer", "runtime error:", "Sanitizer")
 
 pytestmark = pytest.mark.skipif(not kernels.sanitizer_available(),
@@ -32,8 +35,9 @@ pytestmark = pytest.mark.skipif(not kernels.sanitizer_available(),
 
 @pytest.fixture(scope="module")
 def hunted(serve_models, tmp_path_factory):
-    args = ["--model", str(serve_models / "tiny-llama"), "--served-model-name", "tiny", "--api-key", KEY,
-            "--max-model-len", "64", "--max-num-seqs", str(MAX_SEQS), "--num-kv-blocks", "256", "--train-slots", "1"]
+    args = ["--model", str(serve_models / "tiny-llama"), "--served-model-name", "tiny", "--api-key", KEY, "--model-dir", str(serve_models),
+            "--max-model-len", "64", "--max-num-seqs", str(MAX_SEQS), "--num-kv-blocks", "256", "--train-slots", "1",
+            "--max-num-batched-tokens", str(BUDGET)]
     server = start_server(args, tmp_path_factory.mktemp("logs") / "crash-hunt.log", env=kernels.sanitizer_env())
     yield server
     server.stop()
@@ -90,6 +94,17 @@ def hostile_pass(http: httpx.Client) -> int:
         response = http.post("/v1/chat/completions", json=chat)
         assert response.status_code == 200 and len(response.json()["choices"]) == n, response.text
         sent += 1
+    for length in (BUDGET - 1, BUDGET, BUDGET + 1, 2 * BUDGET, 3 * BUDGET + 5, 63):  # steps of only prefill chunks
+        response = http.post("/v1/completions", json={"model": "tiny", "prompt": list(range(5, 5 + length)), "max_tokens": 1})
+        assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length", response.text
+        sent += 1
+    # hostile model files: weights larger than memory, a chat template that never ends
+    assert_error(http.post("/v1/models/huge/load", params={"wait": "true"}), 400)
+    assert http.post("/v1/models/endless-template/load", params={"wait": "true"}).json() == {"status": "ready"}
+    endless = {"model": "endless-template", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert_error(http.post("/v1/chat/completions", json=endless), 400)
+    assert http.delete("/v1/models/endless-template").json() == {"status": "unloaded"}
+    sent += 4
     huge = json.dumps({"model": "tiny", "prompt": "x" * (50 << 20)}).encode()
     assert_error(http.post("/v1/completions", content=huge, headers={"content-type": "application/json"}), 413)
     assert_error(http.post("/v1/training/jobs", json={"job_name": "j" * 10_000, "data_config": {}}), 400, "job_name")

@@ -105,7 +105,7 @@ def test_chat_on_a_model_without_template_is_a_clear_400(http):
 
 
 def test_load_and_unload_errors(http):
-    for path in ("/v1/models/nope/load", "/v1/models/..%2F..%2Fetc/load"):
+    for path in ("/v1/models/nope/load", "/v1/models/..%2F..%2Fetc/load", f"/v1/models/{'0' * 300}/load"):
         response = http.post(path)
         assert response.status_code == 404, response.text
         assert response.json()["error"]["code"] == "model_not_found"
