@@ -67,8 +67,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine replicas per model behind this server: processes, or Ray actors with --cluster; "
                              "each request goes to the one with the fewest outstanding tokens, preferring the one "
                              "whose prefix cache holds the prompt's first blocks (default: 1, the engine in-process)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="the server's log level (default: %(default)s)")
+    add_chat_arguments(parser)
     add_engine_arguments(parser)
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's chat-template and tool-calling flags (docs/tools.md)."""
+    from pagedllm.entrypoints.tool_parsers import DEFAULT_PARSER, PARSERS
+
+    group = parser.add_argument_group("chat templates and tool calling")
+    group.add_argument("--chat-template", metavar="FILE_OR_JINJA",
+                       help="a chat template (a file, or the Jinja text itself) replacing every model's own "
+                            "(default: the model's)")
+    group.add_argument("--tool-call-parser", default=DEFAULT_PARSER, choices=sorted(PARSERS),
+                       help="how models write tool calls, and so how they are read back and what a forced "
+                            "tool_choice's grammar produces (default: %(default)s)")
+    group.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                       help='parse the calls of tool_choice "auto" (vLLM needs the flag; here it is on unless '
+                            "--no-enable-auto-tool-choice, which refuses \"auto\" as vLLM does without it)")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="render a request's own chat_template (Jinja, in a sandbox); without it such a request "
+                            "is a 400")
+
+
+def chat_options(args: argparse.Namespace):
+    """ChatOptions from the flags; ValueError on a template that is neither a file nor valid Jinja."""
+    from pagedllm.entrypoints.chat_template import load_chat_template
+    from pagedllm.entrypoints.openai.settings import ChatOptions
+
+    template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    return ChatOptions(chat_template=template, tool_call_parser=args.tool_call_parser,
+                       enable_auto_tool_choice=args.enable_auto_tool_choice,
+                       trust_request_chat_template=args.trust_request_chat_template)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -115,6 +147,7 @@ def build_settings(args: argparse.Namespace):
         max_pending_jobs=args.max_pending_jobs,
         cluster=args.cluster,
         data_parallel_size=args.data_parallel_size,
+        chat=chat_options(args),
     )
 
 

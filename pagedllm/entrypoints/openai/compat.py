@@ -42,8 +42,6 @@ REFUSED = {
     "audio": "audio output is not supported",
     "web_search_options": "web search is not supported",
     "logits_processors": "this server runs no code a caller supplies",
-    "chat_template": ("a template is code, and this server renders only the model's own (vLLM too refuses a request's "
-                      "template unless started with --trust-request-chat-template)"),
 }
 
 _noted: set[str] = set()

@@ -288,7 +288,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False  # vLLM: the template leaves the last (assistant) message open
     add_special_tokens: bool = False  # vLLM: the template places BOS itself
     chat_template_kwargs: Optional[dict[Name, Any]] = None  # extra variables for the template
-    chat_template: Optional[Grammar] = None  # refused (compat.py): a template is code
+    chat_template: Optional[Grammar] = None  # a template is code: refused unless --trust-request-chat-template
     documents: Optional[Annotated[list[dict[Name, Text]], Field(max_length=MAX_MESSAGES)]] = None  # for RAG templates
     # OpenAI's deprecated function calling, converted to tools / tool_choice
     functions: Optional[Annotated[list[FunctionDefinition], Field(max_length=MAX_TOOLS)]] = None
