@@ -42,6 +42,8 @@ def test_flags_become_settings(model_dir):
         (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens must be a positive integer"),
         (["--protect-metrics"], "--protect-metrics needs --api-key"),
         (["--request-timeout", "0"], "request_timeout_s must be > 0"),
+        (["--chat-template", "/nonexistent/template.jinja"], "neither a file nor Jinja text"),
+        (["--chat-template", "{% for m in messages %}{{ m.content }}"], "--chat-template: line 1"),
     ],
 )
 def test_bad_arguments_exit_2_with_the_reason(model_dir, capsys, argv, message):
