@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import ipaddress
 import logging
 import os
@@ -132,6 +133,8 @@ def build_settings(args: argparse.Namespace):
         from pagedllm.jobs.ray_cluster import ray_address
 
         ray_address(args.cluster)  # a malformed --cluster fails here, before the port is bound
+        if importlib.util.find_spec("ray") is None:  # Ray is the `cluster` extra, not a serving dependency
+            raise ValueError("--cluster needs Ray: pip install 'pagedllm[cluster]'")
     return ServerSettings(
         models=models,
         model_dir=args.model_dir,

@@ -124,6 +124,7 @@ class ModelRegistry:
         is printed whatever the log level, as the server's banner is."""
         for spec in self.settings.models:
             served = await self._load(spec.name, spec.path)
+            print(f"pagedllm serve: model {spec.name!r}: {served.info.pool_line()}", file=sys.stderr, flush=True)
             for notice in served.info.notices:
                 print(f"pagedllm serve: model {spec.name!r}: {notice}", file=sys.stderr, flush=True)
 
