@@ -1,7 +1,8 @@
 """Request and response bodies with OpenAI's field names (plus vLLM's sampling extensions).
 
-Requests forbid unknown fields, as OpenAI does ("unrecognized request argument"): a typo such
-as `max_token` must not be silently ignored. Ranges are checked once, by `SamplingParams`; the
+A completion or chat request's unknown top-level fields are logged and ignored, as vLLM does
+(clients written for other servers send their own extensions); inside it, and in every other
+body, unknown fields are a 400 ("unrecognized request argument"). Ranges are checked once, by `SamplingParams`; the
 models here fix the types, the few bounds the engine cannot know about, and how much one request
 may carry (limits.py): list lengths, string sizes, valid Unicode — each a 400 naming the field.
 """
@@ -67,6 +68,8 @@ class StructuredOutputs(RequestModel):
 
 class SamplingFields(RequestModel):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields: logged and ignored (compat.note_unknown)
 
     model: Optional[Name] = Field(default=None, description="served model name; optional when one model is loaded")
     temperature: Optional[float] = None
