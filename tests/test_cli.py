@@ -55,3 +55,24 @@ def test_expected_errors_are_one_line_and_exit_2(results, case):
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and CASES[case][1] in lines[0], err
     assert "Traceback" not in err and not out
+
+
+def test_every_flag_of_every_command_says_what_it_does():
+    """--help names what each flag does, not only its default (issue 44: ~30 engine flags said only "default: X")."""
+    import argparse
+
+    from pagedllm.cli import build_parser
+
+    vague: list[str] = []
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        parser.format_help()  # a stray % in a help text fails here
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif action.dest != "help" and (not action.help or action.help.startswith("default:")):
+                vague.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), "pagedllm")
+    assert not vague, vague

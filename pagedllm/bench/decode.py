@@ -147,20 +147,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "GGUF file, batch 1 through its generate loop, larger batches as parallel sequences in one context, and a 512-token prefill")
     parser.add_argument("--quantization", default=None, choices=["int8", "q4", "gguf", "none"],
                         help="pagedllm's weights (a GGUF file keeps its blocks by default)")
-    parser.add_argument("--decode-backend", default="auto", choices=["auto", "fused", "torch"])
+    parser.add_argument("--decode-backend", default="auto", choices=["auto", "fused", "torch"], help="pagedllm's decode step: fused (one C call), torch (modules) or auto (default: %(default)s)")
     parser.add_argument("--int8-activations", default="off", choices=["off", "on", "both"],
                         help="the engine argument int8_activations (block-quantized weights); both: an engine of each, "
                              "measured in turns")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--prompt-len", type=int, default=128, help='prompt tokens of each sequence (default: %(default)s)')
+    parser.add_argument("--new-tokens", type=int, default=128, help='tokens each sequence decodes (measured) (default: %(default)s)')
+    parser.add_argument("--batch-sizes", default="1,8", help='comma-separated batch sizes, one row of results each (default: %(default)s)')
     parser.add_argument("--num-scheduler-steps", default="1,8",
                         help="pagedllm's greedy steps per engine step (multi-step scheduling), one row of results per value")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement, each between two bandwidth reads; all are printed")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random prompts' seed (default: %(default)s)")
     parser.add_argument("--engine-arg", action="append", metavar="NAME=VALUE",
                         help="an extra engine argument for pagedllm (repeatable), e.g. kv_cache_dtype=bfloat16")
-    parser.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "pagedllm-bench-smollm2-135m-random")
+    parser.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "pagedllm-bench-smollm2-135m-random", help='where the random SmolLM2-shaped model is written once and reused (default: %(default)s)')
     parser.add_argument("--skip-transformers", action="store_true", help="the same as --against none")
     parser.add_argument("--prefill-len", type=int, default=512, help="--against llama.cpp: prompt tokens of the prefill measurement")
 

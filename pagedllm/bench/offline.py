@@ -162,11 +162,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-output", type=int, default=None, help="default 64 on cpu, 64 on cuda")
     parser.add_argument("--max-output", type=int, default=None, help="default 256 on cpu, 512 on cuda")
     parser.add_argument("--fixed-output-len", type=int, default=None, help="every request asks for this many tokens")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random prompts' and weights' seed (default: %(default)s)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="the random model's shape")
     parser.add_argument("--model-cache", type=Path, default=None,
                         help="where the random model is kept between runs (default: the temp dir, by shape)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="pagedllm's step token budget (default: the engine's)")
     parser.add_argument("--model", type=Path, default=None,
                         help="a GGUF file (its blocks kept) or an HF folder instead of the random model of --shape")
     parser.add_argument("--against", choices=("transformers", "vllm", "none"), default="transformers",

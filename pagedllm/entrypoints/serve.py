@@ -31,14 +31,17 @@ from pagedllm.jobs.settings import DEFAULT_MAX_PENDING_JOBS, default_data_dir
 from pagedllm.paths import DEFAULT_MODEL_NAME, TINY_MODEL, DefaultModelMissing, default_model
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                        help="the model to serve, as vLLM's `vllm serve MODEL` (the same as --model)")
     parser.add_argument("--model", help="model to load at start-up: a Hugging Face folder or a GGUF file (default: "
                                         f"{DEFAULT_MODEL_NAME}, unless --model-dir is given)")
     parser.add_argument("--no-model", action="store_true",
                         help="start with no model loaded (training jobs; --model-dir models load on demand)")
     parser.add_argument("--served-model-name", help="the 'model' name clients use (default: the folder's or file's name)")
     parser.add_argument("--model-dir", help="folder whose sub-folders can be loaded on demand: POST /v1/models/<name>/load")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on; anything but loopback needs --api-key (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and the docs "
                              "(default: $PAGEDLLM_API_KEY)")
@@ -116,7 +119,9 @@ def build_settings(args: argparse.Namespace):
 
     engine = engine_args(args)
     models = []
-    model, name = args.model, args.served_model_name
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+    model, name = args.model_tag or args.model, args.served_model_name
     if args.no_model and model:
         raise ValueError("--no-model and --model exclude each other")
     if model is None and args.model_dir is None and not args.no_model:
@@ -183,7 +188,7 @@ def banner(settings, args: argparse.Namespace) -> str:
     if not settings.models:
         return f"pagedllm serve: {url}/v1 with no model loaded (POST /v1/models/<name>/load)"
     name, path = settings.models[0].name, settings.models[0].path
-    key = " -H 'Authorization: Bearer $PAGEDLLM_API_KEY'" if settings.api_key else ""
+    key = ' -H "Authorization: Bearer $PAGEDLLM_API_KEY"' if settings.api_key else ""  # double quotes: the shell expands it
     body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
             '"max_tokens": 64, "temperature": 0}' % name)
     return (
@@ -198,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
         settings = build_settings(args)
     except (ValueError, ModelLoadError, DefaultModelMissing) as exc:
         hint = ""
-        if args.model and Path(args.model).resolve() == TINY_MODEL.resolve() and not TINY_MODEL.is_dir():
+        given = args.model_tag or args.model
+        if given and Path(given).resolve() == TINY_MODEL.resolve() and not TINY_MODEL.is_dir():
             hint = " (the repository's default model has not been built yet)"
         print(f"pagedllm serve: error: {exc}{hint}", file=sys.stderr)
         return 2

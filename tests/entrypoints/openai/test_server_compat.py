@@ -130,3 +130,12 @@ def test_unknown_fields_are_logged_and_ignored(server, http, path, body):
 def test_unknown_fields_inside_a_request_are_still_400(http):
     body = {"model": MAIN, "messages": [{"role": "user", "content": "hi", "colour": "red"}], "max_tokens": 2}
     assert_error(http.post("/v1/chat/completions", json=body), 400, None, "unrecognized")
+
+
+def test_version_is_open_as_in_vllm(server):
+    import importlib.metadata
+
+    import httpx
+
+    response = httpx.get(server.url + "/version", timeout=10)  # no API key, as /health
+    assert response.status_code == 200 and response.json() == {"version": importlib.metadata.version("pagedllm")}
