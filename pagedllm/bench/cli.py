@@ -5,6 +5,7 @@ import argparse
 import importlib
 
 BENCHMARKS: dict[str, str] = {
+    "beam": "pagedllm.bench.beam",
     "decode": "pagedllm.bench.decode",
     "offline": "pagedllm.bench.offline",
     "peak": "pagedllm.bench.peak",

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from pagedllm.bench.engine_args import parse_engine_args
 from pagedllm.bench.offline import SMOLLM2_135M, build_model
@@ -147,20 +148,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "GGUF file, batch 1 through its generate loop, larger batches as parallel sequences in one context, and a 512-token prefill")
     parser.add_argument("--quantization", default=None, choices=["int8", "q4", "gguf", "none"],
                         help="pagedllm's weights (a GGUF file keeps its blocks by default)")
-    parser.add_argument("--decode-backend", default="auto", choices=["auto", "fused", "torch"])
+    parser.add_argument("--decode-backend", default="auto", choices=["auto", "fused", "torch"], help="pagedllm's decode step: fused (one C call), torch (modules) or auto (default: %(default)s)")
     parser.add_argument("--int8-activations", default="default", choices=["default", "off", "on", "both"],
                         help="the engine argument int8_activations: default is the engine's (on for block-quantized "
                              "weights), off the exact path; both: an engine of each, measured in turns")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--num-scheduler-steps", default="1,8",
-                        help="pagedllm's greedy steps per engine step (multi-step scheduling), one row of results per value")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement, each between two bandwidth reads; all are printed")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-len", type=int, default=128, help='prompt tokens of each sequence (default: %(default)s)')
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens each sequence decodes, measured (default: 64; 128 with --full)")
+    parser.add_argument("--batch-sizes", default="1,8", help='comma-separated batch sizes, one row of results each (default: %(default)s)')
+    parser.add_argument("--num-scheduler-steps", default=None,
+                        help="pagedllm's greedy steps per engine step (multi-step scheduling), one row of results per "
+                             "value (default: 1; 1,8 with --full)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of each measurement, each between two bandwidth reads; all are printed (default: 1; 3 with --full)")
+    parser.add_argument("--full", action="store_true",
+                        help="the long run docs/engine.md's figures come from (3 repeats, 128 tokens, 1 and 8 scheduler "
+                             "steps: minutes) instead of the quick one (well under 2 minutes on 2 cores)")
+    parser.add_argument("--seed", type=int, default=0, help="random prompts' seed (default: %(default)s)")
     parser.add_argument("--engine-arg", action="append", metavar="NAME=VALUE",
                         help="an extra engine argument for pagedllm (repeatable), e.g. kv_cache_dtype=bfloat16")
-    parser.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "pagedllm-bench-smollm2-135m-random")
+    parser.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "pagedllm-bench-smollm2-135m-random", help='where the random SmolLM2-shaped model is written once and reused (default: %(default)s)')
     parser.add_argument("--skip-transformers", action="store_true", help="the same as --against none")
     parser.add_argument("--prefill-len", type=int, default=512, help="--against llama.cpp: prompt tokens of the prefill measurement")
 
@@ -175,13 +181,17 @@ def _measure(engines: list[tuple[str, object]], batches: list[int], repeats: int
     """`engines`: (label, fn(batch) -> Rate). They take turns, one run each per round, so a
     stretch of a busier or quieter machine falls on all of them alike."""
     runs = {label: {batch: [] for batch in batches} for label, _ in engines}
+    bar = tqdm(total=repeats * len(batches) * len(engines), desc="decode runs", unit="run", dynamic_ncols=True)
     for _ in range(repeats):
         for batch in batches:
             for label, fn in engines:
+                bar.set_postfix_str(f"{label}, batch {batch}")
                 before = read_bandwidth()
                 rate = fn(batch)
+                bar.update()
                 if rate is not None:  # None: this engine does not run this batch size
                     runs[label][batch].append(Run(rate.tok_s, max(before, read_bandwidth())))
+    bar.close()
     for label, _ in engines:
         runs[label] = {batch: r for batch, r in runs[label].items() if r}
         for batch in runs[label]:
@@ -195,9 +205,21 @@ def _limit(bandwidth: float, peak: float, weights: int, elements: int, batch: in
     return min(bandwidth / weights, peak / (2 * elements * batch))
 
 
+QUICK = {"new_tokens": 64, "num_scheduler_steps": "1", "repeats": 1}
+FULL = {"new_tokens": 128, "num_scheduler_steps": "1,8", "repeats": 3}
+
+
+def resolve_defaults(args: argparse.Namespace) -> None:
+    """The quick run's sizes unless --full (flags given by name win either way)."""
+    for name, value in (FULL if args.full else QUICK).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def run(args: argparse.Namespace) -> int:
     from pagedllm import LLM
 
+    resolve_defaults(args)
     folder = args.model or build_model(args.model_cache)
     against = "none" if args.skip_transformers else args.against
     batches = [int(b) for b in args.batch_sizes.split(",")]

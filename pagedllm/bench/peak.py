@@ -11,7 +11,7 @@ from pagedllm.matmul_peak import measure_matmul_peak
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=int, default=None, help="matrix size (default: 2048 on CPU, 8192 on CUDA)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help='element type of the measured matmuls (default: %(default)s)')
 
 
 def run(args: argparse.Namespace) -> int:

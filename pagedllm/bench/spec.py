@@ -96,10 +96,10 @@ def run_config(llm, prompts: list[list[int]], max_tokens: int, batch: int) -> di
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--prompt-tokens", type=int, default=192)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=16, help='stdlib prompts completed (default: %(default)s)')
+    parser.add_argument("--prompt-tokens", type=int, default=192, help='tokens per prompt (default: %(default)s)')
+    parser.add_argument("--max-tokens", type=int, default=128, help='tokens generated per prompt (default: %(default)s)')
+    parser.add_argument("--num-speculative-tokens", type=int, default=3, help='tokens proposed per step (default: %(default)s)')
     parser.add_argument("--draft-vocab-size", type=int, default=512,
                         help="also run the draft scoring only its N most frequent tokens (0: skip)")
     parser.add_argument("--draft", type=Path, default=DRAFT_MODEL, help="draft model folder (default: %(default)s)")

@@ -89,7 +89,11 @@ class EngineConfig:
     # pool of a float32 model on CPU (the C attention kernels widen each element exactly as they
     # read it): twice the tokens in the same memory, half the bytes a decode step's attention reads
     kv_cache_dtype: str = "auto"
-    kv_cache_memory_fraction: float = 0.25
+    # With no num_kv_blocks / kv_cache_memory (CPU; a GPU measures what it has left): the pool
+    # holds one full context, max(max_model_len, max_num_batched_tokens) tokens shared by every
+    # running sequence, as llama.cpp sizes its cache by n_ctx, capped by a quarter of free memory.
+    # A fraction given here sizes it from free memory instead (at most max_num_seqs full contexts).
+    kv_cache_memory_fraction: float | None = None
     # Split the model across this many processes on this host (gloo on CPU, NCCL on CUDA).
     tensor_parallel_size: int = 1
     # Layer-wise KV offload: the pool lives in host memory, the device holds two layers' buffers
@@ -159,7 +163,7 @@ class EngineConfig:
                              f"file) or 'q4', got {self.quantization!r}")
         if self.quantization == "q4" and self.tensor_parallel_size > 1:
             raise ValueError("quantization='q4' is not supported with tensor_parallel_size > 1")
-        if not 0 < self.kv_cache_memory_fraction <= 0.9:
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 0.9:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.9]")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

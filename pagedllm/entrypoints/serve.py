@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import ipaddress
 import logging
 import os
@@ -30,14 +31,17 @@ from pagedllm.jobs.settings import DEFAULT_MAX_PENDING_JOBS, default_data_dir
 from pagedllm.paths import DEFAULT_MODEL_NAME, TINY_MODEL, DefaultModelMissing, default_model
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                        help="the model to serve, as vLLM's `vllm serve MODEL` (the same as --model)")
     parser.add_argument("--model", help="model to load at start-up: a Hugging Face folder or a GGUF file (default: "
                                         f"{DEFAULT_MODEL_NAME}, unless --model-dir is given)")
     parser.add_argument("--no-model", action="store_true",
                         help="start with no model loaded (training jobs; --model-dir models load on demand)")
     parser.add_argument("--served-model-name", help="the 'model' name clients use (default: the folder's or file's name)")
     parser.add_argument("--model-dir", help="folder whose sub-folders can be loaded on demand: POST /v1/models/<name>/load")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on; anything but loopback needs --api-key (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and the docs "
                              "(default: $PAGEDLLM_API_KEY)")
@@ -67,8 +71,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine replicas per model behind this server: processes, or Ray actors with --cluster; "
                              "each request goes to the one with the fewest outstanding tokens, preferring the one "
                              "whose prefix cache holds the prompt's first blocks (default: 1, the engine in-process)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="the server's log level (default: %(default)s)")
+    add_chat_arguments(parser)
     add_engine_arguments(parser)
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's chat-template and tool-calling flags (docs/tools.md)."""
+    from pagedllm.entrypoints.tool_parsers import DEFAULT_PARSER, PARSERS
+
+    group = parser.add_argument_group("chat templates and tool calling")
+    group.add_argument("--chat-template", metavar="FILE_OR_JINJA",
+                       help="a chat template (a file, or the Jinja text itself) replacing every model's own "
+                            "(default: the model's)")
+    group.add_argument("--tool-call-parser", default=DEFAULT_PARSER, choices=sorted(PARSERS),
+                       help="how models write tool calls, and so how they are read back and what a forced "
+                            "tool_choice's grammar produces (default: %(default)s)")
+    group.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                       help='parse the calls of tool_choice "auto" (vLLM needs the flag; here it is on unless '
+                            "--no-enable-auto-tool-choice, which refuses \"auto\" as vLLM does without it)")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="render a request's own chat_template (Jinja, in a sandbox); without it such a request "
+                            "is a 400")
+
+
+def chat_options(args: argparse.Namespace):
+    """ChatOptions from the flags; ValueError on a template that is neither a file nor valid Jinja."""
+    from pagedllm.entrypoints.chat_template import load_chat_template
+    from pagedllm.entrypoints.openai.settings import ChatOptions
+
+    template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    return ChatOptions(chat_template=template, tool_call_parser=args.tool_call_parser,
+                       enable_auto_tool_choice=args.enable_auto_tool_choice,
+                       trust_request_chat_template=args.trust_request_chat_template)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -83,7 +119,9 @@ def build_settings(args: argparse.Namespace):
 
     engine = engine_args(args)
     models = []
-    model, name = args.model, args.served_model_name
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+    model, name = args.model_tag or args.model, args.served_model_name
     if args.no_model and model:
         raise ValueError("--no-model and --model exclude each other")
     if model is None and args.model_dir is None and not args.no_model:
@@ -100,6 +138,8 @@ def build_settings(args: argparse.Namespace):
         from pagedllm.jobs.ray_cluster import ray_address
 
         ray_address(args.cluster)  # a malformed --cluster fails here, before the port is bound
+        if importlib.util.find_spec("ray") is None:  # Ray is the `cluster` extra, not a serving dependency
+            raise ValueError("--cluster needs Ray: pip install 'pagedllm[cluster]'")
     return ServerSettings(
         models=models,
         model_dir=args.model_dir,
@@ -115,6 +155,7 @@ def build_settings(args: argparse.Namespace):
         max_pending_jobs=args.max_pending_jobs,
         cluster=args.cluster,
         data_parallel_size=args.data_parallel_size,
+        chat=chat_options(args),
     )
 
 
@@ -147,7 +188,7 @@ def banner(settings, args: argparse.Namespace) -> str:
     if not settings.models:
         return f"pagedllm serve: {url}/v1 with no model loaded (POST /v1/models/<name>/load)"
     name, path = settings.models[0].name, settings.models[0].path
-    key = " -H 'Authorization: Bearer $PAGEDLLM_API_KEY'" if settings.api_key else ""
+    key = ' -H "Authorization: Bearer $PAGEDLLM_API_KEY"' if settings.api_key else ""  # double quotes: the shell expands it
     body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
             '"max_tokens": 64, "temperature": 0}' % name)
     return (
@@ -162,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
         settings = build_settings(args)
     except (ValueError, ModelLoadError, DefaultModelMissing) as exc:
         hint = ""
-        if args.model and Path(args.model).resolve() == TINY_MODEL.resolve() and not TINY_MODEL.is_dir():
+        given = args.model_tag or args.model
+        if given and Path(given).resolve() == TINY_MODEL.resolve() and not TINY_MODEL.is_dir():
             hint = " (the repository's default model has not been built yet)"
         print(f"pagedllm serve: error: {exc}{hint}", file=sys.stderr)
         return 2

@@ -32,18 +32,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     export = subparsers.add_parser("export", help="write a Hugging Face model folder from a checkpoint")
     export.add_argument("--checkpoint", required=True, help="a checkpoint folder (step-NNNNNNNN) or a checkpoint_dir")
-    export.add_argument("--out", required=True, type=Path)
-    export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    export.add_argument("--out", required=True, type=Path, help="the Hugging Face folder to write")
+    export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the exported weights' type (default: %(default)s)")
     export.set_defaults(func=run_export)
 
     tokenizer = subparsers.add_parser("tokenizer", help="tokenizer tools")
     tok_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
     tok_train = tok_sub.add_parser("train", help="train a byte-level BPE tokenizer on a corpus")
     tok_train.add_argument("--input", required=True, help="text file, folder, JSONL with 'text', or @stdlib")
-    tok_train.add_argument("--vocab-size", type=int, required=True)
-    tok_train.add_argument("--out", required=True, type=Path)
+    tok_train.add_argument("--vocab-size", type=int, required=True, help="tokens in the vocabulary, special tokens included")
+    tok_train.add_argument("--out", required=True, type=Path, help="folder to write the tokenizer files to")
     tok_train.add_argument("--glob", default="**/*", help="files taken from an input folder (e.g. '**/*.py')")
-    tok_train.add_argument("--min-frequency", type=int, default=2)
+    tok_train.add_argument("--min-frequency", type=int, default=2, help="merges seen fewer times are not learned (default: %(default)s)")
     tok_train.set_defaults(func=run_tokenizer_train)
 
     from pagedllm.training import distill  # a draft model's corpus: its target's continuations

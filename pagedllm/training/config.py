@@ -267,12 +267,15 @@ def load_job(path: str | Path) -> TrainingJob:
     if not path.is_file():
         raise ConfigError("--config", f"no such file: {path}")
     text = path.read_text()
-    if path.suffix == ".toml":
-        data = tomllib.loads(text)
-    elif path.suffix == ".json":
-        data = json.loads(text)
-    else:
-        raise ConfigError("--config", f"expected a .toml or .json file, got {path.name}")
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError("--config", f"expected a .toml or .json file, got {path.name}")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError("--config", f"{path.name} is not valid {path.suffix[1:].upper()}: {exc}") from None
     return parse_job(data)
 
 

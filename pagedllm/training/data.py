@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import Tokenizer
+from tqdm import tqdm
 
 from pagedllm.training.config import DataConfig
 from pagedllm.training.corpus import Document, iter_documents, source_files
@@ -75,9 +78,16 @@ def build_cache(data: DataConfig, cache_dir: Path) -> Path:
     docs = list(iter_documents(data.dataset_path, data.file_glob))
     if not docs:
         raise ValueError(f"data_config.dataset_path: no text documents in {data.dataset_path}")
+    # Tokenizing a large corpus takes minutes once (issue 44: ~100 s of silence): say so, with a bar on a terminal.
+    started = time.perf_counter()
+    print(f"tokenizing {len(docs):,} documents ({sum(len(d.text) for d in docs) / 1e6:,.1f} M characters) of "
+          f"{data.dataset_path} into {folder} (once: later runs reuse it)", file=sys.stderr, flush=True)
+    bar = tqdm(total=len(docs), unit="doc", file=sys.stderr, disable=not sys.stderr.isatty(), mininterval=1)
     for doc, ids in encode_documents(docs, tokenizer):
         ids = ids + ([eos] if eos is not None else [])
         splits["val" if is_validation(doc, data.validation_split) else "train"].append(np.asarray(ids))
+        bar.update()
+    bar.close()
     dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
     streams = {name: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype) for name, parts in splits.items()}
     if data.validation_split > 0 and not (streams["train"].size and streams["val"].size):
@@ -93,6 +103,8 @@ def build_cache(data: DataConfig, cache_dir: Path) -> Path:
             "dataset_path": data.dataset_path, "tokenizer": str(tokenizer_json)}
     (folder / "meta.json.tmp").write_text(json.dumps(meta, indent=2))
     (folder / "meta.json.tmp").replace(folder / "meta.json")
+    print(f"tokenized: {counts['train']:,} training and {counts['val']:,} validation tokens in "
+          f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     return folder
 
 

@@ -49,6 +49,18 @@ class DistillConfig:
 
 
 # DistillConfig's fields that are command-line options of their own name and type
+_HELP = {
+    "validation_split": "documents the trainer would hold out at this split are never prompts",
+    "num_prompts": "prompts to continue",
+    "min_prompt_tokens": "shortest prompt",
+    "max_prompt_tokens": "longest prompt",
+    "max_tokens": "continuation length (shorter when the model ends the text)",
+    "sampled_fraction": "share of prompts sampled at --temperature, the rest greedy",
+    "temperature": "temperature of the sampled prompts",
+    "batch": "requests handed to the engine at a time",
+    "first_prompt": "skip the prompts before this one (extends a corpus, or splits one across processes)",
+    "seed": "prompt choice and sampling seed",
+}
 _TUNABLES = ("validation_split", "num_prompts", "min_prompt_tokens", "max_prompt_tokens", "max_tokens", "sampled_fraction",
              "temperature", "batch", "first_prompt", "seed")
 
@@ -126,7 +138,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--glob", default=d["file_glob"].default, help="files taken from a dataset folder")
     for name in _TUNABLES:
         default = d[name].default
-        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=f"default: {default}")
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=f"{_HELP[name]} (default: {default})")
     p.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="engine KV budget in bytes (default 512 MiB)")
     p.set_defaults(func=run)
 

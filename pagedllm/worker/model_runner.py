@@ -503,10 +503,21 @@ class ModelRunner:
         return generator
 
 
+DEFAULT_FREE_MEMORY_CAP = 0.25  # the default pool never takes more of the free memory than this
+
+
+def one_context_blocks(config: EngineConfig, max_model_len: int) -> int:
+    """The default pool (no size given, CPU): one full context, or one step's tokens if more,
+    shared by every running sequence (llama.cpp's n_ctx). A 135M model's 8,192 positions hold
+    0.75 GB in float32, where a quarter of free memory was 5-7 GB that nothing used."""
+    tokens = max(max_model_len, config.resolve_max_num_batched_tokens(max_model_len))
+    return -(-tokens // config.block_size)
+
+
 def kv_pool_sizes(config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                   extra_bytes_per_block: int = 0, num_ranks: int = 1, memory_budget: int | None = None) -> tuple[int, int]:
     """(device blocks, host swap blocks) for one rank holding `model_config`'s part of each
-    block. The default budget (a share of free memory) is split between the ranks of one host;
+    block. The default budget (one context, capped by a share of free memory) is split between the ranks of one host;
     `memory_budget`: bytes measured for the pool (a GPU's, worker/gpu_memory.py)."""
     per_block = bytes_per_block(model_config, config.block_size, config.kv_torch_dtype(model_config)) + extra_bytes_per_block
     most_useful = config.max_num_seqs * -(-max_model_len // config.block_size)  # more could never be used
@@ -523,8 +534,10 @@ def kv_pool_sizes(config: EngineConfig, model_config: ModelConfig, max_model_len
                              f"({per_block} bytes); raise gpu_memory_utilization or pass kv_cache_memory")
         num_blocks = min(memory_budget // per_block, most_useful)
     else:
-        budget = int(available_memory_bytes() * config.kv_cache_memory_fraction) // (per_block * num_ranks)
-        num_blocks = max(1, min(budget, most_useful))
+        fraction = config.kv_cache_memory_fraction
+        budget = int(available_memory_bytes() * (fraction or DEFAULT_FREE_MEMORY_CAP)) // (per_block * num_ranks)
+        wanted = most_useful if fraction is not None else one_context_blocks(config, max_model_len)
+        num_blocks = max(1, min(budget, wanted, most_useful))
     num_cpu_blocks = 0
     if config.preemption_mode == "swap":
         num_cpu_blocks = min(config.swap_space // (per_block * num_ranks), most_useful)

@@ -40,6 +40,18 @@ def test_stdlib_alias_reads_python_sources_only():
     assert not any("site-packages" in f.parts or "__pycache__" in f.parts for f in files)
 
 
+def test_tokenizing_says_what_it_does(tiny_paths, capsys):
+    """The one slow, silent part of a first run (issue 44): a line before, a line after with the counts."""
+    cfg = data_config(tiny_paths, validation_split=0.37)  # a key no other test builds
+    folder = build_cache(cfg, tiny_paths["cache"])
+    err = capsys.readouterr().err
+    meta = json.loads((folder / "meta.json").read_text())
+    assert f"tokenizing {meta['documents']:,} documents" in err and str(folder) in err
+    assert f"tokenized: {meta['tokens']['train']:,} training and {meta['tokens']['val']:,} validation tokens" in err
+    build_cache(cfg, tiny_paths["cache"])
+    assert "tokeniz" not in capsys.readouterr().err  # reused: nothing to say
+
+
 def test_cache_is_built_once_and_splits_by_document(tiny_paths):
     cfg = data_config(tiny_paths, validation_split=0.3)
     folder = build_cache(cfg, tiny_paths["cache"])

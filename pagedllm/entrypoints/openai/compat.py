@@ -4,8 +4,9 @@ spellings clients still send.
 Clients written for OpenAI or vLLM send what their API accepts: guidellm asks every stream for
 vLLM's `continuous_usage_stats`, LangChain and the openai SDK pass `store`, `metadata` or
 `service_tier` through, SDKs older than tools send `functions`. Refusing those with a 400 makes a
-client fail where its request is fine, so every field of either API is accepted (an unknown
-field stays a 400 naming it, as OpenAI answers a typo). Where a field cannot mean anything here —
+client fail where its request is fine, so every field of either API is accepted, and a field of
+neither is logged and ignored as vLLM does ("The following fields were present in the request but
+ignored"), so a client's own extension does not fail the request. Where a field cannot mean anything here —
 there is one tier of service, nothing is stored, the served models do not reason — it is accepted,
 ignored, and named once in the log (a warning, as vLLM logs the fields it ignores). Where ignoring it would silently give a wrong answer (audio
 output, a web search, code to run as a logits processor) it is a 400 naming it.
@@ -42,8 +43,6 @@ REFUSED = {
     "audio": "audio output is not supported",
     "web_search_options": "web search is not supported",
     "logits_processors": "this server runs no code a caller supplies",
-    "chat_template": ("a template is code, and this server renders only the model's own (vLLM too refuses a request's "
-                      "template unless started with --trust-request-chat-template)"),
 }
 
 _noted: set[str] = set()
@@ -67,6 +66,18 @@ def note_ignored(values: dict[str, Any]) -> list[str]:
         if name not in _noted:
             _noted.add(name)
             logger.warning("request field %r accepted and ignored: %s", name, IGNORED[name])
+    return names
+
+
+MAX_NAMED = 8  # unknown fields named per log line, each cut to 64 characters: the log stays bounded
+
+
+def note_unknown(extra: dict[str, Any] | None) -> list[str]:
+    """Log a request's unknown top-level fields (every request, as vLLM); their names."""
+    names = sorted(extra or {})
+    if names:
+        shown = [name[:64] for name in names[:MAX_NAMED]] + ([f"... {len(names) - MAX_NAMED} more"] if len(names) > MAX_NAMED else [])
+        logger.warning("the following fields were present in the request but ignored: %s", shown)
     return names
 
 

@@ -5,7 +5,11 @@ OpenAI handlers do not know how many engines serve them. Each request group goes
 chosen by `PrefixRouter`: the replica with the fewest outstanding tokens (prompt + max_tokens of the
 groups it was given and that have not finished), except that a replica whose prefix cache should hold
 the prompt's first blocks — the router remembers the block-hash chains of the prompts it sent where —
-is preferred while it is no more than one step's token budget busier than the least loaded.
+is preferred while its load stays within a bound of the least loaded (SGLang's cache-aware router):
+no more than one step's token budget more outstanding tokens, and no more than MAX_GROUP_SKEW more
+outstanding request groups. The second bound is the one that matters for chats: they share the chat
+template's system prefix and ask for few tokens, so by tokens alone 24 concurrent chats all went to
+replica 0; by groups they spread over both.
 
 A replica that dies fails its in-flight requests with ReplicaDiedError (503 `replica_died`, saying so)
 and is started again (with back-off); the others keep serving meanwhile. The outputs a replica sends
@@ -29,6 +33,7 @@ from pagedllm.entrypoints.openai.replicas import ProcessReplica, RayActorReplica
 logger = logging.getLogger("pagedllm.server")
 
 MAX_PREFIX_BLOCKS = 8  # the "first blocks" a prompt is matched by
+MAX_GROUP_SKEW = 2  # outstanding request groups a prefix hit may put a replica ahead of the least busy
 REMEMBERED_PREFIXES = 4096  # block-chain keys per replica (least recently routed forgotten first)
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 SUMMED = ("num_running", "num_waiting", "num_swapped", "num_preemptions", "num_swap_outs", "prefix_cache_queries",
@@ -47,11 +52,12 @@ def prefix_keys(token_ids: list[int], block_size: int, limit: int = MAX_PREFIX_B
 
 
 class PrefixRouter:
-    """Picks a replica per request group: cached prefix first, within one step's budget of the least load."""
+    """Picks a replica per request group: cached prefix first, within a bound of the least load."""
 
-    def __init__(self, size: int, block_size: int, slack_tokens: int) -> None:
-        self.block_size, self.slack = block_size, slack_tokens
+    def __init__(self, size: int, block_size: int, slack_tokens: int, group_skew: int = MAX_GROUP_SKEW) -> None:
+        self.block_size, self.slack, self.group_skew = block_size, slack_tokens, group_skew
         self.load = [0] * size  # outstanding tokens per replica
+        self.groups = [0] * size  # outstanding request groups per replica
         self.prefixes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(size)]
 
     def choose(self, token_ids: list[int], available: list[int]) -> tuple[int, str, list[bytes]]:
@@ -60,7 +66,9 @@ class PrefixRouter:
         least = min(available, key=lambda i: (self.load[i], i))
         matched = {i: self._matched(i, keys) for i in available}
         best = max(available, key=lambda i: (matched[i], -self.load[i], -i))
-        if matched[best] > 0 and self.load[best] - self.load[least] <= self.slack:
+        fewest = min(self.groups[i] for i in available)
+        if (matched[best] > 0 and self.load[best] - self.load[least] <= self.slack
+                and self.groups[best] - fewest <= self.group_skew):
             return best, "prefix", keys
         return least, "load", keys
 
@@ -76,6 +84,7 @@ class PrefixRouter:
 
     def assign(self, index: int, keys: list[bytes], tokens: int) -> None:
         self.load[index] += tokens
+        self.groups[index] += 1
         seen = self.prefixes[index]
         for key in keys:
             seen[key] = None
@@ -85,6 +94,7 @@ class PrefixRouter:
 
     def release(self, index: int, tokens: int) -> None:
         self.load[index] -= tokens
+        self.groups[index] -= 1
 
     def forget(self, index: int) -> None:
         """A restarted replica has an empty cache."""

@@ -139,6 +139,12 @@ class ServerMetrics:
     def collect_replica_stats(self, snapshots: Callable[[], Iterable[dict]]) -> None:
         self.registry.register(ReplicaStatsCollector(snapshots))
 
+    def searched(self, model_name: str, outputs: list[RequestOutput]) -> None:
+        """A finished beam search: one success per returned choice, as for any request."""
+        for output in outputs:
+            for completion in output.outputs:
+                self.success.labels(model_name, completion.finish_reason or "abort").inc()
+
     def observer(self, model_name: str) -> "RequestObserver":
         return RequestObserver(self, model_name)
 
@@ -160,6 +166,15 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+# Beam search's rounds are engine requests of their own (serving_beam_search.py); their ids carry
+# this mark so that the request metrics count the search once, not once per round and beam.
+BEAM_ROUND_MARK = "-beam-round"
+
+
+def is_beam_round(request_id: str) -> bool:
+    return BEAM_ROUND_MARK in request_id
+
+
 class RequestObserver:
     """Observes one model's step outputs (called on its engine thread)."""
 
@@ -170,6 +185,8 @@ class RequestObserver:
 
     def __call__(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
+            if is_beam_round(output.request_id):
+                continue  # the search is counted once, when it ends (ServerMetrics.searched)
             self._tokens(output)
             if output.finished:
                 self._finished(output)

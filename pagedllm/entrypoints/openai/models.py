@@ -25,7 +25,8 @@ from pagedllm.entrypoints.openai.limits import max_token_chars, prompt_char_limi
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import ModelCard
 from pagedllm.entrypoints.openai.replica import EngineInfo, ReplicaSpec
-from pagedllm.entrypoints.openai.settings import ServerSettings
+from pagedllm.entrypoints.openai.settings import ChatOptions, ServerSettings
+from pagedllm.entrypoints.tool_parsers import ToolParser, parser_class
 from pagedllm.http_errors import (
     BadRequestError,
     ConflictError,
@@ -51,6 +52,11 @@ class ServedModel:
     # one thread at a time and a long prompt never holds the event loop (limits.py).
     tokenizer_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "pagedllm-tokenizer"))
     max_token_chars: int = 1  # the longest vocabulary entry (limits.prompt_char_limit)
+    chat: ChatOptions = field(default_factory=ChatOptions)  # templates and tool calls (the server's flags)
+
+    @property
+    def tool_parser(self) -> type[ToolParser]:
+        return parser_class(self.chat.tool_call_parser)
 
     async def on_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """fn(*args, **kwargs) on this model's tokenizer thread."""
@@ -118,6 +124,7 @@ class ModelRegistry:
         is printed whatever the log level, as the server's banner is."""
         for spec in self.settings.models:
             served = await self._load(spec.name, spec.path)
+            print(f"pagedllm serve: model {spec.name!r}: {served.info.pool_line()}", file=sys.stderr, flush=True)
             for notice in served.info.notices:
                 print(f"pagedllm serve: model {spec.name!r}: {notice}", file=sys.stderr, flush=True)
 
@@ -247,7 +254,7 @@ class ModelRegistry:
         if isinstance(async_engine, AsyncEngine):
             async_engine.start()
         served = ServedModel(name, path, async_engine, tokenizer, int(time.time()), info,
-                             ThreadPoolExecutor(1, f"pagedllm-tokenizer-{name}"), token_chars)
+                             ThreadPoolExecutor(1, f"pagedllm-tokenizer-{name}"), token_chars, self.settings.chat)
         self._ready[name] = served
         logger.info("model %r ready (%s, max_model_len=%d)", name, path, served.max_model_len)
         return served

@@ -1,7 +1,8 @@
 """Request and response bodies with OpenAI's field names (plus vLLM's sampling extensions).
 
-Requests forbid unknown fields, as OpenAI does ("unrecognized request argument"): a typo such
-as `max_token` must not be silently ignored. Ranges are checked once, by `SamplingParams`; the
+A completion or chat request's unknown top-level fields are logged and ignored, as vLLM does
+(clients written for other servers send their own extensions); inside it, and in every other
+body, unknown fields are a 400 ("unrecognized request argument"). Ranges are checked once, by `SamplingParams`; the
 models here fix the types, the few bounds the engine cannot know about, and how much one request
 may carry (limits.py): list lengths, string sizes, valid Unicode — each a 400 naming the field.
 """
@@ -67,6 +68,8 @@ class StructuredOutputs(RequestModel):
 
 class SamplingFields(RequestModel):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields: logged and ignored (compat.note_unknown)
 
     model: Optional[Name] = Field(default=None, description="served model name; optional when one model is loaded")
     temperature: Optional[float] = None
@@ -288,7 +291,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False  # vLLM: the template leaves the last (assistant) message open
     add_special_tokens: bool = False  # vLLM: the template places BOS itself
     chat_template_kwargs: Optional[dict[Name, Any]] = None  # extra variables for the template
-    chat_template: Optional[Grammar] = None  # refused (compat.py): a template is code
+    chat_template: Optional[Grammar] = None  # a template is code: refused unless --trust-request-chat-template
     documents: Optional[Annotated[list[dict[Name, Text]], Field(max_length=MAX_MESSAGES)]] = None  # for RAG templates
     # OpenAI's deprecated function calling, converted to tools / tool_choice
     functions: Optional[Annotated[list[FunctionDefinition], Field(max_length=MAX_TOOLS)]] = None

@@ -47,14 +47,24 @@ class EngineInfo:
     max_num_batched_tokens: int
     eos_token_ids: frozenset[int] = frozenset()  # where beam search's hypotheses end
     notices: tuple[str, ...] = ()  # options asked for that this engine does not run, and why (StepPlanner)
+    kv_cache_bytes: int = 0  # the KV pool's size (all ranks), printed when the server loads the model
 
     @classmethod
     def of(cls, engine) -> EngineInfo:
-        manager = engine.block_manager
-        return cls(engine.max_model_len, manager.num_blocks * manager.block_size, engine.config.max_num_seqs,
+        from pagedllm.worker.kv_cache import bytes_per_block
+
+        manager, config = engine.block_manager, engine.config
+        pool_bytes = manager.num_blocks * bytes_per_block(engine.model_config, manager.block_size,
+                                                          config.kv_torch_dtype(engine.model_config))
+        return cls(engine.max_model_len, manager.num_blocks * manager.block_size, config.max_num_seqs,
                    engine.model_config.vocab_size, manager.block_size,
-                   engine.config.resolve_max_num_batched_tokens(engine.max_model_len), frozenset(engine.eos_token_ids),
-                   engine.planner.notices)
+                   config.resolve_max_num_batched_tokens(engine.max_model_len), frozenset(engine.eos_token_ids),
+                   engine.planner.notices, pool_bytes)
+
+    def pool_line(self) -> str:
+        """The KV pool in a few words, for the server's banner."""
+        return (f"KV cache {self.kv_cache_tokens:,} tokens ({self.kv_cache_bytes / 2**20:,.0f} MiB), "
+                f"max_model_len {self.max_model_len:,}, max_num_seqs {self.max_num_seqs}")
 
 
 class ReplicaCore:

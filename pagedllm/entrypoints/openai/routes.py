@@ -134,6 +134,14 @@ async def health(request: Request) -> Response:
     return json_response(report, 503 if report.status == "unhealthy" else 200)
 
 
+@ops_router.get("/version")
+async def version() -> dict[str, str]:
+    """vLLM's /version: the server's package version (open, as /health is)."""
+    import importlib.metadata
+
+    return {"version": importlib.metadata.version("pagedllm")}
+
+
 @ops_router.get("/metrics", response_class=Response, responses={
     200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:

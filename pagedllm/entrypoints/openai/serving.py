@@ -69,8 +69,9 @@ def new_id(prefix: str, request_id: str | None = None) -> str:
 
 
 def accept(req: SamplingFields) -> None:
-    """The request's accepted-but-ignored fields, named in the log (compat.py)."""
+    """The request's accepted-but-ignored fields and its unknown ones, named in the log (compat.py)."""
     compat.note_ignored(req.__dict__)
+    compat.note_unknown(req.model_extra)
 
 
 def truncate(token_ids: list[int], req: SamplingFields, served: ServedModel) -> list[int]:

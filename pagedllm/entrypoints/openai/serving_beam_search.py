@@ -25,6 +25,7 @@ from fastapi import Request
 from pagedllm.engine.beam_search import Beam, BeamSearch, advance, candidates, new_search, round_params
 from pagedllm.entrypoints.openai.async_engine import EngineStoppedError
 from pagedllm.entrypoints.openai.errors import param_from_message
+from pagedllm.entrypoints.openai.metrics import BEAM_ROUND_MARK
 from pagedllm.entrypoints.openai.models import ServedModel
 from pagedllm.entrypoints.openai.protocol import SamplingFields
 from pagedllm.entrypoints.openai.serving import EnginePrompt, final_outputs, submitted
@@ -85,7 +86,7 @@ async def run(served: ServedModel, search_id: str, prompt: EnginePrompt, search:
     beams = [Beam()]
     for round_index in itertools.count():
         prompts = [EnginePrompt(prompt.text, prompt.token_ids + beam.output_ids) for beam in beams]
-        async with submitted(served, f"{search_id}-round{round_index}", prompts, round_params(search), priority,
+        async with submitted(served, f"{search_id}{BEAM_ROUND_MARK}{round_index}", prompts, round_params(search), priority,
                              prompt_param) as group:
             outputs = await final_outputs(group, raw, prompt_param)
         for beam, output in zip(beams, outputs):
@@ -116,8 +117,10 @@ async def search_outputs(served: ServedModel, request_id: str, prompts: list[Eng
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-    return [await _output(served, f"{request_id}-{index}", prompt, search, n, skip_special_tokens)
-            for index, (prompt, search) in enumerate(zip(prompts, searches))]
+    outputs = [await _output(served, f"{request_id}-{index}", prompt, search, n, skip_special_tokens)
+               for index, (prompt, search) in enumerate(zip(prompts, searches))]
+    raw.app.state.metrics.searched(served.name, outputs)  # the rounds were not counted (metrics.BEAM_ROUND_MARK)
+    return outputs
 
 
 async def _output(served: ServedModel, request_id: str, prompt: EnginePrompt, search: BeamSearch, n: int,

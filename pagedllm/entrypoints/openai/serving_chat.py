@@ -1,11 +1,13 @@
 """POST /v1/chat/completions: messages → the model's chat template → one engine request.
 
-The template comes from the model's tokenizer files and is rendered by transformers'
-`apply_chat_template`; the rendered text is tokenized without extra special tokens (the
+The template is the request's `chat_template` (with --trust-request-chat-template), else the
+server's --chat-template, else the model's own; transformers' `apply_chat_template` renders it in
+its sandboxed Jinja environment; the rendered text is tokenized without extra special tokens (the
 template places BOS itself, as vLLM does). A model without a template gets a clear 400.
 Streams send each choice's role first, then content deltas, then its finish_reason.
-With `tools`, the template is given them and the answer's tool calls are parsed out of the text
-(tool_calls.py); a choice that called a tool finishes with "tool_calls".
+With `tools`, the template is given them (a template that knows no tools gets the fallback of
+tool_prompt.py) and the answer's tool calls are parsed out of the text by the server's tool-call
+parser (tool_calls.py); a choice that called a tool finishes with "tool_calls".
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ from pagedllm.entrypoints.openai.serving import (
     usage,
 )
 from pagedllm.entrypoints.openai.tool_calls import (
-    ToolCallParser,
+    ToolCallStream,
     extract_tool_calls,
     parses_calls,
     template_message,
@@ -78,14 +80,29 @@ async def render_chat(req: ChatCompletionRequest, served: ServedModel) -> Engine
     try:
         text = await served.on_tokenizer_thread(
             chat_template.render_chat, served.tokenizer, messages, tools=template_tools(req),
+            chat_template=request_template(req, served), tool_parser=served.tool_parser,
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
             documents=req.documents, chat_template_kwargs=req.chat_template_kwargs)
     except chat_template.ChatTemplateError as exc:
-        param = "tools" if "tools" in str(exc) else "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else MESSAGES
-        raise BadRequestError(f"model {served.name!r}: {exc}", param) from exc
+        raise BadRequestError(f"model {served.name!r}: {exc}", template_param(req, str(exc))) from exc
     token_ids = await encode(served, text, MESSAGES, add_special_tokens=req.add_special_tokens)
     ids = truncate(token_ids, req, served)
     return EnginePrompt(text if ids is token_ids else served.tokenizer.decode(ids), ids)
+
+
+def request_template(req: ChatCompletionRequest, served: ServedModel) -> str | None:
+    """The template to render with (None: the model's own); a request's only when the server trusts it."""
+    if req.chat_template is not None and not served.chat.trust_request_chat_template:
+        raise BadRequestError("chat_template: a template is code; this server renders a request's template only when "
+                              "started with --trust-request-chat-template (as vLLM)", "chat_template")
+    return req.chat_template or served.chat.chat_template
+
+
+def template_param(req: ChatCompletionRequest, reason: str) -> str:
+    """The field a template error is about: the kwargs it clashed with, the request's template, or the messages."""
+    if "chat_template_kwargs" in reason:
+        return "chat_template_kwargs"
+    return "chat_template" if req.chat_template is not None else MESSAGES
 
 
 async def create_chat_completion(req: ChatCompletionRequest, served: ServedModel, raw: Request) -> Response | ChatCompletionResponse:
@@ -94,7 +111,8 @@ async def create_chat_completion(req: ChatCompletionRequest, served: ServedModel
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_context_length(len(prompt.token_ids), max_tokens, served, param)
-    constraint, constraint_param = output_constraint(req)
+    check_tool_choice(req, served)
+    constraint, constraint_param = output_constraint(req, served)
     if req.use_beam_search:
         return await beam_search_chat(req, served, raw, prompt, max_tokens, constraint_param)
     params = sampling_params(
@@ -122,10 +140,17 @@ async def beam_search_chat(req: ChatCompletionRequest, served: ServedModel, raw:
     return builder.response(output)
 
 
-def output_constraint(req: ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+def check_tool_choice(req: ChatCompletionRequest, served: ServedModel) -> None:
+    """vLLM's rule: "auto" (the default with tools) needs --enable-auto-tool-choice."""
+    if req.tools and req.tool_choice in (None, "auto") and not served.chat.enable_auto_tool_choice:
+        raise BadRequestError('tool_choice "auto" needs a server started with --enable-auto-tool-choice; '
+                              'use "required", a named function or "none"', "tool_choice")
+
+
+def output_constraint(req: ChatCompletionRequest, served: ServedModel) -> tuple[StructuredOutputsParams | None, str | None]:
     """A response format / guided constraint, or the grammar a forced tool choice implies."""
     constraint, param = structured_outputs(req, req.response_format)
-    calls = tool_constraint(req)
+    calls = tool_constraint(req, served.tool_parser)
     if calls is None:
         return constraint, param
     if constraint is not None:
@@ -141,7 +166,7 @@ class ChatBuilder:
     id: str
     prompt: EnginePrompt
     created: int = field(default_factory=now)
-    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # choice -> its stream's parser
+    parsers: dict[int, ToolCallStream] = field(default_factory=dict)  # choice -> its stream's parser
 
     @staticmethod
     def _finish_reason(reason: str | None, called: bool) -> str | None:
@@ -150,7 +175,7 @@ class ChatBuilder:
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
         choices = []
         for c in output.outputs:
-            content, calls = extract_tool_calls(c.text) if parses_calls(self.req) else (c.text, [])
+            content, calls = extract_tool_calls(c.text, self.served.tool_parser) if parses_calls(self.req) else (c.text, [])
             choices.append(ChatChoice(
                 index=c.index,
                 message=AssistantMessage(content=content, tool_calls=calls),
@@ -210,11 +235,12 @@ class ChatBuilder:
         """The delta's content and completed tool calls; whether this choice has called a tool."""
         if not parses_calls(self.req):
             return (DeltaMessage(content=text) if text else DeltaMessage()), False
-        parser = self.parsers.setdefault(index, ToolCallParser())
+        parser = self.parsers.setdefault(index, ToolCallStream(self.served.tool_parser()))
         first = parser.calls
         content, calls = parser.feed(text)
         if last:
-            content += parser.finish()
+            rest, more = parser.finish()
+            content, calls = content + rest, calls + more
         deltas = [DeltaToolCall(index=first + i, **call.model_dump()) for i, call in enumerate(calls)] or None
         return DeltaMessage(content=content or None, tool_calls=deltas), parser.calls > 0
 

@@ -16,6 +16,21 @@ class ModelSpec:
     path: str
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How chat requests are rendered and their tool calls read, for every model (vLLM's flags)."""
+
+    chat_template: str | None = None  # Jinja text replacing each model's own template (--chat-template)
+    tool_call_parser: str = "hermes"  # the format tool calls are written and read in (tool_parsers/)
+    enable_auto_tool_choice: bool = True  # tool_choice "auto" parses calls (else it is refused, as vLLM)
+    trust_request_chat_template: bool = False  # a request's `chat_template` is rendered (else a 400)
+
+    def __post_init__(self) -> None:
+        from pagedllm.entrypoints.tool_parsers import parser_class
+
+        parser_class(self.tool_call_parser)  # an unknown parser fails at start-up
+
+
 @dataclass
 class ServerSettings:
     models: list[ModelSpec] = field(default_factory=list)  # loaded at start-up
@@ -36,6 +51,7 @@ class ServerSettings:
     max_pending_jobs: int = DEFAULT_MAX_PENDING_JOBS  # training jobs waiting to start, at most (then 429)
     cluster: str | None = None  # "ray" / "ray://HOST:PORT": jobs (and serving replicas) on a Ray cluster
     data_parallel_size: int = 1  # engine replicas per model behind this server (processes, or Ray actors)
+    chat: ChatOptions = field(default_factory=ChatOptions)
 
     def __post_init__(self) -> None:
         names = [spec.name for spec in self.models]

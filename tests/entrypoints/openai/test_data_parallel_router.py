@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.entrypoints.openai.data_parallel import MAX_PREFIX_BLOCKS, PrefixRouter, prefix_keys
+from pagedllm.entrypoints.openai.data_parallel import MAX_GROUP_SKEW, MAX_PREFIX_BLOCKS, PrefixRouter, prefix_keys
 
 
 def test_prefix_keys_chain_over_full_blocks_only():
@@ -27,9 +27,10 @@ def test_a_remembered_prefix_wins_within_the_slack_and_loses_beyond_it():
     assert (again, reason) == (0, "prefix")  # 8 tokens ahead of replica 1: within the slack
     router.assign(0, keys, 8)
     assert router.choose(prompt, [0, 1])[:2] == (1, "load")  # 16 ahead: beyond it
+    router.release(0, 8)
     assert router.choose(prompt, [1])[:2] == (1, "load")  # replica 0 down
     router.forget(0)
-    router.release(0, 16)
+    router.release(0, 8)
     assert router.choose(prompt, [0, 1])[:2] == (0, "load")
 
 
@@ -49,4 +50,19 @@ def test_load_returns_to_zero_and_the_choice_is_available(requests, size):
         held.append((index, tokens))
     for index, tokens in held:
         router.release(index, tokens)
-    assert router.load == [0] * size
+    assert router.load == [0] * size and router.groups == [0] * size
+
+
+def test_24_chats_sharing_a_system_prefix_keep_both_replicas_busy():
+    """Chats share the template's system prompt and ask for few tokens: within the token slack all
+    24 went to one replica (issue 44); the group bound spreads them, each still near its prefix."""
+    system = list(range(100, 164))  # 64 tokens of system prompt: 4 blocks of 16
+    router = PrefixRouter(2, block_size=16, slack_tokens=2048)
+    sent = []
+    for chat in range(24):  # all in flight at once: nothing released
+        index, reason, keys = router.choose(system + [chat] * 20, [0, 1])
+        router.assign(index, keys, 84 + 32)
+        sent.append((index, reason))
+    per_replica = [sum(1 for i, _ in sent if i == r) for r in (0, 1)]
+    assert min(per_replica) >= 11 and abs(per_replica[0] - per_replica[1]) <= MAX_GROUP_SKEW, per_replica
+    assert sum(1 for _, reason in sent if reason == "prefix") >= 20  # both replicas hold the prefix and are reused

@@ -42,6 +42,8 @@ def test_flags_become_settings(model_dir):
         (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens must be a positive integer"),
         (["--protect-metrics"], "--protect-metrics needs --api-key"),
         (["--request-timeout", "0"], "request_timeout_s must be > 0"),
+        (["--chat-template", "/nonexistent/template.jinja"], "neither a file nor Jinja text"),
+        (["--chat-template", "{% for m in messages %}{{ m.content }}"], "--chat-template: line 1"),
     ],
 )
 def test_bad_arguments_exit_2_with_the_reason(model_dir, capsys, argv, message):
@@ -71,3 +73,28 @@ def test_listening_beyond_loopback_without_a_key_warns(host, key, warns):
     assert (warning is not None) == warns
     if warns:
         assert host in warning and "--api-key" in warning
+
+
+def test_the_model_can_be_positional_as_in_vllm(model_dir):
+    folder = str(model_dir("llama"))
+    assert [m.path for m in build_settings(parse(folder)).models] == [folder]
+    assert [m.path for m in build_settings(parse(folder, "--model", folder)).models] == [folder]
+    with pytest.raises(ValueError, match="given twice"):
+        build_settings(parse(folder, "--model", folder + "-other"))
+
+
+def test_the_curl_hint_works_when_pasted_with_an_api_key(model_dir, tmp_path):
+    """The banner's curl line, run by bash with `curl` swapped for printf: $PAGEDLLM_API_KEY expands."""
+    import shlex
+    import subprocess
+
+    from pagedllm.entrypoints.serve import banner
+
+    args = parse("--model", str(model_dir("llama")), "--api-key", "secret")
+    line = banner(build_settings(args), args).splitlines()[-1].split("try: ", 1)[1]
+    assert line.startswith("curl ")
+    script = "printf '%s\\n' " + line.removeprefix("curl ")
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env={"PAGEDLLM_API_KEY": "secret"}, check=True)
+    words = done.stdout.splitlines()
+    assert "Authorization: Bearer secret" in words and shlex.split(line)[0] == "curl"
+

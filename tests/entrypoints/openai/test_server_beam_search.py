@@ -54,6 +54,20 @@ def test_completions_equal_llm_beam_search(client, llm, server, width, n, max_to
     server.wait_idle()
 
 
+def test_a_search_counts_as_one_request_in_the_metrics(client, server):
+    """Its rounds are engine requests, one per beam and round: none of them is a finished request
+    (issue 44: a width-4 search of 8 tokens once added ~30 to request_success_total)."""
+    server.wait_idle()
+    metric = lambda: sum(value for (name, labels), value in server.metrics().items()  # noqa: E731
+                         if name == "pagedllm_request_success_total" and ("model_name", MAIN) in labels)
+    e2e = lambda: server.metric("pagedllm_e2e_request_latency_seconds_count", model_name=MAIN)  # noqa: E731
+    before, e2e_before = metric(), e2e()
+    out = client.completions.create(model=MAIN, prompt=PROMPTS[0], n=2, best_of=4, max_tokens=8,
+                                    extra_body={"use_beam_search": True})
+    server.wait_idle()
+    assert len(out.choices) == 2 and metric() - before == 2 and e2e() == e2e_before  # one per returned choice
+
+
 def test_chat_equals_llm_beam_search(client, llm, server):
     tokenizer = llm.get_tokenizer()
     text = render_chat(tokenizer, MESSAGES, add_generation_prompt=True)

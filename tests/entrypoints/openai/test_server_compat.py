@@ -1,6 +1,6 @@
 """Every field of OpenAI's and vLLM's request bodies is accepted: honoured where it means something
 here, accepted and named once in the log where it cannot, refused (400 naming it) where ignoring it
-would give a wrong answer; an unknown field stays a 400 (compat.py)."""
+would give a wrong answer; an unknown top-level field is logged and ignored, as vLLM does (compat.py)."""
 from __future__ import annotations
 
 import json
@@ -82,7 +82,6 @@ def test_fields_without_meaning_here_are_accepted_and_logged(http, server):
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ({"continue_final_message": True}, None),  # with add_generation_prompt's default true
-    ({"unknown_field": 1}, "unknown_field"),
 ])
 def test_fields_that_would_mislead_are_400(http, patch, param):
     error = assert_error(http.post("/v1/chat/completions", json={"model": MAIN, "messages": MESSAGES, "max_tokens": 2, **patch}), 400)
@@ -113,3 +112,30 @@ def test_deprecated_functions_become_tools(http):
     assert old["usage"] == new["usage"]
     (call,) = old["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": MAIN, "messages": MESSAGES, "max_tokens": 2}),
+    ("/v1/completions", {"model": MAIN, "prompt": "x", "max_tokens": 2}),
+])
+def test_unknown_fields_are_logged_and_ignored(server, http, path, body):
+    plain = http.post(path, json={**body, "temperature": 0}).json()
+    response = http.post(path, json={**body, "temperature": 0, "my_client_extension": {"a": 1}, "max_token": 9})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"] == plain["choices"]
+    log = server.log.read_text()
+    assert "present in the request but ignored: ['max_token', 'my_client_extension']" in log
+
+
+def test_unknown_fields_inside_a_request_are_still_400(http):
+    body = {"model": MAIN, "messages": [{"role": "user", "content": "hi", "colour": "red"}], "max_tokens": 2}
+    assert_error(http.post("/v1/chat/completions", json=body), 400, None, "unrecognized")
+
+
+def test_version_is_open_as_in_vllm(server):
+    import importlib.metadata
+
+    import httpx
+
+    response = httpx.get(server.url + "/version", timeout=10)  # no API key, as /health
+    assert response.status_code == 200 and response.json() == {"version": importlib.metadata.version("pagedllm")}

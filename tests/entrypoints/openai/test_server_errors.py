@@ -30,7 +30,7 @@ COMPLETION = {"model": MAIN, "prompt": "def", "max_tokens": 2}
         ({"prompt": []}, "prompt", "empty"),
         ({"prompt": [1, "a"]}, "prompt", ""),
         ({"prompt": [10**6]}, "prompt", "outside the vocabulary"),
-        ({"max_token": 5}, "max_token", "unrecognized"),
+        ({"stream_options": {"include_usage": True, "typo": 1}, "stream": True}, "typo", "unrecognized"),
         ({"logit_bias": {"one": 5}}, "logit_bias", "token ids"),
         ({"stream_options": {"include_usage": True}}, None, "stream"),
     ],

@@ -69,3 +69,39 @@ def test_json_schema_response_parses(smollm2_client):
         response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}})
     answer = json.loads(reply.choices[0].message.content)
     assert set(answer) == {"city", "country"} and "Paris" in answer["city"], answer
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                   "required": ["city"], "additionalProperties": False}}}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def test_tool_call_round_trip_with_the_default_model(smollm2_client):
+    """SmolLM2's template knows no tools: the fallback (tool_prompt.py) shows them, "required" guides
+    the call, and the tool's result goes back through the template to an answer that uses it."""
+    first = smollm2_client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=WEATHER_QUESTION, tools=[WEATHER],
+                                                   tool_choice="required", parallel_tool_calls=False, max_tokens=48, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice.message
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and "Paris" in json.loads(call.function.arguments)["city"], call
+    history = WEATHER_QUESTION + [choice.message.model_dump(exclude_none=True),
+                                  {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 23 degrees Celsius"}]
+    reply = smollm2_client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=history, tools=[WEATHER],
+                                                   tool_choice="none", max_tokens=40, temperature=0)
+    answer = reply.choices[0].message
+    assert not answer.tool_calls and "23" in answer.content, answer
+
+
+def test_streamed_tool_call_deltas_with_the_default_model(smollm2_client):
+    kwargs = dict(model=DEFAULT_MODEL_NAME, messages=WEATHER_QUESTION, tools=[WEATHER], tool_choice="required",
+                  parallel_tool_calls=False, max_tokens=48, temperature=0)
+    whole = smollm2_client.chat.completions.create(**kwargs).choices[0]
+    chunks = list(smollm2_client.chat.completions.create(**kwargs, stream=True))
+    deltas = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.type, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "function", c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert deltas[0].id.startswith("call_") and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

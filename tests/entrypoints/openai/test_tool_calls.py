@@ -1,12 +1,14 @@
-"""The tool-call parser on its own: whole answers and the same answers streamed in every split,
-calls between text, calls that are not JSON left as text, a held-back partial tag."""
+"""Tool calls as OpenAI's objects (tool_calls.py, over the default Hermes parser): whole answers and
+the same answers streamed in every split, calls between text, calls that are not JSON left as
+text, a held-back partial tag, ids unique and numbered deltas. The formats themselves:
+tests/entrypoints/tool_parsers."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from pagedllm.entrypoints.openai.tool_calls import ToolCallParser, extract_tool_calls
+from pagedllm.entrypoints.openai.tool_calls import ToolCallStream, extract_tool_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
 TWO = CALL + '\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
@@ -34,12 +36,14 @@ def test_whole_answers(text, content, expected):
 def test_streaming_equals_whole_for_every_split(text):
     whole_content, whole_calls = extract_tool_calls(text)
     for size in (1, 2, 3, 7, len(text)):
-        parser, content, found = ToolCallParser(), "", []
+        parser, content, found = ToolCallStream(), "", []
         for start in range(0, len(text), size):
             piece, new = parser.feed(text[start:start + size])
             assert "<tool_call>" not in piece or not whole_calls  # a call's text never leaks as content
             content += piece
             found += new
-        content += parser.finish()
+        rest, more = parser.finish()
+        content, found = content + rest, found + more
+        assert parser.calls == len(found)
         assert calls(found) == calls(whole_calls)
         assert (content.strip() or None) == whole_content if whole_calls else content == text
