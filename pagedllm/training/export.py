@@ -19,6 +19,7 @@ from pagedllm.training.tokenizer import special_token_ids, tokenizer_config, tok
 HF_CLASSES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "moe": ("mixtral", "MixtralForCausalLM"),
 }
@@ -55,7 +56,7 @@ def hf_config(cfg: ModelShapeConfig, token_ids: dict[str, int | None], dtype: st
         "dtype": dtype,
         "torch_dtype": dtype,
     }
-    if cfg.architecture in ("mistral", "qwen3", "moe"):
+    if cfg.architecture in ("mistral", "qwen2", "qwen3", "moe"):
         config["sliding_window"] = cfg.sliding_window if cfg.architecture == "mistral" else None
         config["use_sliding_window"] = False
     if cfg.architecture == "moe":
