@@ -14,7 +14,7 @@ import torch
 
 from pagedllm.adapters.peft_format import LoraSettings, load_adapter, save_adapter
 from pagedllm.training.config import FinetuneConfig, FinetuneMethod, ModelShapeConfig
-from pagedllm.training.lora import adapter_state, apply_lora, load_adapter_state
+from pagedllm.training.lora import apply_lora, load_adapter_state
 from pagedllm.training.model import TrainingCausalLM
 from pagedllm.training.pretrained import base_model_path, load_base_weights
 
@@ -44,9 +44,9 @@ def build_finetune_model(shape: ModelShapeConfig, ft: FinetuneConfig) -> Trainin
     return model
 
 
-def write_adapter(model: torch.nn.Module, ft: FinetuneConfig, out: str | Path) -> Path:
-    """The model's adapter as a PEFT folder; the base is named by its resolved path (what export --merge reads)."""
-    return save_adapter(out, lora_settings(ft), str(base_model_path(ft.base_model).resolve()), adapter_state(model))
+def write_adapter(tensors: dict[str, torch.Tensor], ft: FinetuneConfig, out: str | Path) -> Path:
+    """An adapter (lora.adapter_state) as a PEFT folder; the base is named by its resolved path (what export --merge reads)."""
+    return save_adapter(out, lora_settings(ft), str(base_model_path(ft.base_model).resolve()), tensors)
 
 
 def model_with_adapter(shape: ModelShapeConfig, base: str, adapter_dir: str | Path, quantized: bool = False) -> TrainingCausalLM:
@@ -62,3 +62,24 @@ def model_with_adapter(shape: ModelShapeConfig, base: str, adapter_dir: str | Pa
                 module.scaling = settings.scaling
     load_adapter_state(model, tensors)
     return model.eval()
+
+
+def merge_adapter(adapter_dir: str | Path, out: str | Path, base: str | None = None, dtype: str = "float32") -> Path:
+    """A Hugging Face model folder (config, merged weights, the base's tokenizer and chat template)
+    from a PEFT adapter and its base: what `pagedllm export --merge` writes and the engine serves."""
+    import tempfile
+
+    from pagedllm.training.config import ConfigError
+    from pagedllm.training.export import write_hf_folder
+    from pagedllm.training.lora import merged_state
+    from pagedllm.training.pretrained import base_config, base_tokenizer, shape_of, write_tokenizer
+
+    _, named_base, _ = load_adapter(adapter_dir)
+    base = base or named_base
+    if not base:
+        raise ConfigError("--base", f"{adapter_dir}/adapter_config.json names no base_model_name_or_path; give --base")
+    shape = ModelShapeConfig(**shape_of(base_config(base)))
+    state = merged_state(model_with_adapter(shape, base, adapter_dir))
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = write_tokenizer(base_tokenizer(base), Path(tmp))
+        return write_hf_folder(state, shape, tokenizer, out, dtype)

@@ -90,9 +90,15 @@ def _rename(name: str) -> str:
     return name.replace(".adapter.lora_", ".lora_")
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, also when `t` is an FSDP shard (DTensor: a collective, every rank must call it)."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's tensors under PEFT's module paths (`model.layers.0.self_attn.q_proj.lora_A.weight`)."""
-    return {_rename(name): p.detach() for name, p in model.named_parameters() if ".adapter.lora_" in name}
+    return {_rename(name): _full(p) for name, p in model.named_parameters() if ".adapter.lora_" in name}
 
 
 def load_adapter_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -115,10 +121,12 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
         if ".adapter" in f"{path}.":
             continue
         if isinstance(getattr(module, "adapter", None), LoraPair):
-            state[f"{path}.weight"] = (module.dense_weight() + module.adapter.delta()).detach()
+            pair = module.adapter
+            delta = (_full(pair.lora_B.weight) @ _full(pair.lora_A.weight)) * pair.scaling
+            state[f"{path}.weight"] = _full(module.dense_weight()) + delta
             if module.bias is not None:
-                state[f"{path}.bias"] = module.bias.detach()
+                state[f"{path}.bias"] = _full(module.bias)
             continue
         for name, p in module.named_parameters(recurse=False):
-            state[f"{path}.{name}" if path else name] = p.detach()
+            state[f"{path}.{name}" if path else name] = _full(p)
     return state

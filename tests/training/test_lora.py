@@ -13,7 +13,7 @@ import torch
 from pagedllm.adapters.peft_format import AdapterFormatError, load_adapter
 from pagedllm.training.config import FinetuneConfig, parse_job, resolve
 from pagedllm.training.finetune import build_finetune_model, model_with_adapter, write_adapter
-from pagedllm.training.lora import merged_state
+from pagedllm.training.lora import adapter_state, merged_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gguf_files import write_gguf  # noqa: E402
@@ -51,7 +51,7 @@ def test_our_adapter_loads_into_peft_with_our_logits(folder, tmp_path):
     with torch.no_grad():
         before = ours(IDS)
     randomize_adapters(ours)
-    out = write_adapter(ours, ft, tmp_path / "adapter")
+    out = write_adapter(adapter_state(ours), ft, tmp_path / "adapter")
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
     peft_model = PeftModel.from_pretrained(load_reference(folder), str(out)).eval()
     with torch.no_grad():
