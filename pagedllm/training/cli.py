@@ -67,7 +67,8 @@ def prepare_job(args: argparse.Namespace) -> TrainingJob:
 def check_job(job: TrainingJob, world_size: int) -> TrainingJob:
     """Everything `pagedllm train` checks before starting a process, for a job already in memory
     (what a service calls): the cross-field rules for `world_size`, and that the dataset and the
-    tokenizer exist. Returns the job unchanged; raises ConfigError naming the field."""
+    tokenizer exist. Returns the job unchanged -- a fine-tune's with model_config read from its base
+    model, so the job.json written from it agrees with the base; raises ConfigError naming the field."""
     from pagedllm.training.corpus import source_files
     from pagedllm.training.tokenizer import tokenizer_files
 
@@ -75,11 +76,13 @@ def check_job(job: TrainingJob, world_size: int) -> TrainingJob:
     if job.finetune is not None:
         from pagedllm.training.chat_data import ChatDataError, read_conversations
 
+        from pagedllm.training.pretrained import apply_base_model
+
         try:
             read_conversations(job.data.dataset_path)
         except ChatDataError as exc:
             raise ConfigError("data_config.dataset_path", str(exc)) from exc
-        return job
+        return apply_base_model(job)
     try:
         source_files(job.data.dataset_path, job.data.file_glob)
     except FileNotFoundError as exc:

@@ -113,3 +113,16 @@ def test_a_bad_line_is_refused_before_training(base, tmp_path, capsys):
     data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + "{oops\n")
     assert training_cli(["finetune", "--model", str(base), "--data", str(data), "--out", str(tmp_path / "o")]) == 2
     assert f"data_config.dataset_path: {data.resolve()}:2: not valid JSON" in capsys.readouterr().err
+
+
+def test_the_job_file_section_runs_with_pagedllm_train(base, chat, tmp_path):
+    """The same fine-tune as a TOML job file's [finetune_config] section (model_config left to the base)."""
+    job = lora_job(base, chat, tmp_path / "ckpt", steps=2)
+    sections = "".join(f"\n[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
+                       for name, values in job.items() if isinstance(values, dict))
+    config = tmp_path / "job.toml"
+    config.write_text(f'job_name = "toml"\n{sections}')
+    assert training_cli(["train", "--config", str(config), "--peak-flops", "1e10"]) == 0
+    written = json.loads((tmp_path / "ckpt" / "job.json").read_text())
+    assert written["model_config"]["hidden_size"] == 64 and written["finetune_config"]["method"] == "lora"
+    assert (tmp_path / "ckpt" / "adapter-final" / "adapter_model.safetensors").is_file()
