@@ -38,6 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--validation-split", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoints' newest checkpoint")
+    p.add_argument("--peak-flops", type=float, help="per-process FLOP/s for MFU (default: measured)")
     p.set_defaults(func=run_finetune)
 
 
@@ -87,7 +88,7 @@ def run_finetune(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_CONFIG_ERROR
     job.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    result = run_training(job, RunOptions(peak_flops=1e12))
+    result = run_training(job, RunOptions(peak_flops=args.peak_flops))
     if result.exit_code == EXIT_COMPLETED and result.reason == "completed":
         out = publish(job.checkpoint_dir, args.out, job.finetune.adapter)
         kind = "PEFT adapter" if job.finetune.adapter else "Hugging Face model"

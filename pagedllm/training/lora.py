@@ -96,6 +96,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def adapter_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict's adapter tensors under PEFT's module paths (as adapter_state gives them)."""
+    return {_rename(name): t for name, t in state.items() if ".adapter.lora_" in name}
+
+
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's tensors under PEFT's module paths (`model.layers.0.self_attn.q_proj.lora_A.weight`)."""
     return {_rename(name): _full(p) for name, p in model.named_parameters() if ".adapter.lora_" in name}

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedllm.adapters.peft_format import load_adapter
 from pagedllm.training.cli import main as training_cli
 from pagedllm.training.config import parse_job
 from pagedllm.training.trainer import RunOptions, run_training
@@ -63,7 +64,7 @@ def test_lora_cli_then_merge_is_served_like_transformers_with_peft(base, chat, t
     out = tmp_path / "adapter"
     assert training_cli(["finetune", "--model", str(base), "--data", str(chat), "--method", "lora", "--out", str(out),
                          "--steps", "8", "--learning-rate", "1e-2", "--lora-rank", "4", "--lora-alpha", "8",
-                         "--max-seq-len", "128", "--batch-size", "4", "--micro-batch-size", "2"]) == 0
+                         "--max-seq-len", "128", "--batch-size", "4", "--micro-batch-size", "2", "--peak-flops", "1e10"]) == 0
     assert {p.name for p in out.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors", "checkpoints"}
     metrics = [json.loads(line) for line in (out / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["loss"] < metrics[0]["loss"]
@@ -87,6 +88,9 @@ def test_lora_resume_is_exact_and_checkpoints_hold_only_the_adapter(base, chat, 
     assert first.final_step == 3 and first.reason == "stopped"
     saved = dcp.FileSystemReader(str(tmp_path / "resumed" / "step-00000003" / "model")).read_metadata().state_dict_metadata
     assert saved and all(".adapter.lora_" in name for name in saved)  # no base weights in a LoRA checkpoint
+    exported = tmp_path / "step3-adapter"
+    assert training_cli(["export", "--checkpoint", str(tmp_path / "resumed" / "step-00000003"), "--out", str(exported)]) == 0
+    assert len(load_adapter(exported)[2]) == len(saved)  # the checkpoint's adapter as a PEFT folder
     second = run_training(parse_job(lora_job(base, chat, tmp_path / "resumed")), FAST)
     assert second.start_step == 3
     assert [second.losses[s] for s in (4, 5, 6)] == [straight.losses[s] for s in (4, 5, 6)]
@@ -101,7 +105,7 @@ def test_lora_resume_is_exact_and_checkpoints_hold_only_the_adapter(base, chat, 
 def test_full_finetune_writes_a_transformers_folder(base, chat, tmp_path):
     out = tmp_path / "full"
     assert training_cli(["finetune", "--model", str(base), "--data", str(chat), "--method", "full", "--out", str(out),
-                         "--steps", "3", "--max-seq-len", "128", "--batch-size", "2", "--micro-batch-size", "2"]) == 0
+                         "--steps", "3", "--max-seq-len", "128", "--batch-size", "2", "--micro-batch-size", "2", "--peak-flops", "1e10"]) == 0
     model = load_reference(out)
     tuned, original = model.state_dict(), load_reference(base).state_dict()
     assert not torch.equal(tuned["model.layers.0.mlp.up_proj.weight"], original["model.layers.0.mlp.up_proj.weight"])
