@@ -7,6 +7,7 @@ import importlib
 BENCHMARKS: dict[str, str] = {
     "beam": "pagedllm.bench.beam",
     "decode": "pagedllm.bench.decode",
+    "finetune": "pagedllm.bench.finetune",
     "offline": "pagedllm.bench.offline",
     "peak": "pagedllm.bench.peak",
     "serve": "pagedllm.bench.serve",

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
 from pagedllm.jobs.body import encodable
-from pagedllm.training.config import ConfigError
+from pagedllm.training.config import DEFAULT_BASE_MODEL, ConfigError
 from pagedllm.training.corpus import STDLIB_ALIAS, folder_files
 from pagedllm.training.provenance import SERVICE_KEY_FILE
 from pagedllm.training.tokenizer import BUNDLED_TOKENIZER_ALIAS
@@ -31,6 +31,7 @@ from pagedllm.training.tokenizer import BUNDLED_TOKENIZER_ALIAS
 CHECKPOINT_DIR = "checkpoint_config.checkpoint_dir"
 DATASET_PATH = "data_config.dataset_path"
 TOKENIZER_PATH = "data_config.tokenizer_path"
+BASE_MODEL = "finetune_config.base_model"
 CACHE_DIR = "data_config.cache_dir"
 FILE_GLOB = "data_config.file_glob"
 # The job service's own files in its data dir, never a job's data.
@@ -113,7 +114,7 @@ def confine_data(data: dict, roots: AllowedRoots) -> dict:
     """The data_config section with its paths resolved under the allowed roots."""
     check_file_glob(data.get("file_glob", "**/*"))
     updates = {}
-    if data["tokenizer_path"] != BUNDLED_TOKENIZER_ALIAS:
+    if data.get("tokenizer_path") not in (None, BUNDLED_TOKENIZER_ALIAS):  # None: a fine-tune's base model's
         updates["tokenizer_path"] = str(_data_path(roots, TOKENIZER_PATH, data["tokenizer_path"]))
     if data["dataset_path"] != STDLIB_ALIAS:
         updates["dataset_path"] = str(_data_path(roots, DATASET_PATH, data["dataset_path"]))
@@ -121,6 +122,12 @@ def confine_data(data: dict, roots: AllowedRoots) -> dict:
     if data.get("cache_dir"):
         updates["cache_dir"] = str(roots.resolve(CACHE_DIR, data["cache_dir"]))
     return {**data, **updates}
+
+
+def confine_base_model(value: str, roots: AllowedRoots) -> str:
+    """A fine-tune's base model (folder or .gguf) resolved under the allowed roots; `@default`, the
+    installed default model, is only read, like @stdlib."""
+    return value if value == DEFAULT_BASE_MODEL else str(_data_path(roots, BASE_MODEL, value))
 
 
 def _data_path(roots: AllowedRoots, field: str, value: str) -> Path:
@@ -171,8 +178,11 @@ def check_confined(config: dict, roots: AllowedRoots) -> None:
     data = config["data_config"]
     check_file_glob(data.get("file_glob", "**/*"))
     fields = [(CHECKPOINT_DIR, config["checkpoint_config"]["checkpoint_dir"])]
-    if data["tokenizer_path"] != BUNDLED_TOKENIZER_ALIAS:
+    if data.get("tokenizer_path") not in (None, BUNDLED_TOKENIZER_ALIAS):
         fields.append((TOKENIZER_PATH, data["tokenizer_path"]))
+    base = (config.get("finetune_config") or {}).get("base_model")
+    if base not in (None, DEFAULT_BASE_MODEL):
+        fields.append((BASE_MODEL, base))
     if data["dataset_path"] != STDLIB_ALIAS:
         fields.append((DATASET_PATH, data["dataset_path"]))
     if data.get("cache_dir"):

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pagedllm.jobs.confinement import AllowedRoots, confine_checkpoint_dir, confine_data
+from pagedllm.jobs.confinement import AllowedRoots, confine_base_model, confine_checkpoint_dir, confine_data
 from pagedllm.training.cli import check_job
 from pagedllm.training.config import ConfigError, TrainingJob, parse_job
 
@@ -33,6 +33,10 @@ def build_config(body: dict[str, Any], job_id: str, roots: AllowedRoots, slots: 
                           f"the job needs {world} processes (tensor x pipeline x context x data parallel sizes), "
                           f"more than the {slots} {slots_name}")
     job = _with_confined_paths(job, job_id, roots)
+    if job.finetune is not None:  # stored with the base's shape, so every later parse of it agrees with the base
+        from pagedllm.training.pretrained import apply_base_model
+
+        job = apply_base_model(job)
     config = job.model_dump(mode="json", by_alias=True, exclude=NOT_SAVED)
     check_runnable(config, world)
     return config, world
@@ -46,10 +50,11 @@ def _with_confined_paths(job: TrainingJob, job_id: str, roots: AllowedRoots) -> 
     else:
         checkpoint_dir = roots.data_dir / "jobs" / job_id / "checkpoints"
     data = confine_data(job.data.model_dump(), roots)
-    return job.model_copy(update={
-        "checkpoint": ckpt.model_copy(update={"checkpoint_dir": str(checkpoint_dir)}),
-        "data": job.data.model_copy(update=data),
-    })
+    updates = {"checkpoint": ckpt.model_copy(update={"checkpoint_dir": str(checkpoint_dir)}),
+               "data": job.data.model_copy(update=data)}
+    if job.finetune is not None:
+        updates["finetune"] = job.finetune.model_copy(update={"base_model": confine_base_model(job.finetune.base_model, roots)})
+    return job.model_copy(update=updates)
 
 
 def check_runnable(config: dict, world_size: int) -> None:

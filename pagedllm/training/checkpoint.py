@@ -338,10 +338,17 @@ def restore_rng(record: RngStateRecord) -> None:
 
 # ---- state dicts of (possibly several) model parts -----------------------------------------------
 
+# Frozen parameters (a LoRA job's base) are not saved: the base model is read again from its file
+# at resume, so a LoRA checkpoint holds only the adapter and its optimizer state.
+TRAINABLE = StateDictOptions(ignore_frozen_params=True)
+
+
 def model_state(parts: list[nn.Module]) -> dict:
     state: dict = {}
     for part in parts:
-        state.update(get_model_state_dict(part))
+        # a tied weight's second name (lm_head.weight) escapes ignore_frozen_params: drop it by name
+        frozen = {name for name, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        state.update({k: v for k, v in get_model_state_dict(part, options=TRAINABLE).items() if k not in frozen})
     return state
 
 

@@ -30,8 +30,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_run_arguments(train)
     train.set_defaults(func=run_train)
 
-    export = subparsers.add_parser("export", help="write a Hugging Face model folder from a checkpoint")
-    export.add_argument("--checkpoint", required=True, help="a checkpoint folder (step-NNNNNNNN) or a checkpoint_dir")
+    export = subparsers.add_parser("export", help="write a Hugging Face model folder from a checkpoint, or merge a LoRA adapter")
+    export.add_argument("--checkpoint", help="a checkpoint folder (step-NNNNNNNN) or a checkpoint_dir")
+    export.add_argument("--adapter", type=Path, help="a PEFT LoRA adapter folder (with --merge)")
+    export.add_argument("--merge", action="store_true", help="merge --adapter into its base model")
+    export.add_argument("--base", help="the adapter's base model (default: its adapter_config.json's base_model_name_or_path)")
     export.add_argument("--out", required=True, type=Path, help="the Hugging Face folder to write")
     export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="the exported weights' type (default: %(default)s)")
@@ -48,8 +51,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tok_train.set_defaults(func=run_tokenizer_train)
 
     from pagedllm.training import distill  # a draft model's corpus: its target's continuations
+    from pagedllm.training import finetune_cli
 
     distill.register(subparsers)
+    finetune_cli.register(subparsers)
 
 
 def prepare_job(args: argparse.Namespace) -> TrainingJob:
@@ -63,11 +68,22 @@ def prepare_job(args: argparse.Namespace) -> TrainingJob:
 def check_job(job: TrainingJob, world_size: int) -> TrainingJob:
     """Everything `pagedllm train` checks before starting a process, for a job already in memory
     (what a service calls): the cross-field rules for `world_size`, and that the dataset and the
-    tokenizer exist. Returns the job unchanged; raises ConfigError naming the field."""
+    tokenizer exist. Returns the job unchanged -- a fine-tune's with model_config read from its base
+    model, so the job.json written from it agrees with the base; raises ConfigError naming the field."""
     from pagedllm.training.corpus import source_files
     from pagedllm.training.tokenizer import tokenizer_files
 
     resolve(job, world_size)
+    if job.finetune is not None:
+        from pagedllm.training.chat_data import ChatDataError, read_conversations
+
+        from pagedllm.training.pretrained import apply_base_model
+
+        try:
+            read_conversations(job.data.dataset_path)
+        except ChatDataError as exc:
+            raise ConfigError("data_config.dataset_path", str(exc)) from exc
+        return apply_base_model(job)
     try:
         source_files(job.data.dataset_path, job.data.file_glob)
     except FileNotFoundError as exc:
@@ -126,10 +142,22 @@ def torchrun_command(args: argparse.Namespace, job: TrainingJob, config_path: Pa
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from pagedllm.adapters.peft_format import AdapterFormatError
+    from pagedllm.load_errors import ModelLoadError
     from pagedllm.training.export import export_checkpoint
+    from pagedllm.training.finetune import merge_adapter
 
+    if bool(args.checkpoint) == bool(args.adapter) or bool(args.adapter) != args.merge:
+        print("export: give --checkpoint, or --adapter DIR --merge", file=sys.stderr)
+        return 2
     try:
-        out = export_checkpoint(args.checkpoint, args.out, args.dtype)
+        if args.adapter:
+            out = merge_adapter(args.adapter, args.out, args.base, args.dtype)
+        else:
+            out = export_checkpoint(args.checkpoint, args.out, args.dtype)
+    except (AdapterFormatError, ConfigError, ModelLoadError) as exc:
+        print(f"export: {exc}", file=sys.stderr)
+        return 2
     except FileNotFoundError as exc:
         print(f"export: {exc}", file=sys.stderr)
         return 2

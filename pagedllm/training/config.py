@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_JOB_NAME_CHARS = 256
 
-ARCHITECTURES = ("llama", "mistral", "qwen3", "moe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "moe")
 
 
 class ConfigError(ValueError):
@@ -177,7 +177,7 @@ class MemoryConfig(_Section):
 
 class DataConfig(_Section):
     dataset_path: str = Field(description="text file, folder of text files, JSONL with 'text', or '@stdlib'")
-    tokenizer_path: str = Field(description="a tokenizer.json (or the folder holding it)")
+    tokenizer_path: str | None = Field(None, description="a tokenizer.json (or the folder holding it); a fine-tune takes its base model's")
     sequence_length: int = Field(512, ge=2)
     global_batch_size: int = Field(32, ge=1)
     micro_batch_size: int = Field(4, ge=1)
@@ -187,6 +187,43 @@ class DataConfig(_Section):
     eval_interval_steps: int = Field(0, ge=0, description="0 = evaluate only at the end")
     eval_sequences: int = Field(256, ge=1, description="validation sequences per evaluation")
     cache_dir: str | None = Field(None, description="token cache; default ~/.cache/pagedllm/datasets")
+
+
+class FinetuneMethod(str, enum.Enum):
+    FULL = "full"
+    LORA = "lora"
+    QLORA = "qlora"
+
+
+DEFAULT_BASE_MODEL = "@default"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class FinetuneConfig(_Section):
+    """Start from a pretrained model and train it on chat / instruction data (docs/training.md, "Fine-tuning").
+
+    The base model gives the shape (model_config), the weights, the tokenizer and the chat template;
+    the dataset is JSONL with `messages` or `prompt`/`completion` (training/chat_data.py)."""
+
+    base_model: str = Field(DEFAULT_BASE_MODEL, description="a Hugging Face folder, a .gguf file or '@default' (SmolLM2-135M-Instruct)")
+    method: FinetuneMethod = FinetuneMethod.LORA
+    lora_rank: int = Field(8, ge=1, le=1024)
+    lora_alpha: float = Field(16.0, gt=0)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, value: list[str]) -> list[str]:
+        unknown = [name for name in value if name not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(f"unknown target module(s) {unknown}; supported: {', '.join(LORA_TARGETS)}")
+        return value
+
+    @property
+    def adapter(self) -> bool:
+        """LoRA or QLoRA: only the adapter trains, and checkpoints hold only it."""
+        return self.method is not FinetuneMethod.FULL
 
 
 class CheckpointConfig(_Section):
@@ -227,6 +264,8 @@ class TrainingJob(BaseModel):
     memory: MemoryConfig = Field(default_factory=MemoryConfig, alias="memory_config")
     data: DataConfig = Field(alias="data_config")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, alias="checkpoint_config")
+    # Not in the seed: start from a pretrained model (None = from scratch, model_config is the shape).
+    finetune: FinetuneConfig | None = Field(None, alias="finetune_config")
     # Not in the seed.
     seed: int = 0
     log_interval_steps: int = Field(10, ge=1)
@@ -255,10 +294,18 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 def parse_job(data: dict[str, Any]) -> TrainingJob:
     """Validate a dict as a TrainingJob, turning pydantic's error into a ConfigError naming the field."""
     try:
-        return TrainingJob.model_validate(data)
+        job = TrainingJob.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise ConfigError(_field_path(first["loc"]), first["msg"]) from exc
+    _check_tokenizer_given(job)
+    return job
+
+
+def _check_tokenizer_given(job: TrainingJob) -> None:
+    """A model trained from scratch needs a tokenizer; a fine-tune takes its base model's."""
+    if job.finetune is None and job.data.tokenizer_path is None:
+        raise ConfigError("data_config.tokenizer_path", "Field required (unless finetune_config names a base model)")
 
 
 def load_job(path: str | Path) -> TrainingJob:
@@ -311,12 +358,33 @@ def fp8_supported() -> bool:
 
 def resolve(job: TrainingJob, world_size: int) -> TrainingJob:
     """Check the cross-field rules for `world_size` processes; return the job with data_parallel_size set."""
+    if job.finetune is not None:
+        from pagedllm.training.pretrained import apply_base_model  # reads the base model's config
+
+        job = apply_base_model(job)
+        _check_finetune(job)
+    else:
+        _check_tokenizer_given(job)
     par = job.parallelism
     dp = _resolve_data_parallel(par, world_size)
     _check_unsupported(job, dp)
     _check_model_shape(job.model, par)
     _check_batch(job, dp)
     return job.model_copy(update={"parallelism": par.model_copy(update={"data_parallel_size": dp})})
+
+
+def _check_finetune(job: TrainingJob) -> None:
+    """What a fine-tune does not combine with (yet): the packed chat batches carry example
+    boundaries that the pipeline schedule and tensor-parallel sharding do not pass on."""
+    par = job.parallelism
+    if job.data.tokenizer_path is not None:
+        raise ConfigError("data_config.tokenizer_path", "a fine-tune uses its base model's tokenizer; leave tokenizer_path out")
+    if par.pipeline_parallel_size > 1:
+        raise ConfigError("parallelism_config.pipeline_parallel_size", "fine-tuning with pipeline parallelism is not supported yet (use 1)")
+    if par.tensor_parallel_size > 1:
+        raise ConfigError("parallelism_config.tensor_parallel_size", "fine-tuning with tensor parallelism is not supported yet (use 1)")
+    if job.finetune.method is FinetuneMethod.QLORA and job.memory.precision is not Precision.FP32:
+        raise ConfigError("memory_config.precision", "qlora dequantizes its base to float32; use FP32")
 
 
 def _resolve_data_parallel(par: ParallelismConfig, world_size: int) -> int:

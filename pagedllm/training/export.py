@@ -19,6 +19,7 @@ from pagedllm.training.tokenizer import special_token_ids, tokenizer_config, tok
 HF_CLASSES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "moe": ("mixtral", "MixtralForCausalLM"),
 }
@@ -55,7 +56,7 @@ def hf_config(cfg: ModelShapeConfig, token_ids: dict[str, int | None], dtype: st
         "dtype": dtype,
         "torch_dtype": dtype,
     }
-    if cfg.architecture in ("mistral", "qwen3", "moe"):
+    if cfg.architecture in ("mistral", "qwen2", "qwen3", "moe"):
         config["sliding_window"] = cfg.sliding_window if cfg.architecture == "mistral" else None
         config["use_sliding_window"] = False
     if cfg.architecture == "moe":
@@ -110,10 +111,16 @@ def load_checkpoint_state(checkpoint: str | Path) -> tuple[TrainingJob, dict[str
     if problems or not manifest.shards:
         raise ValueError(f"checkpoint {step_dir} cannot be exported: {'; '.join(problems) or 'it has no model files'}")
     job = TrainingJob.model_validate_json((step_dir / "job.json").read_text())
-    model = TrainingCausalLM(job.model)
-    state = model.state_dict()
-    if job.model.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    if job.finetune is not None and job.finetune.adapter:  # the checkpoint holds only the adapter
+        from pagedllm.training.finetune import build_finetune_model
+
+        model = build_finetune_model(job.model, job.finetune)
+        state = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    else:
+        model = TrainingCausalLM(job.model)
+        state = model.state_dict()
+        if job.model.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(step_dir / "model"), no_dist=True)
@@ -121,7 +128,13 @@ def load_checkpoint_state(checkpoint: str | Path) -> tuple[TrainingJob, dict[str
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "float32") -> Path:
+    """A Hugging Face folder; for a LoRA / QLoRA job's checkpoint, its PEFT adapter folder."""
     job, state = load_checkpoint_state(checkpoint)
+    if job.finetune is not None and job.finetune.adapter:
+        from pagedllm.training.finetune import write_adapter
+        from pagedllm.training.lora import adapter_names
+
+        return write_adapter(adapter_names(state), job.finetune, out)
     tokenizer = Path(checkpoint_tokenizer(checkpoint))
     return write_hf_folder(state, job.model, tokenizer, out, dtype)
 

@@ -38,10 +38,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (batch, seq, heads, head_dim)."""
-    cos = cos[None, :, None, :].to(x.dtype)
-    sin = sin[None, :, None, :].to(x.dtype)
+    """x: (batch, seq, heads, head_dim); cos/sin (seq, head_dim), or (batch, seq, head_dim) per token."""
+    cos = (cos[None] if cos.dim() == 2 else cos)[:, :, None, :].to(x.dtype)
+    sin = (sin[None] if sin.dim() == 2 else sin)[:, :, None, :].to(x.dtype)
     return x * cos + rotate_half(x) * sin
+
+
+def segment_positions(segments: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its example: 0 where the segment id changes, counting up after."""
+    seq = segments.shape[1]
+    index = torch.arange(seq, device=segments.device).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - first
 
 
 class Attention(nn.Module):
@@ -55,9 +65,10 @@ class Attention(nn.Module):
         self.kv_groups = cfg.num_attention_heads // cfg.num_kv_heads
         self.sliding_window = cfg.sliding_window if cfg.architecture == "mistral" else None
         q_width, kv_width = cfg.num_attention_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_width, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_width, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_width, bias=False)
+        qkv_bias = cfg.architecture == "qwen2"  # Qwen2 has biases on q, k and v (and nowhere else)
+        self.q_proj = nn.Linear(cfg.hidden_size, q_width, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_width, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_width, bias=qkv_bias)
         self.o_proj = nn.Linear(q_width, cfg.hidden_size, bias=False)
         if cfg.architecture == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -65,20 +76,29 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """`segments` (batch, seq): packed examples' ids; each token then attends only within its
+        example, and rotary positions restart at 0 for every example."""
         batch, seq, _ = x.shape
-        cos, sin = rotary_tables(seq, self.head_dim, self.rope_theta, x.device)
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rotary_tables(seq, self.head_dim, self.rope_theta, x.device)
+        if segments is not None:
+            positions = segment_positions(segments)
+            cos, sin = cos[positions], sin[positions]  # (batch, seq, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.kv_groups > 1:
             k = k.repeat_interleave(self.kv_groups, dim=1)
             v = v.repeat_interleave(self.kv_groups, dim=1)
         mask = self._window_mask(seq, x.device)
+        if segments is not None:
+            same = segments[:, :, None] == segments[:, None, :]
+            causal = mask if mask is not None else torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            mask = (same & causal)[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -181,15 +201,15 @@ class DecoderLayer(nn.Module):
     def feed_forward(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         if self.checkpointing is None or not torch.is_grad_enabled():
-            return self._block(x)
+            return self._block(x, segments)
         context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
         kwargs = {"context_fn": context_fn} if self.checkpointing == "SELECTIVE" else {}
-        return checkpoint(self._block, x, use_reentrant=False, **kwargs)
+        return checkpoint(self._block, x, segments, use_reentrant=False, **kwargs)
 
-    def _block(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x))
+    def _block(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), segments)
         return h + self.feed_forward(self.post_attention_layernorm(h))
 
 
@@ -202,10 +222,10 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h) if segments is None else layer(h, segments)
         return self.norm(h) if self.norm is not None else h
 
 
@@ -220,8 +240,9 @@ class TrainingCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.model(x)
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """`segments`: packed examples (Attention.forward); None is one causal sequence per row."""
+        h = self.model(x) if segments is None else self.model(x, segments)
         return self.lm_head(h) if self.lm_head is not None else h
 
     def moe_aux_loss(self) -> torch.Tensor | None:
@@ -235,9 +256,11 @@ def init_weights(model: nn.Module, std: float, seed: int) -> None:
     """Deterministic N(0, std) init for linears and embeddings, ones for norms, from `seed` alone: every
     rank builds the identical full model, so sharding afterwards reproduces the single-process run."""
     generator = torch.Generator().manual_seed(seed)
-    for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         with torch.no_grad():
-            if param.ndim == 1:
+            if name.endswith(".bias"):
+                param.zero_()
+            elif param.ndim == 1:
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
@@ -254,6 +277,7 @@ def num_params(cfg: ModelShapeConfig, active_only: bool = False) -> int:
     hd, h = cfg.resolved_head_dim, cfg.hidden_size
     attn = h * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_kv_heads)
     attn += 2 * hd if cfg.architecture == "qwen3" else 0
+    attn += hd * (cfg.num_attention_heads + 2 * cfg.num_kv_heads) if cfg.architecture == "qwen2" else 0
     ffn = 3 * h * cfg.intermediate_size
     if cfg.architecture == "moe":
         experts = cfg.num_experts_per_token if active_only else cfg.num_experts

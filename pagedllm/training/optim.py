@@ -69,7 +69,8 @@ def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # a LoRA job has no 1-D parameter; DCP cannot flatten an empty group
 
 
 def build_optimizer(part: nn.Module, cfg: OptimizationConfig) -> torch.optim.Optimizer:

@@ -104,6 +104,8 @@ class Trainer:
 
     def _prepare_data(self) -> TrainingData:
         """The local rank 0 of each node tokenizes into the cache; the others wait and read it."""
+        if self.job.finetune is not None:
+            return self._prepare_chat_data()
         data = self.job.data
         cache = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
         if self.rank == 0:
@@ -115,6 +117,20 @@ class Trainer:
         dist.barrier()
         dp_rank = self.mesh["dp"].get_local_rank()
         return TrainingData(data, build_cache(data, cache), dp_rank, self.dims.dp, self.job.seed)
+
+    def _prepare_chat_data(self):
+        """A fine-tune's chat examples, tokenized with the base model's tokenizer, which rank 0 also
+        keeps next to the checkpoints (export and the written model folders take it from there)."""
+        from pagedllm.training.chat_data import ChatData
+        from pagedllm.training.pretrained import base_tokenizer, write_tokenizer
+
+        tokenizer = base_tokenizer(self.job.finetune.base_model)
+        if self.rank == 0:
+            (self.dir / "control").mkdir(parents=True, exist_ok=True)
+            (self.dir / "job.json").write_text(self.job.model_dump_json(indent=2))
+            write_tokenizer(tokenizer, self.dir / "tokenizer")
+        dist.barrier()
+        return ChatData(self.job.data, tokenizer, self.mesh["dp"].get_local_rank(), self.dims.dp, self.job.seed)
 
     def _copy_tokenizer(self) -> None:
         """Keep the tokenizer next to the checkpoints, so export works after the corpus folder moves."""
@@ -129,7 +145,12 @@ class Trainer:
 
     def _build_model(self) -> None:
         """Every rank builds the same full model from the seed, then keeps and shards its part."""
-        model = build_model(self.job.model, self.job.seed).to(self.device)
+        if self.job.finetune is not None:
+            from pagedllm.training.finetune import build_finetune_model
+
+            model = build_finetune_model(self.job.model, self.job.finetune).to(self.device)
+        else:
+            model = build_model(self.job.model, self.job.seed).to(self.device)
         self.pipeline = None
         if self.dims.pp > 1:
             data = self.job.data
@@ -163,12 +184,11 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[float, float]:
         """Forward/backward/optimizer for global step `step`; returns (mean loss, grad norm)."""
-        inputs, labels = self.data.step_batch(step)
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        inputs, labels, *segments = (t.to(self.device) for t in self.data.step_batch(step))
         if self.pipeline is not None:
             loss = self._pipeline_forward_backward(inputs, labels)
         else:
-            loss = self._accumulate(inputs, labels)
+            loss = self._accumulate(inputs, labels, segments[0] if segments else None)
         if self.scaler is not None:
             for optimizer in self.optimizers:
                 self.scaler.unscale_(optimizer)
@@ -184,8 +204,9 @@ class Trainer:
             self.scaler.update()
         return self._global_mean(loss), grad_norm
 
-    def _accumulate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Gradient accumulation over micro_batch_size chunks; gradients average over all of them."""
+    def _accumulate(self, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Gradient accumulation over micro_batch_size chunks; gradients average over all of them.
+        `segments`: packed fine-tuning examples (no attention across them; labels -100 are not trained)."""
         model = self.parts[0]
         micro = self.job.data.micro_batch_size
         count = inputs.shape[0] // micro
@@ -197,7 +218,8 @@ class Trainer:
                 model.set_requires_gradient_sync(sync_each or i == count - 1)
             chunk = slice(i * micro, (i + 1) * micro)
             with self.autocast():
-                loss = cross_entropy(model(inputs[chunk]), labels[chunk])
+                logits = model(inputs[chunk]) if segments is None else model(inputs[chunk], segments[chunk])
+                loss = cross_entropy(logits, labels[chunk])
                 aux = model.moe_aux_loss()
                 objective = loss + self.job.model.router_aux_loss_coef * aux if aux is not None else loss
             objective = objective / count
@@ -237,6 +259,8 @@ class Trainer:
     def evaluate(self) -> float | None:
         """Mean loss over the fixed validation windows, split across data-parallel ranks."""
         indices = self.data.val_indices()
+        if self.job.finetune is not None:
+            return self._evaluate_chat(indices)
         per_chunk = self.job.data.global_batch_size // self.dims.dp
         chunks = len(indices) // per_chunk
         if chunks == 0:
@@ -253,6 +277,22 @@ class Trainer:
                 total += self._eval_chunk(inputs, labels)
         reshard(self.parts)
         return self._global_mean(total / chunks)
+
+    def _evaluate_chat(self, indices) -> float | None:
+        """Mean loss per assistant token over every validation row (a fine-tune's split may be smaller than a batch)."""
+        micro = self.job.data.micro_batch_size
+        total, count = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        for start in range(0, len(indices), micro):
+            inputs, labels, segments = (t.to(self.device) for t in self.data.val.batch(indices[start:start + micro]))
+            with self.autocast():
+                logits = self.parts[0](inputs, segments)
+            total += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+            count += (labels != -100).sum()
+        reshard(self.parts)
+        if self.dims.dp > 1:
+            dist.all_reduce(total, group=self.mesh["dp"].get_group())
+            dist.all_reduce(count, group=self.mesh["dp"].get_group())
+        return float(total / count) if count > 0 else None
 
     def _eval_chunk(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         micro = self.job.data.micro_batch_size
@@ -351,7 +391,9 @@ class Trainer:
                                       consumed_tokens=consumed, elapsed_time_seconds=elapsed)
         self._save(step, metadata, blocking=True)
         self.ckpt.wait()
-        if self.rank == 0:
+        if self.job.finetune is not None:
+            self._export_finetune(reporter)
+        elif self.rank == 0:
             if self.options.export_hf:
                 out = export_checkpoint(self.dir / step_dir_name(step), self.dir / "hf-final")
                 draft_vocab.write(out, draft_vocab.rank_tokens(self.data.train.tokens, self.job.model.vocab_size),
@@ -360,6 +402,25 @@ class Trainer:
                 self.events.emit("exported", path=str(out))
             plot_loss_curve(self.dir / "metrics.jsonl", self.dir / "loss_curve.png", self.job.job_name)
         dist.barrier()
+
+    def _export_finetune(self, reporter: ProgressReporter) -> None:
+        """A LoRA / QLoRA job's PEFT adapter folder (adapter-final), a full fine-tune's Hugging Face folder (hf-final)."""
+        from pagedllm.training.export import write_hf_folder
+        from pagedllm.training.finetune import write_adapter
+        from pagedllm.training.lora import adapter_state, merged_state
+
+        ft = self.job.finetune
+        state = adapter_state(self.parts[0]) if ft.adapter else merged_state(self.parts[0])  # every rank gathers
+        if self.rank != 0:
+            return
+        if self.options.export_hf:
+            if ft.adapter:
+                out = write_adapter(state, ft, self.dir / "adapter-final")
+            else:
+                out = write_hf_folder(state, self.job.model, self.dir / "tokenizer", self.dir / "hf-final")
+            reporter.info(f"exported {'PEFT adapter' if ft.adapter else 'Hugging Face'} folder {out}")
+            self.events.emit("exported", path=str(out))
+        plot_loss_curve(self.dir / "metrics.jsonl", self.dir / "loss_curve.png", self.job.job_name)
 
     def _peak_flops(self) -> float:
         """Per-process matmul peak on the training device in the compute dtype; MFU divides achieved
