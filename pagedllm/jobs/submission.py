@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.jobs.confinement import AllowedRoots, confine_base_model, confine_checkpoint_dir, confine_data
-from pagedllm.training.cli import check_job
+from pagedllm.training.checks import check_job
 from pagedllm.training.config import ConfigError, TrainingJob, parse_job
 
 SERVICE_FIELDS = ("job_id", "status", "created_at", "updated_at")

@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from pagedllm.training.config import ConfigError, TrainingJob, apply_overrides, load_job, resolve
+from pagedllm.training.config import ConfigError, TrainingJob, apply_overrides, load_job
+from pagedllm.training.checks import check_job  # noqa: F401  (also what the job service calls)
 from pagedllm.training.provenance import continue_job
 from pagedllm.training.run_options import add_run_arguments
 
@@ -65,36 +66,6 @@ def prepare_job(args: argparse.Namespace) -> TrainingJob:
     return continue_job(check_job(job, args.nproc_per_node * args.nnodes))
 
 
-def check_job(job: TrainingJob, world_size: int) -> TrainingJob:
-    """Everything `pagedllm train` checks before starting a process, for a job already in memory
-    (what a service calls): the cross-field rules for `world_size`, and that the dataset and the
-    tokenizer exist. Returns the job unchanged -- a fine-tune's with model_config read from its base
-    model, so the job.json written from it agrees with the base; raises ConfigError naming the field."""
-    from pagedllm.training.corpus import source_files
-    from pagedllm.training.tokenizer import tokenizer_files
-
-    resolve(job, world_size)
-    if job.finetune is not None:
-        from pagedllm.training.chat_data import ChatDataError, read_conversations
-
-        from pagedllm.training.pretrained import apply_base_model
-
-        try:
-            read_conversations(job.data.dataset_path)
-        except ChatDataError as exc:
-            raise ConfigError("data_config.dataset_path", str(exc)) from exc
-        return apply_base_model(job)
-    try:
-        source_files(job.data.dataset_path, job.data.file_glob)
-    except FileNotFoundError as exc:
-        raise ConfigError("data_config.dataset_path", str(exc)) from exc
-    try:
-        tokenizer_files(job.data.tokenizer_path)
-    except FileNotFoundError as exc:
-        raise ConfigError("data_config.tokenizer_path", str(exc)) from exc
-    return job
-
-
 def run_train(args: argparse.Namespace) -> int:
     from pagedllm.training.trainer import EXIT_CONFIG_ERROR
 
@@ -144,8 +115,7 @@ def torchrun_command(args: argparse.Namespace, job: TrainingJob, config_path: Pa
 def run_export(args: argparse.Namespace) -> int:
     from pagedllm.adapters.peft_format import AdapterFormatError
     from pagedllm.load_errors import ModelLoadError
-    from pagedllm.training.export import export_checkpoint
-    from pagedllm.training.finetune import merge_adapter
+    from pagedllm.training.export import export_checkpoint, merge_adapter
 
     if bool(args.checkpoint) == bool(args.adapter) or bool(args.adapter) != args.merge:
         print("export: give --checkpoint, or --adapter DIR --merge", file=sys.stderr)

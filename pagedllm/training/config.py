@@ -358,10 +358,7 @@ def fp8_supported() -> bool:
 
 def resolve(job: TrainingJob, world_size: int) -> TrainingJob:
     """Check the cross-field rules for `world_size` processes; return the job with data_parallel_size set."""
-    if job.finetune is not None:
-        from pagedllm.training.pretrained import apply_base_model  # reads the base model's config
-
-        job = apply_base_model(job)
+    if job.finetune is not None:  # model_config is the base's: pretrained.apply_base_model, called before
         _check_finetune(job)
     else:
         _check_tokenizer_given(job)

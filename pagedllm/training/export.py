@@ -144,3 +144,25 @@ def checkpoint_tokenizer(checkpoint: str | Path) -> Path:
     from pagedllm.training.checkpoint import resolve_checkpoint
 
     return resolve_checkpoint(checkpoint).parent / "tokenizer"
+
+
+def merge_adapter(adapter_dir: str | Path, out: str | Path, base: str | None = None, dtype: str = "float32") -> Path:
+    """A Hugging Face model folder (config, merged weights, the base's tokenizer and chat template)
+    from a PEFT adapter and its base: what `pagedllm export --merge` writes and the engine serves."""
+    import tempfile
+
+    from pagedllm.adapters.peft_format import load_adapter
+    from pagedllm.training.config import ConfigError
+    from pagedllm.training.finetune import model_with_adapter
+    from pagedllm.training.lora import merged_state
+    from pagedllm.training.pretrained import base_config, base_tokenizer, shape_of, write_tokenizer
+
+    _, named_base, _ = load_adapter(adapter_dir)
+    base = base or named_base
+    if not base:
+        raise ConfigError("--base", f"{adapter_dir}/adapter_config.json names no base_model_name_or_path; give --base")
+    shape = ModelShapeConfig(**shape_of(base_config(base)))
+    state = merged_state(model_with_adapter(shape, base, adapter_dir))
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = write_tokenizer(base_tokenizer(base), Path(tmp))
+        return write_hf_folder(state, shape, tokenizer, out, dtype)

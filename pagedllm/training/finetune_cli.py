@@ -73,7 +73,7 @@ def publish(checkpoint_dir: Path, out: Path, adapter: bool) -> Path:
 
 
 def run_finetune(args: argparse.Namespace) -> int:
-    from pagedllm.training.cli import check_job
+    from pagedllm.training.checks import check_job
     from pagedllm.training.provenance import continue_job
     from pagedllm.training.run_options import RunOptions
     from pagedllm.training.trainer import EXIT_COMPLETED, EXIT_CONFIG_ERROR, run_training

@@ -209,7 +209,9 @@ class DecoderLayer(nn.Module):
         return checkpoint(self._block, x, segments, use_reentrant=False, **kwargs)
 
     def _block(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), segments)
+        normed = self.input_layernorm(x)
+        # segments only when given: tensor parallelism's input plan counts the attention's inputs
+        h = x + (self.self_attn(normed) if segments is None else self.self_attn(normed, segments))
         return h + self.feed_forward(self.post_attention_layernorm(h))
 
 

@@ -82,6 +82,10 @@ def init_distributed() -> bool:
 class Trainer:
     def __init__(self, job: TrainingJob, options: RunOptions) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if job.finetune is not None:  # model_config from the base model (training/pretrained.py)
+            from pagedllm.training.pretrained import apply_base_model
+
+            job = apply_base_model(job)
         self.job = resolve(continue_job(job), self.world)
         self.options = options
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

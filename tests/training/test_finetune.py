@@ -130,3 +130,17 @@ def test_the_job_file_section_runs_with_pagedllm_train(base, chat, tmp_path):
     written = json.loads((tmp_path / "ckpt" / "job.json").read_text())
     assert written["model_config"]["hidden_size"] == 64 and written["finetune_config"]["method"] == "lora"
     assert (tmp_path / "ckpt" / "adapter-final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_fsdp_wrapped_adapter_jobs_match_unwrapped(base, chat, tmp_path, method):
+    """zero_stage 3 (FSDP2, also on one rank: the default memory_config) with a frozen base: the
+    same losses as the plain module, and the adapter is written."""
+    def run(zero: int) -> list[float]:
+        job = lora_job(base, chat, tmp_path / f"{method}-{zero}", steps=3, memory_config={"zero_stage": zero})
+        job["finetune_config"]["method"] = method
+        result = run_training(parse_job(job), FAST)
+        return [result.losses[s] for s in sorted(result.losses)]
+
+    assert run(3) == pytest.approx(run(0), rel=1e-5)
+    assert (tmp_path / f"{method}-3" / "adapter-final" / "adapter_model.safetensors").is_file()

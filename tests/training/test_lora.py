@@ -12,6 +12,7 @@ import torch
 
 from pagedllm.adapters.peft_format import AdapterFormatError, load_adapter
 from pagedllm.training.config import FinetuneConfig, parse_job, resolve
+from pagedllm.training.pretrained import apply_base_model
 from pagedllm.training.finetune import build_finetune_model, model_with_adapter, write_adapter
 from pagedllm.training.lora import adapter_state, merged_state
 
@@ -25,7 +26,7 @@ IDS = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(1))
 def shape(base: Path):
     job = parse_job({"finetune_config": {"base_model": str(base)}, "memory_config": {"zero_stage": 0},
                      "data_config": {"dataset_path": "x.jsonl", "sequence_length": 16, "global_batch_size": 1, "micro_batch_size": 1}})
-    return resolve(job, 1).model
+    return resolve(apply_base_model(job), 1).model
 
 
 def randomize_adapters(model: torch.nn.Module, seed: int = 3) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedllm.training.config import ConfigError, parse_job, resolve
+from pagedllm.training.pretrained import apply_base_model
 from pagedllm.training.model import TrainingCausalLM
 from pagedllm.training.pretrained import base_tokenizer, load_base_weights
 
@@ -23,7 +24,7 @@ def finetune_job(base: str | Path, **model_config) -> dict:
 
 
 def trainer_model(base: str | Path) -> TrainingCausalLM:
-    job = resolve(parse_job(finetune_job(base)), 1)
+    job = resolve(apply_base_model(parse_job(finetune_job(base))), 1)
     model = TrainingCausalLM(job.model)
     load_base_weights(model, str(base))
     return model.eval()
@@ -42,14 +43,14 @@ def test_logits_equal_transformers_on_a_folder(tmp_path, arch, overrides):
 
 def test_shape_comes_from_the_base_and_a_conflicting_field_is_named(tmp_path):
     folder = build_model(tmp_path / "llama", "llama")
-    job = resolve(parse_job(finetune_job(folder)), 1)
+    job = resolve(apply_base_model(parse_job(finetune_job(folder))), 1)
     assert (job.model.hidden_size, job.model.num_layers, job.model.num_kv_heads, job.model.vocab_size) == (64, 2, 2, 384)
-    assert resolve(parse_job(finetune_job(folder, hidden_size=64)), 1).model.hidden_size == 64  # agreeing is fine
+    assert resolve(apply_base_model(parse_job(finetune_job(folder, hidden_size=64))), 1).model.hidden_size == 64  # agreeing is fine
     with pytest.raises(ConfigError) as err:
-        resolve(parse_job(finetune_job(folder, hidden_size=512)), 1)
+        resolve(apply_base_model(parse_job(finetune_job(folder, hidden_size=512))), 1)
     assert err.value.field == "model_config.hidden_size" and "64" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        resolve(parse_job(finetune_job(tmp_path / "missing")), 1)
+        resolve(apply_base_model(parse_job(finetune_job(tmp_path / "missing"))), 1)
     assert err.value.field == "finetune_config.base_model"
 
 
