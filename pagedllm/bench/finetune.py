@@ -27,18 +27,18 @@ GENERAL = ("What is the capital of France?", "Paris")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true", help="exit 1 unless the model learnt the facts and kept the general one")
-    parser.add_argument("--model", default="@default")
-    parser.add_argument("--method", default="lora", choices=["lora", "qlora", "full"])
-    parser.add_argument("--facts", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--lora-rank", type=int, default=16)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-seq-len", type=int, default=256)
+    parser.add_argument("--model", default="@default", help="the base: an HF folder, a .gguf file or @default (default: %(default)s)")
+    parser.add_argument("--method", default="lora", choices=["lora", "qlora", "full"], help="what trains (default: %(default)s)")
+    parser.add_argument("--facts", type=int, default=20, help="invented facts in the generated dataset (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--learning-rate", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
+    parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=8, help="packed rows per step (default: %(default)s)")
+    parser.add_argument("--max-seq-len", type=int, default=256, help="tokens per packed row (default: %(default)s)")
     parser.add_argument("--max-before", type=float, default=0.05, help="--check: most the base may already know")
     parser.add_argument("--min-after", type=float, default=0.9, help="--check: least the fine-tuned model must answer")
     parser.add_argument("--work-dir", type=Path, help="keep the dataset, adapter and merged model here")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the dataset and the run (default: %(default)s)")
 
 
 def _name(rng: random.Random, parts: int) -> str:
