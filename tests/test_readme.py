@@ -92,6 +92,9 @@ def test_serve_commands(command, placeholders, tmp_path):
             time.sleep(0.2)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]
         assert [m["status"] for m in models] == ["ready"]
+        if command.strip() == "pagedllm serve":  # the default model, default KV pool: one 8,192-token context
+            log = (tmp_path / "serve.log").read_text()
+            assert "model 'SmolLM2-135M-Instruct': KV cache 8,192 tokens (360 MiB)" in log, log[-3000:]
     finally:
         proc.terminate()
         proc.wait(30)

@@ -160,9 +160,10 @@ def build_settings(args: argparse.Namespace):
 
 
 def model_name(path: str) -> str:
-    """The name a model is served under by default: its folder's name, or its file's without .gguf."""
-    resolved = Path(path).resolve()
-    return resolved.stem if resolved.is_file() else resolved.name
+    """The name a model is served under by default (model_names.py: the same as --model-dir gives it)."""
+    from pagedllm.entrypoints.model_names import served_name
+
+    return served_name(path)
 
 
 def is_loopback(host: str) -> bool:

@@ -26,6 +26,7 @@ from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import ModelCard
 from pagedllm.entrypoints.openai.replica import EngineInfo, ReplicaSpec
 from pagedllm.entrypoints.openai.settings import ChatOptions, ServerSettings
+from pagedllm.entrypoints.model_names import loadable_models
 from pagedllm.entrypoints.tool_parsers import ToolParser, parser_class
 from pagedllm.http_errors import (
     BadRequestError,
@@ -102,13 +103,6 @@ class CatalogEntry:
     error: str | None = None
 
 
-def _loadable_name(path: Path) -> str | None:
-    """The name a --model-dir entry loads by: a model folder's name, a GGUF file's name without .gguf."""
-    if (path / "config.json").is_file():
-        return path.name
-    return path.stem if path.suffix == ".gguf" and path.is_file() else None
-
-
 class ModelRegistry:
     def __init__(self, settings: ServerSettings, metrics: ServerMetrics):
         self.settings = settings
@@ -180,7 +174,7 @@ class ModelRegistry:
         by name; what the web console lists with load/unload buttons."""
         names = set(self._startup_paths) | set(self._ready) | set(self._loading) | set(self._failed)
         if self.settings.model_dir and Path(self.settings.model_dir).is_dir():
-            names |= {_loadable_name(p) for p in Path(self.settings.model_dir).iterdir() if _loadable_name(p)}
+            names |= set(loadable_models(self.settings.model_dir))
         return [self._entry(name) for name in sorted(names)]
 
     def _entry(self, name: str) -> CatalogEntry:
@@ -200,11 +194,10 @@ class ModelRegistry:
             return None
         if len(f"{name}.gguf".encode()) > 255:  # no file system holds such a name (stat would raise ENAMETOOLONG)
             return None
-        folder = Path(self.settings.model_dir) / name
-        if (folder / "config.json").is_file():
-            return str(folder)
-        file = Path(self.settings.model_dir) / f"{name}.gguf"
-        return str(file) if file.is_file() else None
+        if not Path(self.settings.model_dir).is_dir():
+            return None
+        path = loadable_models(self.settings.model_dir).get(name)  # model_names.py: one name per file
+        return str(path) if path is not None else None
 
     # ---- load / unload -----------------------------------------------------------------------
     async def load(self, name: str, wait: bool = False) -> str:

@@ -87,11 +87,38 @@ def test_two_replica_processes(serve_models, expected, tmp_path):
             pids = [r["pid"] for r in replicas(client)]
             assert len(set(pids)) == 2 and server.proc.pid not in pids
         check_answers_routing_and_metrics(server, expected)
+        check_24_chats_keep_both_replicas_busy(server)
         check_a_dead_replica_is_restarted(server, expected)
     finally:
         server.stop()
     log = server.log.read_text()
     assert server.proc.returncode in (0, -15), log[-3000:]
+
+
+def check_24_chats_keep_both_replicas_busy(server) -> None:
+    """24 concurrent chats sharing one system prompt (the router's bound on prefix affinity; issue 44:
+    all of them once went to replica 0): both replicas take a share of them."""
+    def routed() -> list[float]:
+        return [sum(server.metric("pagedllm_router_requests_total", model_name="dp", replica=str(r), reason=why)
+                    for why in ("prefix", "load")) for r in (0, 1)]
+
+    # ~80 tokens a chat (prompt + max_tokens): 24 of them stay within the router's token slack (one step's
+    # budget, 2,048), so only the bound on outstanding requests spreads them
+    system = {"role": "system", "content": "Be brief."}
+    before = routed()
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        def chat(i: int) -> None:
+            body = {"model": "dp", "messages": [system, {"role": "user", "content": f"Q{i}?"}],
+                    "max_tokens": 2, "temperature": 0}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+        threads = [threading.Thread(target=chat, args=(i,)) for i in range(24)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    shares = [after - b for after, b in zip(routed(), before)]
+    assert sum(shares) == 24 and min(shares) >= 6, shares
 
 
 def check_a_dead_replica_is_restarted(server, expected: dict[str, str]) -> None:
