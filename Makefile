@@ -35,7 +35,7 @@ generate: $(STAMP)
 SANITIZER_TESTS := tests/layers/test_sanitizers.py
 
 test: $(STAMP) $(CHROMIUM)
-	$(BIN)/python -m pytest -q tests --ignore=$(SANITIZER_TESTS)
+	$(BIN)/python -m pytest -q --durations=25 tests --ignore=$(SANITIZER_TESTS)
 
 sanitize: $(STAMP)
 	$(BIN)/python -m pytest -q $(SANITIZER_TESTS)

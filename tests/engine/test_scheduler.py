@@ -18,8 +18,10 @@ def make_scheduler(num_blocks=64, block_size=4, budget=64, chunked=True, mode="r
     return Scheduler(config, bm)
 
 
-def make_seq(name: str, prompt_len: int, arrival: float = 0.0, priority: int = 0, max_tokens: int = 16, first_token: int = 10) -> Sequence:
-    request = Request(name, None, list(range(first_token, first_token + prompt_len)), SamplingParams(max_tokens=max_tokens), arrival, priority)
+def make_seq(name: str, prompt_len: int, arrival: float = 0.0, priority: int = 0, max_tokens: int = 16, first_token: int = 10,
+             best_of: int = 1) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, n=1, best_of=best_of)
+    request = Request(name, None, list(range(first_token, first_token + prompt_len)), params, arrival, priority)
     seq = Sequence(request, 0, list(request.prompt_token_ids))
     request.seqs.append(seq)
     return seq
@@ -28,9 +30,15 @@ def make_seq(name: str, prompt_len: int, arrival: float = 0.0, priority: int = 0
 def run_step(scheduler: Scheduler):
     """Schedule, then hand back what a runner would: token 7 for every chunk that samples."""
     out = scheduler.schedule()
-    sampled = {chunk.seq_id: [SampledToken(7, 0.0)] for chunk in out.chunks if chunk.token_budget}
-    scheduler.update_from_output(ModelRunnerOutput(sampled), lambda seq, token: None)
+    scheduler.update_from_output(ModelRunnerOutput(runner_tokens(out)), lambda seq, token: None)
     return out
+
+
+def runner_tokens(out) -> dict[int, list[SampledToken]]:
+    """Token 7 for every chunk that samples and every sample forked this step (n / best_of)."""
+    sampled = {chunk.seq_id: [SampledToken(7, 0.0)] for chunk in out.chunks if chunk.token_budget}
+    sampled.update((new.seq_id, [SampledToken(7, 0.0)]) for new in out.new_seqs if new.forked_from is not None)
+    return sampled
 
 
 def scheduled(out) -> list[tuple[int, int]]:
@@ -62,6 +70,22 @@ def test_budget_decodes_first_then_prefill_chunks():
         assert scheduled(out)[0] == (a.seq_id, 1)  # decode first
         chunks.append(out.chunks[1].num_tokens)
     assert chunks == [9, 9, 9, 3]
+
+
+def test_admission_counts_the_samples_a_request_will_fork():
+    """max_num_seqs=4: a best_of=3 request runs as 3 sequences once its prompt is computed, so a
+    best_of=1 request fits beside it (exactly 4) and the next one waits — in the same step as the
+    admission, before the fork, too."""
+    scheduler = make_scheduler(max_num_seqs=4, budget=100)
+    wide = make_seq("wide", 4, arrival=0, best_of=3)
+    one, two = make_seq("one", 4, arrival=1, first_token=100), make_seq("two", 4, arrival=2, first_token=200)
+    for seq in (wide, one, two):
+        scheduler.add(seq)
+    out = run_step(scheduler)
+    assert scheduled(out) == [(wide.seq_id, 4), (one.seq_id, 4)]
+    assert len(scheduler.running) == 4 and two.status is SequenceStatus.WAITING
+    with pytest.raises(ValueError, match="best_of=5 exceeds max_num_seqs=4"):
+        scheduler.add(make_seq("too-wide", 4, best_of=5))
 
 
 def test_without_chunking_a_prompt_waits_for_a_whole_budget():
@@ -185,7 +209,8 @@ def test_decodes_first_and_capped_chunks_over_random_workloads(seed):
     """Random arrivals, priorities, lengths, pools, policies, modes, caps and watermarks: each
     step, every decode that was running when the step began (and was not preempted) gets its
     token, every decode chunk comes before every prefill chunk, no prefill chunk exceeds the
-    cap, the budget holds, and every request finishes."""
+    cap, the budget holds, no more than max_num_seqs sequences run (after the step's forks of
+    n / best_of samples, and after its output), and every request finishes."""
     import random
 
     rng = random.Random(seed)
@@ -202,7 +227,8 @@ def test_decodes_first_and_capped_chunks_over_random_workloads(seed):
         while arrivals and arrivals[0][0] <= step:
             _, i = arrivals.pop(0)
             seq = make_seq(f"r{i}", rng.randint(1, 20), arrival=step + i / 100, priority=rng.randint(0, 3),
-                           max_tokens=rng.randint(1, 12), first_token=rng.choice([10, 10 * (i + 2)]))
+                           max_tokens=rng.randint(1, 12), first_token=rng.choice([10, 10 * (i + 2)]),
+                           best_of=rng.choice([1, 1, rng.randint(1, max_num_seqs)]))
             scheduler.add(seq)
             seqs.append(seq)
         if not arrivals and not scheduler.num_unfinished:
@@ -210,7 +236,7 @@ def test_decodes_first_and_capped_chunks_over_random_workloads(seed):
         decodes = {s.seq_id for s in scheduler.running if not s.is_prefill}
         out = scheduler.schedule()
         gone = set(out.preempted_seq_ids) | set(out.finished_seq_ids)
-        gone |= {s.seq_id for s in seqs if s.status is SequenceStatus.SWAPPED}
+        gone |= {s.seq_id for seq in seqs for s in seq.request.seqs if s.status is SequenceStatus.SWAPPED}
         chunks = {c.seq_id: c.num_tokens for c in out.chunks}
         assert decodes - gone <= set(chunks), "a running decode got no token"
         kinds = [c.seq_id in decodes for c in out.chunks]
@@ -218,10 +244,11 @@ def test_decodes_first_and_capped_chunks_over_random_workloads(seed):
         assert out.num_batched_tokens <= scheduler.config.max_num_batched_tokens
         if cap:
             assert all(n <= cap for sid, n in chunks.items() if sid not in decodes)
-        sampled = {c.seq_id: [SampledToken(7, 0.0)] for c in out.chunks if c.token_budget}
-        scheduler.update_from_output(ModelRunnerOutput(sampled), finish_at_max_tokens)
+        assert len(scheduler.running) <= max_num_seqs, f"{len(scheduler.running)} running, max_num_seqs={max_num_seqs}"
+        scheduler.update_from_output(ModelRunnerOutput(runner_tokens(out)), finish_at_max_tokens)
+        assert len(scheduler.running) <= max_num_seqs
         scheduler.block_manager.check_invariants()
-    assert all(s.finished for s in seqs) and not arrivals, "a request never finished"
+    assert all(s.finished for seq in seqs for s in seq.request.seqs) and not arrivals, "a request never finished"
 
 
 # ---- preemption: policies and the watermark (issue 31, item 2) ------------------------------------
