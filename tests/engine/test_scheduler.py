@@ -99,6 +99,26 @@ def test_without_chunking_a_prompt_waits_for_a_whole_budget():
     assert scheduled(out) == [(a.seq_id, 1), (b.seq_id, 8)]
 
 
+def test_a_block_shortage_stops_admission_at_the_head_of_the_queue():
+    """Design 000 Algorithm 2 phase 3: admit while blocks fit, then stop. A prompt that does not
+    fit the free blocks now holds back the smaller, later one that would fit: it is not skipped
+    (which would starve it), and it runs once the blocks come free."""
+    scheduler = make_scheduler(num_blocks=6, block_size=4, budget=100)
+    running = make_seq("running", 11, arrival=0, max_tokens=2)  # 3 blocks once it samples
+    scheduler.add(running)
+    run_step(scheduler)
+    big = make_seq("big", 16, arrival=1, first_token=100)  # 4 blocks: 3 are free
+    small = make_seq("small", 4, arrival=2, first_token=200)  # 1 block would fit
+    scheduler.add(big)
+    scheduler.add(small)
+    out = run_step(scheduler)
+    assert scheduled(out) == [(running.seq_id, 1)]
+    assert big.status is small.status is SequenceStatus.WAITING
+    assert scheduler.block_manager.num_free_blocks == 3  # the failed admission kept nothing
+    scheduler.finish(running, SequenceStatus.FINISHED_STOPPED)
+    assert scheduled(run_step(scheduler)) == [(big.seq_id, 16), (small.seq_id, 4)]
+
+
 def fill_pool(policy: str, mode: str = "recompute"):
     """Three running sequences that exactly fill a 6-block pool; the next decode must preempt."""
     scheduler = make_scheduler(num_blocks=6, block_size=4, budget=100, mode=mode, policy=policy)
