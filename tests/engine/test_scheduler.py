@@ -333,6 +333,21 @@ def test_recompute_cost_preempts_the_cheapest_recompute_per_block_freed(policy, 
     assert out.preempted_seq_ids == [seqs[victim].seq_id]
 
 
+def test_recompute_cost_differs_from_the_designs_longest_cached_prefix():
+    """Design 001 Algorithm 8 preempts MAX(prefix_cache_length); we preempt the cheapest recompute
+    per block freed (docs/engine.md, "Preemption"). Here the rules disagree: s0 holds the longest
+    cached prefix (8 tokens) but would recompute its 9th token over 3 blocks; s1 (4 tokens, all
+    cached) recomputes nothing, and it is the victim (the sequence asking: it preempts itself)."""
+    scheduler, seqs = three_in_a_full_pool("recompute_cost", [9, 4, 7])  # 3 + 1 + 2 blocks; s1 needs a 2nd
+    bm = scheduler.block_manager
+    cached = [sum(bm.content[b] is not None for b in bm.block_table(seq.seq_id)) * bm.block_size for seq in seqs]
+    assert cached == [8, 4, 4]  # the design's rule would take s0
+    assert [scheduler._recompute_cost(seq) for seq in seqs] == [1 / 3, 0.0, 1.5]
+    out = run_step(scheduler)
+    assert out.preempted_seq_ids == [seqs[1].seq_id]
+    assert {c.seq_id for c in out.chunks} == {seqs[0].seq_id, seqs[2].seq_id}
+
+
 def test_recompute_cost_of_a_sequence_that_frees_nothing_is_infinite():
     scheduler = make_scheduler()
     seq = make_seq("a", 6, max_tokens=3)
