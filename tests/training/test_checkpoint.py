@@ -53,6 +53,43 @@ def test_async_save_completes_and_resumes(tiny_paths, tmp_path):
     assert again.start_step == 4 and again.losses == {5: whole.losses[5], 6: whole.losses[6]}
 
 
+def test_async_save_lets_training_go_on_while_it_writes(tiny_paths, tmp_path, monkeypatch):
+    """The writer of step 2's checkpoint is held until step 3 has trained (or 10 s pass): with an
+    async save the step runs meanwhile; a synchronous save would hold the loop, and the writer
+    would give up waiting. The held save still completes and verifies."""
+    import threading
+    from contextlib import contextmanager
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from pagedllm.training.trainer import Trainer
+
+    stepped, seen = threading.Event(), []
+    original_stream, original_step = FileSystem.create_stream, Trainer.train_step
+
+    @contextmanager
+    def slow_writer(self, path, mode):
+        if "step-00000002" in str(path) and "w" in mode:
+            seen.append(stepped.wait(timeout=10 if all(seen) else 0))  # one timeout is enough
+        with original_stream(self, path, mode) as stream:
+            yield stream
+
+    def train_step(self, step):
+        result = original_step(self, step)
+        if step == 3:
+            stepped.set()
+        return result
+
+    monkeypatch.setattr(FileSystem, "create_stream", slow_writer)
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    ckpt = tmp_path / "run"
+    run(tiny_paths, ckpt, checkpoint_config={"checkpoint_interval_steps": 2, "async_save": True})
+    assert seen and all(seen), "training did not go on while the checkpoint was written"
+    assert statuses(ckpt) == {2: "COMPLETE", 4: "COMPLETE", 6: "COMPLETE"}
+    for step_dir, manifest in list_checkpoints(ckpt):
+        assert verify(step_dir, manifest) == []
+
+
 def test_time_interval_checkpoints(tiny_paths, tmp_path):
     ckpt = tmp_path / "run"
     run(tiny_paths, ckpt, checkpoint_config={"checkpoint_interval_minutes": 1e-6, "max_checkpoints_to_keep": 10})
