@@ -54,6 +54,7 @@ class Attention(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.kv_groups = cfg.num_attention_heads // cfg.num_kv_heads
         self.sliding_window = cfg.sliding_window if cfg.architecture == "mistral" else None
+        self.attention_dropout = cfg.attention_dropout
         q_width, kv_width = cfg.num_attention_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, q_width, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_width, bias=False)
@@ -79,7 +80,8 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.kv_groups, dim=1)
             v = v.repeat_interleave(self.kv_groups, dim=1)
         mask = self._window_mask(seq, x.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        dropout = self.attention_dropout if self.training else 0.0  # drawn from torch's global RNG
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _window_mask(self, seq: int, device: torch.device) -> torch.Tensor | None:

@@ -195,3 +195,22 @@ def test_the_rng_states_are_plain_data_and_restore_exactly(tiny_paths, tmp_path)
         (ckpt / f"step-{step:08d}" / "manifest.json").unlink()
     again = run(tiny_paths, ckpt)
     assert again.start_step == 4 and again.losses == {5: whole.losses[5], 6: whole.losses[6]}
+
+
+def test_a_resume_with_dropout_reproduces_the_run_only_with_its_rng_restored(tiny_paths, tmp_path, monkeypatch):
+    """Attention dropout draws from torch's RNG at every step, so the losses after a resume equal
+    the uninterrupted run's only if the checkpoint's RNG state is restored — the randomness of
+    steps 5 and 6 is that of the run's own steps, not of a fresh start's. Without the restore
+    (the second half) the resumed steps draw other masks and their losses differ."""
+    from pagedllm.training import checkpoint
+
+    model = {"attention_dropout": 0.2}
+    ckpt = tmp_path / "run"
+    whole = run(tiny_paths, ckpt, model_config=model, checkpoint_config={"checkpoint_interval_steps": 2})
+    (ckpt / "step-00000006" / "manifest.json").unlink()
+    again = run(tiny_paths, ckpt, model_config=model)
+    assert again.start_step == 4 and again.losses == {5: whole.losses[5], 6: whole.losses[6]}
+    monkeypatch.setattr(checkpoint, "restore_rng", lambda record: None)
+    (ckpt / "step-00000006" / "manifest.json").unlink()
+    forgetful = run(tiny_paths, ckpt, model_config=model)
+    assert forgetful.start_step == 4 and forgetful.losses[5] != whole.losses[5]
