@@ -387,3 +387,184 @@ def test_a_step_that_starts_under_the_watermark_preempts_before_scheduling():
     for _ in range(3):  # the last running sequence is never preempted by the watermark
         assert run_step(scheduler).preempted_seq_ids == []
     scheduler.block_manager.check_invariants()
+
+
+# ---- cases found by mutation testing (issue 45, `make mutate`) --------------------------------------
+def spec_scheduler(method: str = "ngram", k: int = 3, budget: int = 64, **planner) -> Scheduler:
+    """A scheduler whose planner verifies up to k proposals per decode (a draft model's also reserve
+    k lookahead slots and keep their KV in the same blocks)."""
+    from pagedllm.config.speculative import SpeculativeConfig
+    from pagedllm.step.planner import StepPlanner
+
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, model="draft" if method == "draft_model" else None)
+    config = SchedulerConfig(16, budget, 4096, True, "recompute", "priority")
+    return Scheduler(config, BlockManager(64, 4, 0), planner=StepPlanner(max_model_len=4096, speculation=spec, **planner))
+
+
+def tokens(*ids: int) -> list[SampledToken]:
+    return [SampledToken(t, 0.0) for t in ids]
+
+
+def test_verified_proposals_advance_by_the_accepted_ones_and_are_counted():
+    scheduler = spec_scheduler()
+    a = make_seq("a", 6, max_tokens=50)
+    scheduler.add(a)
+    scheduler.schedule()
+    changed = scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)},
+                                                             spec_token_ids={a.seq_id: [8, 9, 10]}), lambda s, t: None)
+    assert changed == [a] and a.spec_token_ids == [8, 9, 10] and a.num_computed_tokens == 6
+    out = scheduler.schedule()
+    assert scheduled(out) == [(a.seq_id, 4)] and out.chunks[0].max_proposals == 3
+    # two proposals accepted, the third replaced: 1 + 2 positions computed, three tokens appended
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(8, 9, 11)}, spec_token_ids={a.seq_id: [12]}),
+                                 lambda s, t: None)
+    assert a.num_computed_tokens == 9 and a.token_ids[6:] == [7, 8, 9, 11] and a.spec_token_ids == [12]
+    stats = scheduler.spec_stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_position) == (1, 3, 2, [1, 1, 0])
+    assert scheduled(scheduler.schedule()) == [(a.seq_id, 2)]
+    # none accepted (one token back), and a fused cycle's own counts
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(13)}, spec_cycles={a.seq_id: [(2, 2), (3, 1)]}),
+                                 lambda s, t: None)
+    assert a.num_computed_tokens == 10 and a.spec_token_ids == []
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_position) == (4, 9, 5, [3, 2, 0])
+
+
+def test_proposals_verified_are_bounded_by_the_budget_left_for_later_decodes():
+    """budget 4, two decodes with three proposals each: the first verifies 4 - 1 - 1 (one token
+    kept for the second) = 2, the second what is left: 4 - 3 - 1 = 0."""
+    scheduler = spec_scheduler(budget=4)
+    a, b = make_seq("a", 2, max_tokens=50), make_seq("b", 2, arrival=1, first_token=100, max_tokens=50)
+    for seq in (a, b):
+        scheduler.add(seq)
+    scheduler.schedule()
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7), b.seq_id: tokens(7)},
+                                                   spec_token_ids={a.seq_id: [1, 2, 3], b.seq_id: [4, 5, 6]}), lambda s, t: None)
+    out = scheduler.schedule()
+    assert scheduled(out) == [(a.seq_id, 3), (b.seq_id, 1)]
+    assert [item.num_spec for item in scheduler._records[-1].scheduled] == [2, 0]
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(1, 9), b.seq_id: tokens(9)}), lambda s, t: None)
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (2 + 1 + 1, 3)
+    assert scheduler.spec_stats.num_draft_tokens == 2 and scheduler.spec_stats.num_accepted_tokens == 1
+
+
+def test_a_draft_models_blocks_are_published_when_both_models_computed_them():
+    """With a draft model a decode reserves k lookahead slots, and a block enters the prefix cache
+    only when the draft's KV is in it too (num_draft_computed, from the runner)."""
+    scheduler = spec_scheduler("draft_model", k=2)
+    bm = scheduler.block_manager
+    a = make_seq("a", 8, max_tokens=50)
+    scheduler.add(a)
+    scheduler.schedule()
+    assert len(bm.block_table(a.seq_id)) == 2
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}, draft_computed={a.seq_id: 4}), lambda s, t: None)
+    assert a.num_draft_computed == 4
+    assert [bm.content[b] is not None for b in bm.block_table(a.seq_id)] == [True, False]
+    scheduler.schedule()  # the decode: 1 position + 2 lookahead slots -> a third block
+    assert len(bm.block_table(a.seq_id)) == 3
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}), lambda s, t: None)
+    assert a.num_draft_computed == 4  # unchanged when the runner says nothing
+    scheduler.schedule()
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}, draft_computed={a.seq_id: 9}), lambda s, t: None)
+    assert [bm.content[b] is not None for b in bm.block_table(a.seq_id)[:2]] == [True, True]
+
+
+def test_a_sequence_ended_before_its_output_takes_nothing_and_others_still_advance():
+    scheduler = make_scheduler()
+    a, b = make_seq("a", 4), make_seq("b", 4, arrival=1, first_token=100)
+    for seq in (a, b):
+        scheduler.add(seq)
+    scheduler.schedule()
+    scheduler.finish(a, SequenceStatus.FINISHED_ABORTED)  # ended while its step ran
+    changed = scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7), b.seq_id: tokens(8)}), lambda s, t: None)
+    assert changed == [b] and a.token_ids == list(range(10, 14)) and b.token_ids[-1] == 8 and b.num_computed_tokens == 4
+
+
+def test_a_step_stops_at_a_block_bound_per_step():
+    """max_step_blocks (layer-wise KV offload's device buffer) bounds the blocks one step's
+    sequences use: the second prompt waits, then runs when the first is done."""
+    bm = BlockManager(64, 4, 0)
+    scheduler = Scheduler(SchedulerConfig(16, 100, 4096, True, "recompute", "priority", max_step_blocks=4), bm)
+    a, b = make_seq("a", 12, max_tokens=1), make_seq("b", 8, arrival=1, first_token=100, max_tokens=1)
+    for seq in (a, b):
+        scheduler.add(seq)
+    out = run_step_with(scheduler, finish_at_max_tokens)
+    assert scheduled(out) == [(a.seq_id, 12)] and b.status is SequenceStatus.WAITING  # 3 + 2 blocks > 4
+    assert a.finished
+    assert scheduled(run_step_with(scheduler, finish_at_max_tokens)) == [(b.seq_id, 8)]
+    assert scheduler.capacity_blocks == 4
+    too_long = make_seq("c", 17, arrival=2, first_token=200)  # 5 blocks: more than one step holds
+    scheduler.add(too_long)
+    out = scheduler.schedule()
+    assert too_long.status is SequenceStatus.FINISHED_LENGTH and out.finished_seq_ids == [b.seq_id, too_long.seq_id]
+
+
+def run_step_with(scheduler: Scheduler, on_token):
+    out = scheduler.schedule()
+    scheduler.update_from_output(ModelRunnerOutput(runner_tokens(out)), on_token)
+    return out
+
+
+def test_a_prompt_too_long_for_the_pool_ends_and_the_next_is_admitted_in_the_same_step():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=100)
+    too_long, fits = make_seq("long", 17, arrival=0), make_seq("fits", 4, arrival=1, first_token=100)
+    for seq in (too_long, fits):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert too_long.status is SequenceStatus.FINISHED_LENGTH and scheduled(out) == [(fits.seq_id, 4)]
+    assert scheduler._ended == [too_long]
+
+
+def test_the_last_token_of_the_budget_admits_a_one_token_chunk():
+    scheduler = make_scheduler(budget=5)
+    a, b = make_seq("a", 4), make_seq("b", 9, arrival=1, first_token=100)
+    for seq in (a, b):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert scheduled(out) == [(a.seq_id, 4), (b.seq_id, 1)]
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache_and_ask_for_each_position_once():
+    scheduler = make_scheduler(budget=6)
+    first = make_seq("first", 8)
+    scheduler.add(first)
+    run_step(scheduler)
+    run_step(scheduler)
+    request = Request("scored", None, list(range(10, 18)), SamplingParams(max_tokens=4, prompt_logprobs=2), 1.0)
+    scored = Sequence(request, 0, list(request.prompt_token_ids))
+    request.seqs.append(scored)
+    scheduler.add(scored)
+    out = scheduler.schedule()
+    assert request.num_cached_tokens == 0 and scored.num_computed_tokens == 0  # same prompt, no cache hit
+    chunk = next(c for c in out.chunks if c.seq_id == scored.seq_id)
+    assert chunk.num_tokens == 5 and chunk.prompt_logprobs.num == 2
+    assert (chunk.prompt_logprobs.start, chunk.prompt_logprobs.targets) == (0, list(range(11, 16)))
+    entries = {scored.seq_id: [SampledToken(t, -1.0) for t in range(11, 16)]}
+    scheduler.update_from_output(ModelRunnerOutput(runner_tokens(out), prompt_logprobs=entries), lambda s, t: None)
+    request.prompt_logprobs += [{} for _ in range(5)]  # what the output processor records
+    out = scheduler.schedule()
+    chunk = next(c for c in out.chunks if c.seq_id == scored.seq_id)
+    assert (chunk.prompt_logprobs.start, chunk.prompt_logprobs.targets) == (5, [16, 17])  # up to the last prompt token
+    cached = make_seq("cached", 8, arrival=2)  # the same prompt without prompt_logprobs hits the cache
+    scheduler.add(cached)
+    scheduler.schedule()
+    assert cached.request.num_cached_tokens == 4 and cached.num_computed_tokens == 4
+
+
+def test_num_cached_tokens_reports_the_prefix_hit_and_fcfs_keeps_the_first_admission_index():
+    scheduler = make_scheduler(budget=100, policy="fcfs")
+    a = make_seq("a", 9)
+    scheduler.add(a)
+    run_step(scheduler)
+    b, c = make_seq("b", 9, arrival=1), make_seq("c", 9, arrival=2)
+    for seq in (b, c):
+        scheduler.add(seq)
+    run_step(scheduler)
+    assert (b.request.num_cached_tokens, c.request.num_cached_tokens) == (8, 8)
+    assert [s.request.admission_index for s in (a, b, c)] == [0, 1, 2]
+    assert scheduler.block_manager.prefix_cache_queries == 27 and scheduler.block_manager.prefix_cache_hits == 16
+    from pagedllm.engine.scheduler import _Step
+
+    scheduler.running.remove(a)
+    scheduler._preempt(a, _Step())  # as the watermark would
+    run_step(scheduler)
+    assert a.status is SequenceStatus.RUNNING and a.request.admission_index == 0  # kept across the preemption
