@@ -45,15 +45,18 @@ class Module:
 
     source: str
     tests: tuple[str, ...]
+    # Its tests run torch's kernels: mutants run in processes forked from a server that has not run
+    # them (torch's thread pools do not survive a fork; forked straight from mutmut they hang).
+    torch: bool = False
 
 
 MODULES: dict[str, Module] = {
     "scheduler": Module("pagedllm/engine/scheduler.py", ("tests/engine/test_scheduler.py",)),
     "block_manager": Module("pagedllm/engine/block_manager.py",
                             ("tests/engine/test_block_manager.py", "tests/engine/test_scheduler.py")),
-    "sampler": Module("pagedllm/layers/sampler.py", ("tests/layers/test_sampler.py",)),
-    "rejection_sampler": Module("pagedllm/spec_decode/rejection.py", ("tests/spec_decode/test_rejection.py",)),
-    "planner": Module("pagedllm/step/planner.py", ("tests/step/test_planner.py",)),
+    "sampler": Module("pagedllm/layers/sampler.py", ("tests/layers/test_sampler.py",), torch=True),
+    "rejection_sampler": Module("pagedllm/spec_decode/rejection.py", ("tests/spec_decode/test_rejection.py",), torch=True),
+    "planner": Module("pagedllm/step/planner.py", ("tests/step/test_planner.py",), torch=True),
     "checkpoint_manifest": Module("pagedllm/training/manifest.py", ("tests/training/test_manifest.py",)),
     "request_validation": Module("pagedllm/sampling_params.py", ("tests/test_sampling_params.py",)),
 }
@@ -90,7 +93,8 @@ def mutmut_config(module: Module) -> str:
     pytest_ini = project["tool"]["pytest"]["ini_options"]
     lines = ["[tool.mutmut]", 'source_paths = ["pagedllm"]', f"only_mutate = [{json.dumps(module.source)}]",
              f"pytest_add_cli_args_test_selection = {json.dumps(list(module.tests))}",
-             'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-x"]', "",
+             'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-x"]',
+             f'process_isolation = "{"forkserver" if module.torch else "fork"}"', "",
              "[tool.pytest.ini_options]", f"addopts = {json.dumps(pytest_ini['addopts'])}",
              f"markers = {json.dumps(pytest_ini['markers'])}", ""]
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
+from pagedllm.step.scheduler_output import PENDING_TOKEN
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=64, chunked=True, mode="recompute", policy="priority", cpu_blocks=64,
@@ -568,3 +569,164 @@ def test_num_cached_tokens_reports_the_prefix_hit_and_fcfs_keeps_the_first_admis
     scheduler._preempt(a, _Step())  # as the watermark would
     run_step(scheduler)
     assert a.status is SequenceStatus.RUNNING and a.request.admission_index == 0  # kept across the preemption
+
+
+def greedy_seq(name: str, prompt_len: int, arrival: float = 0.0, max_tokens: int = 16, first_token: int = 10) -> Sequence:
+    request = Request(name, None, list(range(first_token, first_token + prompt_len)),
+                      SamplingParams(max_tokens=max_tokens, temperature=0), arrival)
+    seq = Sequence(request, 0, list(request.prompt_token_ids))
+    request.seqs.append(seq)
+    return seq
+
+
+def planned_scheduler(num_blocks: int = 64, **planner) -> Scheduler:
+    from pagedllm.step.planner import StepPlanner
+
+    config = SchedulerConfig(16, 64, 4096, True, "recompute", "priority")
+    return Scheduler(config, BlockManager(num_blocks, 4, 0), planner=StepPlanner(max_model_len=4096, **planner))
+
+
+def test_greedy_decodes_run_as_a_burst_with_their_positions_reserved():
+    """num_scheduler_steps=4: once both decode (nothing waiting), each gets 4 tokens' budget and
+    blocks for 4 positions; the runner's 4 tokens advance each by 4. A pool that cannot reserve
+    them falls back to one token."""
+    scheduler = planned_scheduler(num_scheduler_steps=4)
+    a, b = greedy_seq("a", 3), greedy_seq("b", 5, arrival=1, first_token=100)
+    for seq in (a, b):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert [c.token_budget for c in out.chunks] == [1, 1]  # prompts: no burst
+    scheduler.update_from_output(ModelRunnerOutput(runner_tokens(out)), lambda s, t: None)
+    out = scheduler.schedule()
+    assert [(c.num_tokens, c.token_budget) for c in out.chunks] == [(1, 4), (1, 4)]
+    bm = scheduler.block_manager
+    assert [len(bm.block_table(s.seq_id)) for s in (a, b)] == [2, 3]  # positions 3..6 and 5..8
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(1, 2, 3, 4), b.seq_id: tokens(5, 6, 7, 8)}),
+                                 lambda s, t: None)
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (7, 9) and a.token_ids[-4:] == [1, 2, 3, 4]
+    assert bm.content[bm.block_table(b.seq_id)[1]] is not None  # a burst's positions are published too
+    small = planned_scheduler(num_blocks=3, num_scheduler_steps=4)
+    c = greedy_seq("c", 6)
+    small.add(c)
+    run_step(small)
+    out = small.schedule()  # positions 6..9 fit the 3 blocks; 10..13 would need a fourth
+    assert out.chunks[0].token_budget == 4
+    small.update_from_output(ModelRunnerOutput({c.seq_id: tokens(1, 2, 3, 4)}), lambda s, t: None)
+    out = small.schedule()
+    assert out.chunks[0].token_budget == 1 and len(small.block_manager.block_table(c.seq_id)) == 3
+    waiting = planned_scheduler(num_scheduler_steps=4)
+    d = greedy_seq("d", 3)
+    waiting.add(d)
+    run_step(waiting)
+    waiting.add(greedy_seq("e", 3, arrival=1, first_token=100))
+    assert [ch.token_budget for ch in waiting.schedule().chunks] == [1, 1]  # something was admitted: single steps
+
+
+class FakeGrammar:
+    """A grammar accepting `allowed` tokens, stopped after `length` of them."""
+
+    def __init__(self, allowed: set[int], length: int):
+        self.allowed, self.length, self.consumed = allowed, length, []
+
+    def consume_token(self, token: int) -> bool:
+        if token not in self.allowed:
+            return False
+        self.consumed.append(token)
+        return True
+
+    def is_stopped(self) -> bool:
+        return len(self.consumed) >= self.length
+
+    def get_error(self) -> str:
+        return "not allowed"
+
+    def deep_copy(self) -> "FakeGrammar":
+        copy = FakeGrammar(self.allowed, self.length)
+        copy.consumed = list(self.consumed)
+        return copy
+
+
+class FakeStructured:
+    def bitmasks(self, grammars):
+        return [f"mask-{len(g.consumed)}" for g in grammars]
+
+
+def test_grammar_rows_get_their_masks_and_end_where_the_grammar_does():
+    scheduler = Scheduler(SchedulerConfig(16, 64, 4096, True, "recompute", "priority"), BlockManager(64, 4, 0), FakeStructured())
+    free, bound, wrong = make_seq("free", 3), make_seq("bound", 3, arrival=1, first_token=100), make_seq("wrong", 3, arrival=2, first_token=200)
+    bound.grammar, wrong.grammar = FakeGrammar({7}, length=2), FakeGrammar({5}, length=3)
+    for seq in (free, bound, wrong):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert out.allowed_tokens == {bound.seq_id: "mask-0", wrong.seq_id: "mask-0"}
+    scheduler.update_from_output(ModelRunnerOutput(runner_tokens(out)), lambda s, t: None)  # token 7 for each
+    assert bound.status is SequenceStatus.RUNNING and bound.grammar.consumed == [7]
+    assert wrong.status is SequenceStatus.FINISHED_STOPPED and wrong.stop_reason == "grammar error"
+    out = scheduler.schedule()
+    assert out.allowed_tokens == {bound.seq_id: "mask-1"}
+    scheduler.update_from_output(ModelRunnerOutput(runner_tokens(out)), lambda s, t: None)
+    assert bound.status is SequenceStatus.FINISHED_STOPPED and bound.stop_reason is None
+    assert free.status is SequenceStatus.RUNNING
+
+
+def test_forked_samples_copy_the_grammar_and_the_parent_progress():
+    scheduler = Scheduler(SchedulerConfig(16, 100, 4096, True, "recompute", "priority"), BlockManager(64, 4, 0), FakeStructured())
+    parent = make_seq("p", 6, best_of=3)
+    parent.grammar = FakeGrammar({7}, length=5)
+    scheduler.add(parent)
+    out = scheduler.schedule()
+    children = parent.request.seqs[1:]
+    assert [c.index for c in children] == [1, 2] and all(c.num_computed_tokens == 6 for c in children)
+    assert all(c.grammar is not parent.grammar and c.grammar.length == 5 for c in children)
+    assert [n.forked_from for n in out.new_seqs] == [None, parent.seq_id, parent.seq_id]
+    assert scheduler._records[-1].forked and parent.request.forked
+    assert not scheduler.defer_last()  # a step that forked is never advanced ahead
+
+
+def test_async_scheduling_advances_a_step_before_its_output_and_swaps_in_the_tokens():
+    scheduler = planned_scheduler(async_scheduling=True)
+    a = make_seq("a", 5, max_tokens=10)
+    scheduler.add(a)
+    scheduler.schedule()
+    assert scheduler.defer_last() and scheduler.num_deferred_steps == 1
+    assert a.num_computed_tokens == 5 and a.num_pending == 1 and a.token_ids[-1] == PENDING_TOKEN
+    assert scheduler.can_schedule_ahead()
+    out = scheduler.schedule()  # the next step, while the first is out (the engine's order)
+    assert scheduled(out) == [(a.seq_id, 1)]
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(42)}), lambda s, t: None)
+    assert a.token_ids[5:] == [42] and a.num_pending == 0 and a.num_computed_tokens == 5
+    assert scheduler.defer_last() and a.num_computed_tokens == 6 and a.num_pending == 1
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(43)}), lambda s, t: None)
+    assert a.token_ids[5:] == [42, 43] and not scheduler._records
+    plain = planned_scheduler()
+    b = make_seq("b", 5)
+    plain.add(b)
+    plain.schedule()
+    assert not plain.defer_last() and b.num_pending == 0  # not asked for
+
+
+def test_schedule_ahead_only_while_the_pool_holds_every_next_token_above_the_watermark():
+    """3 blocks of 4: a sequence of 8 tokens holding 2 needs blocks_for(8 + 1) - 2 + 1 = 2 more."""
+    scheduler = planned_scheduler(num_blocks=4, async_scheduling=True)
+    a = make_seq("a", 7)
+    scheduler.add(a)
+    run_step(scheduler)  # 8 tokens in 2 blocks, 2 free
+    assert scheduler.can_schedule_ahead()
+    scheduler.block_manager.allocate_prefix(999, [1, 2])
+    scheduler.block_manager.allocate_slots(999, 0, 2)  # one block taken: 1 free
+    assert not scheduler.can_schedule_ahead()
+
+
+def test_abandoned_steps_give_back_what_they_touched_and_resend_what_the_runner_missed():
+    scheduler = make_scheduler(num_blocks=8, budget=100, mode="swap", secure=True)
+    a, b = make_seq("a", 4), make_seq("b", 5, arrival=1, first_token=100)  # b's second block is not cached
+    for seq in (a, b):
+        scheduler.add(seq)
+    run_step(scheduler)
+    scheduler.finish(b, SequenceStatus.FINISHED_ABORTED)  # finished: the runner is told with the next step
+    out = scheduler.schedule()
+    assert out.finished_seq_ids == [b.seq_id] and out.blocks_to_zero
+    victims, ended = scheduler.abandon_steps()
+    assert victims == {a} and ended == [] and not scheduler._records
+    out = scheduler.schedule()  # sent again: applying them twice is harmless
+    assert out.finished_seq_ids == [b.seq_id] and out.blocks_to_zero
