@@ -293,6 +293,7 @@ def test_secure_mode_zeroes_freed_host_blocks_unless_a_swap_out_overwrites_them(
     (lambda bm: bm._cpu_free.pop(), None),
     (lambda bm: bm.cpu_tables.__setitem__(7, [bm._cpu_free[0]]), None),
     (lambda bm: bm.cpu_tables.__setitem__(7, [bm._cpu_free.pop()]) or bm.cpu_tables.__setitem__(8, bm.cpu_tables[7]), None),
+    (lambda bm: bm._cpu_free.pop() and bm.cpu_tables.__setitem__(7, [bm._cpu_free.pop()] * 2), None),  # counts add up
 ])
 def test_check_invariants_catches_each_broken_invariant(corrupt, message):
     """The tests' oracle: each corruption of the bookkeeping fails it (with its message where it has one)."""
@@ -300,7 +301,7 @@ def test_check_invariants_catches_each_broken_invariant(corrupt, message):
     cached_seq(bm, 1, [1, 2, 3])
     bm.check_invariants()
     corrupt(bm)
-    with pytest.raises(AssertionError, match=message):
+    with pytest.raises(AssertionError, match=message and f"^{message}$"):
         bm.check_invariants()
 
 
@@ -308,18 +309,17 @@ def test_the_eviction_heap_stays_proportional_to_the_cached_free_blocks():
     """Each prefix hit on a cached free block leaves its heap entry stale; they are dropped once
     they outnumber the live ones (2 x live + 64), and eviction still takes the right block."""
     bm = BlockManager(num_blocks=8, block_size=2)
-    cached_seq(bm, 1, [1, 2, 3])
+    cached_seq(bm, 1, [1, 2, 3, 4, 5, 6, 7])
     bm.free(1)
     sizes = []
     for seq_id in range(2, 202):
-        assert bm.allocate_prefix(seq_id, [1, 2, 3]) == 2
+        assert bm.allocate_prefix(seq_id, [1, 2, 3, 4, 5, 6, 7]) == 6
         bm.free(seq_id)
         sizes.append(len(bm._eviction_heap))
-    assert max(sizes) == 2 * len(bm._evictable) + 64 and min(sizes[100:]) == 1
-    assert len(bm._evictable) == 1
+    assert len(bm._evictable) == 3 and max(sizes) == 66 and min(sizes[100:]) == 3  # 2 x 1 + 64 as the tail's entry goes in
     bm.check_invariants()
-    taken = [bm._pop_free() for _ in range(8)]  # the cached block goes last, when nothing else is free
-    assert bm.content[taken[-1]] is None and bm._hash_to_block == {} and not bm._evictable
+    taken = [bm._pop_free() for _ in range(8)]  # the cached blocks go last, when nothing else is free
+    assert all(bm.content[b] is None for b in taken) and bm._hash_to_block == {} and not bm._evictable
 
 
 def test_prefix_queries_and_hits_are_counted_in_tokens_only_with_caching():
@@ -397,3 +397,43 @@ def test_free_releases_tail_first_and_forgets_the_sequence():
     assert bm._evictable[tail] < bm._evictable[head]  # the tail was released first
     bm.free(1)  # twice: nothing happens
     bm.check_invariants()
+
+
+def test_a_pool_of_one_block_works_and_a_double_release_is_caught():
+    bm = BlockManager(num_blocks=1, block_size=2)
+    bm.allocate_prefix(1, [1])
+    assert bm.allocate_slots(1, 0, 2) == [] and bm.num_free_blocks == 0
+    block = bm.tables[1][0]
+    bm.free(1)
+    with pytest.raises(AssertionError, match=f"^block {block} released more often than acquired$"):
+        bm._release(block, 1)
+
+
+def test_a_sequence_never_scheduled_stamps_its_blocks_oldest():
+    """Freed after one read at step 1, an unscheduled sequence's blocks (stamp 0) still go first."""
+    bm = BlockManager(num_blocks=2, block_size=2)
+    read = cached_seq(bm, 1, [1, 2])[0]
+    unread = cached_seq(bm, 2, [3, 4])[0]
+    bm.tick()
+    bm.touch(1)
+    bm.free(1)
+    bm.free(2)
+    assert [bm._pop_free(), bm._pop_free()] == [unread, read]
+
+
+def test_swap_out_and_copy_on_write_release_with_the_sequences_stamp():
+    bm = BlockManager(num_blocks=6, block_size=2, num_cpu_blocks=4)
+    head = cached_seq(bm, 1, [1, 2, 3])[0]
+    bm.fork(1, 2)
+    bm.fork(1, 3)
+    for _ in range(3):
+        bm.tick()
+    for seq_id in (1, 2, 3):
+        bm.touch(seq_id)
+    bm.swap_out(3)  # releases its share of the blocks, read at step 3
+    assert bm.last_access[head] == 3
+    bm.tick()
+    bm.touch(2)
+    shared = bm.tables[2][1]
+    bm.allocate_slots(2, 3, 1)  # the partly filled block is copied on write: 2 lets go of it
+    assert bm.last_access[shared] == 4
