@@ -401,6 +401,7 @@ def test_free_releases_tail_first_and_forgets_the_sequence():
 
 def test_a_pool_of_one_block_works_and_a_double_release_is_caught():
     bm = BlockManager(num_blocks=1, block_size=2)
+    assert bm.num_free_cpu_blocks == 0 and bm.num_cpu_blocks == 0  # no host pool by default
     bm.allocate_prefix(1, [1])
     assert bm.allocate_slots(1, 0, 2) == [] and bm.num_free_blocks == 0
     block = bm.tables[1][0]
