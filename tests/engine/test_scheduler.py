@@ -730,3 +730,108 @@ def test_abandoned_steps_give_back_what_they_touched_and_resend_what_the_runner_
     assert victims == {a} and ended == [] and not scheduler._records
     out = scheduler.schedule()  # sent again: applying them twice is harmless
     assert out.finished_seq_ids == [b.seq_id] and out.blocks_to_zero
+
+
+def test_counters_and_first_scheduled_times():
+    scheduler, seqs = fill_pool("priority", mode="swap")
+    assert scheduler.num_prompt_tokens_total == 24 and (scheduler.num_preemptions, scheduler.num_swap_outs) == (0, 0)
+    first = {name: seq.request.metrics.first_scheduled_time for name, seq in seqs.items()}
+    assert all(isinstance(t, float) and t > 0 for t in first.values())
+    run_step(scheduler)  # "second" swapped out
+    assert (scheduler.num_preemptions, scheduler.num_swap_outs, seqs["second"].request.num_preemptions) == (1, 1, 1)
+    for _ in range(20):
+        run_step(scheduler)
+        if scheduler.num_preemptions == 2:
+            break
+    assert (scheduler.num_preemptions, scheduler.num_swap_outs) == (2, 2)
+    assert sum(seq.request.num_preemptions for seq in seqs.values()) == 2
+    assert {name: seq.request.metrics.first_scheduled_time for name, seq in seqs.items()} == first  # set once
+    assert scheduler.num_prompt_tokens_total == 24  # counted at the first schedule only
+
+
+def test_a_step_that_fails_while_scheduling_is_abandoned_with_what_it_touched():
+    scheduler = planned_scheduler(num_scheduler_steps=4)
+    a, b = greedy_seq("a", 3), greedy_seq("b", 3, arrival=1, first_token=100)
+    for seq in (a, b):
+        scheduler.add(seq)
+    run_step(scheduler)
+
+    def broken(*args):
+        raise RuntimeError("planner failed")
+
+    object.__setattr__(scheduler.planner, "burst", broken)
+    with pytest.raises(RuntimeError, match="planner failed"):
+        scheduler.schedule()
+    assert len(scheduler._records) == 1 and scheduler._records[0].forked
+    assert [item.seq for item in scheduler._records[0].scheduled] == [a, b]
+    victims, ended = scheduler.abandon_steps()
+    assert victims == {a, b} and ended == [] and not scheduler._records
+
+
+def test_abandoning_a_step_that_swapped_out_gives_up_the_swapped_sequence():
+    scheduler, seqs = fill_pool("priority", mode="swap")
+    scheduler.schedule()  # "second" swapped out; the output never comes back
+    assert seqs["second"].status is SequenceStatus.SWAPPED
+    victims, _ = scheduler.abandon_steps()
+    assert victims == set(seqs.values())
+
+
+def test_a_token_outside_the_grammar_is_logged(caplog):
+    scheduler = Scheduler(SchedulerConfig(16, 64, 4096, True, "recompute", "priority"), BlockManager(64, 4, 0), FakeStructured())
+    wrong = make_seq("wrong", 3)
+    wrong.grammar = FakeGrammar({5}, length=3)
+    scheduler.add(wrong)
+    with caplog.at_level("ERROR", logger="pagedllm.scheduler"):
+        run_step(scheduler)
+    assert caplog.messages == ["token 7 was sampled outside request wrong's grammar: not allowed"]
+
+
+def test_edges_of_forks_chunks_step_blocks_deferrals_and_bursts():
+    two = make_scheduler(budget=100)
+    pair = make_seq("pair", 4, best_of=2)
+    two.add(pair)
+    two.schedule()
+    assert len(pair.request.seqs) == 2  # best_of=2 forks one sample
+    whole = make_scheduler(budget=8, chunked=False)
+    exact = make_seq("exact", 8)
+    whole.add(exact)
+    assert scheduled(whole.schedule()) == [(exact.seq_id, 8)]  # a prompt exactly the budget runs unchunked
+    bound = Scheduler(SchedulerConfig(16, 100, 4096, True, "recompute", "priority", max_step_blocks=5), BlockManager(64, 4, 0))
+    a, b = make_seq("a", 12), make_seq("b", 8, arrival=1, first_token=100)
+    for seq in (a, b):
+        bound.add(seq)
+    assert scheduled(bound.schedule()) == [(a.seq_id, 12), (b.seq_id, 8)]  # 3 + 2 blocks: exactly the bound
+    deferring = planned_scheduler(async_scheduling=True)
+    c = make_seq("c", 4)
+    deferring.add(c)
+    for _ in range(2):
+        deferring.schedule()
+        deferring.defer_last()
+        deferring.update_from_output(ModelRunnerOutput({c.seq_id: tokens(7)}), lambda s, t: None)
+    assert deferring.num_deferred_steps == 2
+    pairs = planned_scheduler(num_scheduler_steps=2)
+    d = greedy_seq("d", 3)
+    pairs.add(d)
+    run_step(pairs)
+    assert [ch.token_budget for ch in pairs.schedule().chunks] == [2]
+
+
+def test_a_recomputed_prompt_reports_only_the_positions_not_reported_yet():
+    scheduler = make_scheduler(budget=5)
+    request = Request("scored", None, list(range(10, 18)), SamplingParams(max_tokens=4, prompt_logprobs=1), 0.0)
+    seq = Sequence(request, 0, list(request.prompt_token_ids))
+    request.seqs.append(seq)
+    scheduler.add(seq)
+    out = scheduler.schedule()
+    assert out.chunks[0].prompt_logprobs.targets == [11, 12, 13, 14, 15]
+    scheduler.update_from_output(ModelRunnerOutput({}), lambda s, t: None)
+    request.prompt_logprobs += [{} for _ in range(5)]
+    from pagedllm.engine.scheduler import _Step
+
+    scheduler.running.remove(seq)
+    scheduler._preempt(seq, _Step())  # recompute: from position 0 again
+    out = scheduler.schedule()
+    assert out.chunks[0].num_tokens == 5 and out.chunks[0].prompt_logprobs is None  # positions 0..4 were reported
+    scheduler.update_from_output(ModelRunnerOutput({}), lambda s, t: None)
+    out = scheduler.schedule()
+    assert (out.chunks[0].prompt_logprobs.start, out.chunks[0].prompt_logprobs.targets) == (5, [16, 17])
