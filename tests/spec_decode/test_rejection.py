@@ -121,3 +121,27 @@ def test_emitted_tokens_carry_their_raw_logprobs():
     expected = torch.log_softmax(logits, dim=-1).gather(1, out.token_ids.clamp(min=0).unsqueeze(1)).squeeze(1)
     emitted = out.token_ids >= 0
     torch.testing.assert_close(out.logprobs[emitted], expected[emitted])
+
+
+def test_acceptance_draws_come_from_the_engines_generator_or_the_spans_own():
+    """p(proposal) = 1/2: each of 40 spans keeps its proposal when its uniform draw is <= 1/2, so
+    the accepted pattern follows the draws: the same for the same generators whatever the global
+    RNG, different for another engine seed (unseeded spans) or another span seed (seeded)."""
+    spans = 40
+    logits = torch.zeros(2 * spans, 4)
+    logits[0::2, 1] = logits[0::2, 0] = 1.0  # proposal rows: p = [1/2 - e, 1/2 - e, e, e] roughly; the proposal is 1
+    logits[0::2, 2:] = -30.0
+
+    def accepted(engine_seed: int, span_seed: int | None, global_seed: int) -> list[bool]:
+        torch.manual_seed(global_seed)
+        own = None if span_seed is None else torch.Generator().manual_seed(span_seed)
+        batch = VerifyBatch([VerifySpan(2 * s, 1, False, own) for s in range(spans)], torch.tensor([1, -1] * spans),
+                            torch.arange(spans).repeat_interleave(2), torch.tensor([0, 1] * spans), torch.arange(0, 2 * spans, 2),
+                            torch.ones(spans, dtype=torch.bool))
+        out = rejection_sample(Sampler(engine_seed, CPU), logits, random_meta(2 * spans), batch)
+        return (out.token_ids.view(spans, 2)[:, 0] == 1).tolist()
+
+    base = accepted(1, None, 0)
+    assert 5 < sum(base) < 35 and accepted(1, None, 99) == base and accepted(2, None, 0) != base
+    seeded = accepted(1, 5, 0)
+    assert accepted(2, 5, 99) == seeded and accepted(1, 6, 0) != seeded
