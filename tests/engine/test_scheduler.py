@@ -835,3 +835,16 @@ def test_a_recomputed_prompt_reports_only_the_positions_not_reported_yet():
     scheduler.update_from_output(ModelRunnerOutput({}), lambda s, t: None)
     out = scheduler.schedule()
     assert (out.chunks[0].prompt_logprobs.start, out.chunks[0].prompt_logprobs.targets) == (5, [16, 17])
+
+
+def test_a_swapped_in_sequence_decodes_in_the_same_step():
+    scheduler, seqs = fill_pool("priority", mode="swap")
+    run_step(scheduler)  # "second" swapped out
+    victim = seqs["second"]
+    scheduler.finish(seqs["first"], SequenceStatus.FINISHED_ABORTED)
+    newcomer = make_seq("newcomer", 3, arrival=5, first_token=300)
+    scheduler.add(newcomer)
+    out = run_step(scheduler)
+    assert victim.status is SequenceStatus.RUNNING and len(out.blocks_to_swap_in) == 2
+    assert scheduled(out) == [(seqs["third"].seq_id, 1), (victim.seq_id, 1)]  # the pool is full again: newcomer waits
+    assert victim.num_computed_tokens == 9 and victim.token_ids[-1] == 7 and newcomer.status is SequenceStatus.WAITING
