@@ -128,3 +128,28 @@ def test_the_greedy_kernel_matches_torch_argmax_and_logsumexp(vocab):
     kernel, torch_rows = Sampler(0, CPU, library).greedy(big), Sampler(0, CPU).greedy(big)
     assert torch.equal(kernel.token_ids, torch_rows.token_ids)
     torch.testing.assert_close(kernel.logprobs, torch_rows.logprobs, rtol=0, atol=1e-5)
+
+
+# ---- cases found by mutation testing (issue 45, `make mutate`) --------------------------------------
+def test_allowed_token_ids_then_logit_bias():
+    from pagedllm.layers.sampler import TokenChoices, apply_token_choices
+
+    logits = torch.arange(12, dtype=torch.float32).view(3, 4)
+    choices = TokenChoices(restricted_rows=torch.tensor([0, 2]), allowed=(torch.tensor([0, 0, 2]), torch.tensor([1, 3, 0])),
+                           bias=(torch.tensor([0, 1, 1]), torch.tensor([1, 2, 2])), bias_values=torch.tensor([0.5, 1.0, 2.0]))
+    out = apply_token_choices(logits, choices)
+    inf = float("-inf")
+    assert out.tolist() == [[inf, 1.5, inf, 3.0], [4.0, 5.0, 9.0, 7.0], [8.0, inf, inf, inf]]  # repeated bias adds up
+    assert logits[0, 0] == 0.0  # the input is left as it was
+    assert torch.equal(apply_token_choices(logits, TokenChoices(None, None, None, None)), logits)
+
+
+def test_a_grammar_bitmask_leaves_only_its_tokens():
+    from pagedllm.layers.sampler import apply_allowed
+
+    logits = torch.zeros(3, 40)
+    # row 2 may take tokens 1, 3 and 33 (bit 1 of word 1); row 0 tokens 0 and 31
+    bitmask = torch.tensor([[0b1010, 0b10], [1 | 1 << 31, 0]], dtype=torch.int64).to(torch.int32)  # bit 31: the sign bit
+    out = apply_allowed(logits, torch.tensor([2, 0]), bitmask)
+    allowed = [torch.isfinite(row).nonzero().flatten().tolist() for row in out]
+    assert allowed == [[0, 31], list(range(40)), [1, 3, 33]]
