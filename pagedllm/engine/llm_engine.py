@@ -188,6 +188,9 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name}={value} exceeds the maximum of {MAX_LOGPROBS}")
+        if params.best_of > self.config.max_num_seqs:  # its samples could never run at once
+            name = "best_of" if params.best_of != params.n else "n"
+            raise ValueError(f"{name}={params.best_of} exceeds max_num_seqs={self.config.max_num_seqs}")
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request wherever it is; its KV blocks are freed now. Unknown ids: no-op.

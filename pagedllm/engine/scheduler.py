@@ -195,6 +195,10 @@ class Scheduler:
         return max(seq.num_computed_tokens - cached * bm.block_size, 0) / freed
 
     def add(self, seq: Sequence) -> None:
+        """Queue a sequence; a request with more samples than max_num_seqs could never run (the
+        engine refuses it first, naming the field)."""
+        if seq.request.num_samples > self.config.max_num_seqs:
+            raise ValueError(f"best_of={seq.request.num_samples} exceeds max_num_seqs={self.config.max_num_seqs}")
         self.live[seq.seq_id] = seq
         bisect.insort(self.waiting, seq, key=self._arrival_key)
 
@@ -516,7 +520,7 @@ class Scheduler:
     def _schedule_swapped(self, step: _Step, budget: int) -> int:
         self.swapped.sort(key=self._keep_key)
         for seq in list(self.swapped):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or not self._has_room_for(seq):
                 break
             if self._exceeds_pool(seq):
                 self._end_for_capacity(seq)
@@ -548,8 +552,7 @@ class Scheduler:
             if self._exceeds_pool(seq):
                 self._end_for_capacity(seq)
                 continue
-            samples = 1 if seq.request.forked else seq.request.num_samples
-            if self.running and len(self.running) + samples > self.config.max_num_seqs:
+            if not self._has_room_for(seq):
                 break
             use_cache = seq.request.params.prompt_logprobs is None
             cached = bm.allocate_prefix(seq.seq_id, seq.token_ids, use_cache=use_cache)
@@ -573,6 +576,18 @@ class Scheduler:
             step.scheduled.append(ScheduledSequence(seq, num_new))
             step.num_blocks += len(bm.block_table(seq.seq_id))
             budget -= num_new
+
+    @staticmethod
+    def _seqs_of(seq: Sequence) -> int:
+        """Sequences `seq` will run as: a request whose samples are not forked yet forks all of
+        them once its first sample's prompt is computed (`_fork_samples`)."""
+        return 1 if seq.request.forked else seq.request.num_samples
+
+    def _has_room_for(self, seq: Sequence) -> bool:
+        """Whether admitting or swapping in `seq` keeps the running sequences — counted with the
+        samples their requests will still fork — within max_num_seqs (design 004-8)."""
+        running = sum(self._seqs_of(other) for other in self.running)
+        return running + self._seqs_of(seq) <= self.config.max_num_seqs
 
     # ---- preemption --------------------------------------------------------------------------
     def _watermark_kept(self) -> int:

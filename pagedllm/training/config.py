@@ -111,6 +111,9 @@ class ModelShapeConfig(_Section):
     sliding_window: int | None = Field(None, ge=1, description="mistral only; None = full causal")
     router_aux_loss_coef: float = Field(0.01, ge=0, description="moe load-balancing loss weight")
     initializer_range: float = Field(0.02, gt=0)
+    # Hugging Face's attention_dropout: on the attention probabilities, while training only. It is
+    # what makes the RNG state a checkpoint restores matter after a resume (issue 45).
+    attention_dropout: float = Field(0.0, ge=0, lt=1)
 
     @field_validator("architecture")
     @classmethod

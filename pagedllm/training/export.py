@@ -47,7 +47,7 @@ def hf_config(cfg: ModelShapeConfig, token_ids: dict[str, int | None], dtype: st
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
-        "attention_dropout": 0.0,
+        "attention_dropout": cfg.attention_dropout,
         "initializer_range": cfg.initializer_range,
         "bos_token_id": token_ids.get("bos_token"),
         "eos_token_id": token_ids.get("eos_token"),

@@ -64,6 +64,7 @@ class Attention(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.kv_groups = cfg.num_attention_heads // cfg.num_kv_heads
         self.sliding_window = cfg.sliding_window if cfg.architecture == "mistral" else None
+        self.attention_dropout = cfg.attention_dropout
         q_width, kv_width = cfg.num_attention_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
         qkv_bias = cfg.architecture == "qwen2"  # Qwen2 has biases on q, k and v (and nowhere else)
         self.q_proj = nn.Linear(cfg.hidden_size, q_width, bias=qkv_bias)
@@ -99,7 +100,8 @@ class Attention(nn.Module):
             same = segments[:, :, None] == segments[:, None, :]
             causal = mask if mask is not None else torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
             mask = (same & causal)[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        dropout = self.attention_dropout if self.training else 0.0  # drawn from torch's global RNG
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _window_mask(self, seq: int, device: torch.device) -> torch.Tensor | None:

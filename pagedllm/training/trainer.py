@@ -259,9 +259,19 @@ class Trainer:
             loss /= self.dims.dp
         return float(loss)
 
-    @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the fixed validation windows, split across data-parallel ranks."""
+        """Mean loss over the fixed validation windows, split across data-parallel ranks, with
+        dropout off (eval mode) and no draw from the RNG the training steps use."""
+        for part in self.parts:
+            part.eval()
+        try:
+            return self._validation_loss()
+        finally:
+            for part in self.parts:
+                part.train()
+
+    @torch.no_grad()
+    def _validation_loss(self) -> float | None:
         indices = self.data.val_indices()
         if self.job.finetune is not None:
             return self._evaluate_chat(indices)

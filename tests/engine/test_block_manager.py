@@ -277,3 +277,164 @@ def test_secure_mode_zeroes_freed_host_blocks_unless_a_swap_out_overwrites_them(
     host = bm.take_blocks_to_zero()[1]
     assert len(host) == 1 and taken not in host
     bm.check_invariants()
+
+
+# ---- cases found by mutation testing (issue 45, `make mutate`) --------------------------------------
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda bm: bm.ref_counts.__setitem__(bm.tables[1][0], 2), "ref counts differ from the tables holding the blocks"),
+    (lambda bm: bm._free_uncached.append(bm._free_uncached[0]), "a block is free twice"),
+    (lambda bm: bm.tables.__setitem__(9, [bm._free_uncached[0]]) or bm.ref_counts.__setitem__(bm._free_uncached[0], 1),
+     "a free block is referenced"),
+    (lambda bm: bm._free_uncached.remove(bm._free_uncached[0]), None),
+    (lambda bm: bm._evictable.__setitem__(bm._free_uncached.pop(), 99), "an uncached block is evictable"),
+    (lambda bm: bm._hash_to_block.__setitem__(12345, bm.tables[1][0]), None),
+    (lambda bm: bm._hash_to_block.__setitem__(12345, bm._free_uncached[0]), None),
+    (lambda bm: bm._cpu_free.append(bm._cpu_free[0]), None),
+    (lambda bm: bm._cpu_free.pop(), None),
+    (lambda bm: bm.cpu_tables.__setitem__(7, [bm._cpu_free[0]]), None),
+    (lambda bm: bm.cpu_tables.__setitem__(7, [bm._cpu_free.pop()]) or bm.cpu_tables.__setitem__(8, bm.cpu_tables[7]), None),
+    (lambda bm: bm.cpu_tables.__setitem__(7, [bm._cpu_free.pop(), bm._cpu_free.pop()][:1] * 2), None),  # counts add up
+])
+def test_check_invariants_catches_each_broken_invariant(corrupt, message):
+    """The tests' oracle: each corruption of the bookkeeping fails it (with its message where it has one)."""
+    bm = BlockManager(num_blocks=6, block_size=2, num_cpu_blocks=3)
+    cached_seq(bm, 1, [1, 2, 3])
+    bm.check_invariants()
+    corrupt(bm)
+    with pytest.raises(AssertionError, match=message and f"^{message}$"):
+        bm.check_invariants()
+
+
+def test_the_eviction_heap_stays_proportional_to_the_cached_free_blocks():
+    """Each prefix hit on a cached free block leaves its heap entry stale; they are dropped once
+    they outnumber the live ones (2 x live + 64), and eviction still takes the right block."""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    cached_seq(bm, 1, [1, 2, 3, 4, 5, 6, 7])
+    bm.free(1)
+    sizes = []
+    for seq_id in range(2, 202):
+        assert bm.allocate_prefix(seq_id, [1, 2, 3, 4, 5, 6, 7]) == 6
+        bm.free(seq_id)
+        sizes.append(len(bm._eviction_heap))
+    assert len(bm._evictable) == 3 and max(sizes) == 66 and min(sizes[100:]) == 3  # 2 x 1 + 64 as the tail's entry goes in
+    bm.check_invariants()
+    taken = [bm._pop_free() for _ in range(8)]  # the cached blocks go last, when nothing else is free
+    assert all(bm.content[b] is None for b in taken) and bm._hash_to_block == {} and not bm._evictable
+
+
+def test_prefix_queries_and_hits_are_counted_in_tokens_only_with_caching():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits, bm.clock) == (0, 0, 0)
+    bm.record_prefix_query(9, 4)
+    bm.record_prefix_query(3, 0)
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (12, 4)
+    off = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    off.record_prefix_query(9, 4)
+    assert (off.prefix_cache_queries, off.prefix_cache_hits) == (0, 0)
+
+
+def test_access_stamps_follow_the_clock_across_several_steps():
+    """Three cached sequences last read at steps 1, 3 and 2: freed together, their blocks are
+    evicted in that order of access, whatever the order they were freed in."""
+    bm = BlockManager(num_blocks=3, block_size=2)
+    blocks = {}
+    for seq_id, step in ((1, 1), (2, 3), (3, 2)):
+        blocks[seq_id] = cached_seq(bm, seq_id, [seq_id * 10, seq_id * 10 + 1])[0]
+    for step in (1, 2, 3):
+        bm.tick()
+        for seq_id, last in ((1, 1), (2, 3), (3, 2)):
+            if step == last:
+                bm.touch(seq_id)
+    assert bm.clock == 3
+    for seq_id in (2, 1, 3):
+        bm.free(seq_id)
+    assert [bm.last_access[blocks[s]] for s in (1, 2, 3)] == [1, 3, 2]
+    assert [bm._pop_free() for _ in range(3)] == [blocks[1], blocks[3], blocks[2]]
+
+
+def test_requeued_blocks_are_zeroed_with_the_next_step_only_in_secure_mode():
+    secure = BlockManager(num_blocks=4, block_size=2, num_cpu_blocks=2, secure=True)
+    secure.requeue_zero([3, 1], [0])
+    assert secure.take_blocks_to_zero() == ([3, 1], [0]) and secure.take_blocks_to_zero() == ([], [])
+    plain = BlockManager(num_blocks=4, block_size=2, num_cpu_blocks=2)
+    plain.requeue_zero([3, 1], [0])
+    assert plain.take_blocks_to_zero() == ([], [])
+
+
+def test_swap_out_and_in_map_every_block_and_refuse_when_the_host_is_short():
+    bm = BlockManager(num_blocks=6, block_size=2, num_cpu_blocks=3)
+    table = cached_seq(bm, 1, [1, 2, 3, 4, 5])  # 3 blocks
+    cached_seq(bm, 2, [9])
+    assert len(bm.swap_out(2)) == 1
+    assert bm.swap_out(1) is None and bm.tables[1] == table  # 3 blocks, 2 host blocks left
+    bm.swap_in(2)
+    pairs = bm.swap_out(1)
+    assert [device for device, _ in pairs] == table and len({cpu for _, cpu in pairs}) == 3
+    assert bm.cpu_tables[1] == [cpu for _, cpu in pairs] and 1 not in bm.tables and bm._seq_hashes[1] == []
+    assert bm.num_free_cpu_blocks == 0 and not bm.can_swap_in(1, extra_blocks=3) and bm.can_swap_in(1, extra_blocks=2)
+    back = bm.swap_in(1)
+    assert [cpu for cpu, _ in back] == [cpu for _, cpu in pairs] and bm.tables[1] == [device for _, device in back]
+    assert bm.num_free_cpu_blocks == 3
+    bm.check_invariants()
+
+
+def test_slots_needed_counts_a_copy_on_write_for_a_shared_partial_block():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    cached_seq(bm, 1, [1, 2, 3, 4, 5, 6])  # 2 blocks, the second partly filled
+    assert bm.slots_needed(1, 6, 2) == 0 and bm.slots_needed(1, 6, 3) == 1 and bm.slots_needed(1, 8, 1) == 1
+    bm.fork(1, 2)
+    assert bm.slots_needed(2, 6, 1) == 1 and bm.slots_needed(2, 6, 3) == 2 and bm.slots_needed(2, 8, 1) == 1
+    assert bm.slots_needed(1, 4, 1) == 0  # a full shared block is not written: no copy
+    assert bm.blocks_for(0) == 0 and bm.blocks_for(1) == 1 and bm.blocks_for(4) == 1 and bm.blocks_for(5) == 2
+
+
+def test_free_releases_tail_first_and_forgets_the_sequence():
+    bm = BlockManager(num_blocks=4, block_size=2, num_cpu_blocks=2)
+    head, tail = cached_seq(bm, 1, [1, 2, 3, 4])
+    bm.touch(1)
+    bm.free(1)
+    assert 1 not in bm.tables and 1 not in bm._seq_hashes and 1 not in bm._last_scheduled
+    assert bm._evictable[tail] < bm._evictable[head]  # the tail was released first
+    bm.free(1)  # twice: nothing happens
+    bm.check_invariants()
+
+
+def test_a_pool_of_one_block_works_and_a_double_release_is_caught():
+    bm = BlockManager(num_blocks=1, block_size=2)
+    assert bm.num_free_cpu_blocks == 0 and bm.num_cpu_blocks == 0  # no host pool by default
+    bm.allocate_prefix(1, [1])
+    assert bm.allocate_slots(1, 0, 2) == [] and bm.num_free_blocks == 0
+    block = bm.tables[1][0]
+    bm.free(1)
+    with pytest.raises(AssertionError, match=f"^block {block} released more often than acquired$"):
+        bm._release(block, 1)
+
+
+def test_a_sequence_never_scheduled_stamps_its_blocks_oldest():
+    """Freed after one read at step 1, an unscheduled sequence's blocks (stamp 0) still go first."""
+    bm = BlockManager(num_blocks=2, block_size=2)
+    read = cached_seq(bm, 1, [1, 2])[0]
+    unread = cached_seq(bm, 2, [3, 4])[0]
+    bm.tick()
+    bm.touch(1)
+    bm.free(1)
+    bm.free(2)
+    assert [bm._pop_free(), bm._pop_free()] == [unread, read]
+
+
+def test_swap_out_and_copy_on_write_release_with_the_sequences_stamp():
+    bm = BlockManager(num_blocks=6, block_size=2, num_cpu_blocks=4)
+    head = cached_seq(bm, 1, [1, 2, 3])[0]
+    bm.fork(1, 2)
+    bm.fork(1, 3)
+    for _ in range(3):
+        bm.tick()
+    for seq_id in (1, 2, 3):
+        bm.touch(seq_id)
+    bm.swap_out(3)  # releases its share of the blocks, read at step 3
+    assert bm.last_access[head] == 3
+    bm.tick()
+    bm.touch(2)
+    shared = bm.tables[2][1]
+    bm.allocate_slots(2, 3, 1)  # the partly filled block is copied on write: 2 lets go of it
+    assert bm.last_access[shared] == 4

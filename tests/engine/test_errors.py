@@ -72,6 +72,21 @@ def test_invalid_sampling_values(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, message", [(dict(n=3), "n=3 exceeds max_num_seqs=2"),
+                                             (dict(n=1, best_of=3), "best_of=3 exceeds max_num_seqs=2")])
+def test_more_samples_than_max_num_seqs_are_refused(model_dir, kwargs, message):
+    """Issue 45: a request whose samples cannot all run at once was admitted when nothing else ran."""
+    engine = LLMEngine.from_engine_args(str(model_dir("llama")), max_num_seqs=2)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("r", [5, 6], SamplingParams(max_tokens=2, **kwargs))
+    assert not engine.has_unfinished_requests()
+    engine.add_request("ok", [5, 6], SamplingParams(max_tokens=2, n=2))  # exactly the cap runs
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert len(outputs[0].outputs) == 2
+
+
 def test_too_many_logprobs(llm):
     with pytest.raises(ValueError, match="logprobs=21 exceeds"):
         llm.generate([[5, 6]], SamplingParams(logprobs=21), use_tqdm=False)

@@ -66,9 +66,24 @@ def test_n_samples_share_the_prompt_blocks_through_fork(model_dir):
 
 
 def test_best_of_returns_the_n_most_likely(llm):
-    out = llm.generate([PROMPT], SamplingParams(n=2, best_of=5, temperature=1.0, seed=5, max_tokens=6), use_tqdm=False)[0]
-    assert len(out.outputs) == 2
-    assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
+    """Seeded samples are the same whatever else runs (one generator per (seed, sample index)), so
+    n=4 shows the four samples best_of=4 draws: n=1 of them returns the most likely, n=2 the two
+    most likely in order — not sample 0, which is what best_of=1 returns (the seed is one whose
+    most likely sample is not the first, so ignoring best_of fails)."""
+    def generate(n, best_of):
+        params = SamplingParams(n=n, best_of=best_of, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+        return llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
+
+    every = generate(4, 4)
+    ranked = sorted(every, key=lambda c: c.cumulative_logprob, reverse=True)
+    assert ranked[0].index != 0 and len({c.cumulative_logprob for c in every}) == 4
+    first = generate(1, 1)
+    assert first[0].token_ids == every[0].token_ids
+    best = generate(1, 4)
+    assert best[0].token_ids == ranked[0].token_ids and best[0].token_ids != first[0].token_ids
+    two = generate(2, 4)
+    assert [c.token_ids for c in two] == [c.token_ids for c in ranked[:2]]
+    assert two[0].cumulative_logprob >= two[1].cumulative_logprob
 
 
 def _boundary_stop(llm, completion) -> str:

@@ -8,6 +8,7 @@ from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step.runner_output import ModelRunnerOutput, SampledToken
+from pagedllm.step.scheduler_output import PENDING_TOKEN
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=64, chunked=True, mode="recompute", policy="priority", cpu_blocks=64,
@@ -18,8 +19,10 @@ def make_scheduler(num_blocks=64, block_size=4, budget=64, chunked=True, mode="r
     return Scheduler(config, bm)
 
 
-def make_seq(name: str, prompt_len: int, arrival: float = 0.0, priority: int = 0, max_tokens: int = 16, first_token: int = 10) -> Sequence:
-    request = Request(name, None, list(range(first_token, first_token + prompt_len)), SamplingParams(max_tokens=max_tokens), arrival, priority)
+def make_seq(name: str, prompt_len: int, arrival: float = 0.0, priority: int = 0, max_tokens: int = 16, first_token: int = 10,
+             best_of: int = 1) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, n=1, best_of=best_of)
+    request = Request(name, None, list(range(first_token, first_token + prompt_len)), params, arrival, priority)
     seq = Sequence(request, 0, list(request.prompt_token_ids))
     request.seqs.append(seq)
     return seq
@@ -28,9 +31,15 @@ def make_seq(name: str, prompt_len: int, arrival: float = 0.0, priority: int = 0
 def run_step(scheduler: Scheduler):
     """Schedule, then hand back what a runner would: token 7 for every chunk that samples."""
     out = scheduler.schedule()
-    sampled = {chunk.seq_id: [SampledToken(7, 0.0)] for chunk in out.chunks if chunk.token_budget}
-    scheduler.update_from_output(ModelRunnerOutput(sampled), lambda seq, token: None)
+    scheduler.update_from_output(ModelRunnerOutput(runner_tokens(out)), lambda seq, token: None)
     return out
+
+
+def runner_tokens(out) -> dict[int, list[SampledToken]]:
+    """Token 7 for every chunk that samples and every sample forked this step (n / best_of)."""
+    sampled = {chunk.seq_id: [SampledToken(7, 0.0)] for chunk in out.chunks if chunk.token_budget}
+    sampled.update((new.seq_id, [SampledToken(7, 0.0)]) for new in out.new_seqs if new.forked_from is not None)
+    return sampled
 
 
 def scheduled(out) -> list[tuple[int, int]]:
@@ -64,6 +73,22 @@ def test_budget_decodes_first_then_prefill_chunks():
     assert chunks == [9, 9, 9, 3]
 
 
+def test_admission_counts_the_samples_a_request_will_fork():
+    """max_num_seqs=4: a best_of=3 request runs as 3 sequences once its prompt is computed, so a
+    best_of=1 request fits beside it (exactly 4) and the next one waits — in the same step as the
+    admission, before the fork, too."""
+    scheduler = make_scheduler(max_num_seqs=4, budget=100)
+    wide = make_seq("wide", 4, arrival=0, best_of=3)
+    one, two = make_seq("one", 4, arrival=1, first_token=100), make_seq("two", 4, arrival=2, first_token=200)
+    for seq in (wide, one, two):
+        scheduler.add(seq)
+    out = run_step(scheduler)
+    assert scheduled(out) == [(wide.seq_id, 4), (one.seq_id, 4)]
+    assert len(scheduler.running) == 4 and two.status is SequenceStatus.WAITING
+    with pytest.raises(ValueError, match="best_of=5 exceeds max_num_seqs=4"):
+        scheduler.add(make_seq("too-wide", 4, best_of=5))
+
+
 def test_without_chunking_a_prompt_waits_for_a_whole_budget():
     scheduler = make_scheduler(budget=10, chunked=False)
     a, b = make_seq("a", 8), make_seq("b", 8, arrival=1, first_token=100)
@@ -73,6 +98,26 @@ def test_without_chunking_a_prompt_waits_for_a_whole_budget():
     assert scheduled(out) == [(a.seq_id, 8)]
     out = run_step(scheduler)
     assert scheduled(out) == [(a.seq_id, 1), (b.seq_id, 8)]
+
+
+def test_a_block_shortage_stops_admission_at_the_head_of_the_queue():
+    """Design 000 Algorithm 2 phase 3: admit while blocks fit, then stop. A prompt that does not
+    fit the free blocks now holds back the smaller, later one that would fit: it is not skipped
+    (which would starve it), and it runs once the blocks come free."""
+    scheduler = make_scheduler(num_blocks=6, block_size=4, budget=100)
+    running = make_seq("running", 11, arrival=0, max_tokens=2)  # 3 blocks once it samples
+    scheduler.add(running)
+    run_step(scheduler)
+    big = make_seq("big", 16, arrival=1, first_token=100)  # 4 blocks: 3 are free
+    small = make_seq("small", 4, arrival=2, first_token=200)  # 1 block would fit
+    scheduler.add(big)
+    scheduler.add(small)
+    out = run_step(scheduler)
+    assert scheduled(out) == [(running.seq_id, 1)]
+    assert big.status is small.status is SequenceStatus.WAITING
+    assert scheduler.block_manager.num_free_blocks == 3  # the failed admission kept nothing
+    scheduler.finish(running, SequenceStatus.FINISHED_STOPPED)
+    assert scheduled(run_step(scheduler)) == [(big.seq_id, 16), (small.seq_id, 4)]
 
 
 def fill_pool(policy: str, mode: str = "recompute"):
@@ -185,7 +230,8 @@ def test_decodes_first_and_capped_chunks_over_random_workloads(seed):
     """Random arrivals, priorities, lengths, pools, policies, modes, caps and watermarks: each
     step, every decode that was running when the step began (and was not preempted) gets its
     token, every decode chunk comes before every prefill chunk, no prefill chunk exceeds the
-    cap, the budget holds, and every request finishes."""
+    cap, the budget holds, no more than max_num_seqs sequences run (after the step's forks of
+    n / best_of samples, and after its output), and every request finishes."""
     import random
 
     rng = random.Random(seed)
@@ -202,7 +248,8 @@ def test_decodes_first_and_capped_chunks_over_random_workloads(seed):
         while arrivals and arrivals[0][0] <= step:
             _, i = arrivals.pop(0)
             seq = make_seq(f"r{i}", rng.randint(1, 20), arrival=step + i / 100, priority=rng.randint(0, 3),
-                           max_tokens=rng.randint(1, 12), first_token=rng.choice([10, 10 * (i + 2)]))
+                           max_tokens=rng.randint(1, 12), first_token=rng.choice([10, 10 * (i + 2)]),
+                           best_of=rng.choice([1, 1, rng.randint(1, max_num_seqs)]))
             scheduler.add(seq)
             seqs.append(seq)
         if not arrivals and not scheduler.num_unfinished:
@@ -210,7 +257,7 @@ def test_decodes_first_and_capped_chunks_over_random_workloads(seed):
         decodes = {s.seq_id for s in scheduler.running if not s.is_prefill}
         out = scheduler.schedule()
         gone = set(out.preempted_seq_ids) | set(out.finished_seq_ids)
-        gone |= {s.seq_id for s in seqs if s.status is SequenceStatus.SWAPPED}
+        gone |= {s.seq_id for seq in seqs for s in seq.request.seqs if s.status is SequenceStatus.SWAPPED}
         chunks = {c.seq_id: c.num_tokens for c in out.chunks}
         assert decodes - gone <= set(chunks), "a running decode got no token"
         kinds = [c.seq_id in decodes for c in out.chunks]
@@ -218,10 +265,11 @@ def test_decodes_first_and_capped_chunks_over_random_workloads(seed):
         assert out.num_batched_tokens <= scheduler.config.max_num_batched_tokens
         if cap:
             assert all(n <= cap for sid, n in chunks.items() if sid not in decodes)
-        sampled = {c.seq_id: [SampledToken(7, 0.0)] for c in out.chunks if c.token_budget}
-        scheduler.update_from_output(ModelRunnerOutput(sampled), finish_at_max_tokens)
+        assert len(scheduler.running) <= max_num_seqs, f"{len(scheduler.running)} running, max_num_seqs={max_num_seqs}"
+        scheduler.update_from_output(ModelRunnerOutput(runner_tokens(out)), finish_at_max_tokens)
+        assert len(scheduler.running) <= max_num_seqs
         scheduler.block_manager.check_invariants()
-    assert all(s.finished for s in seqs) and not arrivals, "a request never finished"
+    assert all(s.finished for seq in seqs for s in seq.request.seqs) and not arrivals, "a request never finished"
 
 
 # ---- preemption: policies and the watermark (issue 31, item 2) ------------------------------------
@@ -286,6 +334,21 @@ def test_recompute_cost_preempts_the_cheapest_recompute_per_block_freed(policy, 
     assert out.preempted_seq_ids == [seqs[victim].seq_id]
 
 
+def test_recompute_cost_differs_from_the_designs_longest_cached_prefix():
+    """Design 001 Algorithm 8 preempts MAX(prefix_cache_length); we preempt the cheapest recompute
+    per block freed (docs/engine.md, "Preemption"). Here the rules disagree: s0 holds the longest
+    cached prefix (8 tokens) but would recompute its 9th token over 3 blocks; s1 (4 tokens, all
+    cached) recomputes nothing, and it is the victim (the sequence asking: it preempts itself)."""
+    scheduler, seqs = three_in_a_full_pool("recompute_cost", [9, 4, 7])  # 3 + 1 + 2 blocks; s1 needs a 2nd
+    bm = scheduler.block_manager
+    cached = [sum(bm.content[b] is not None for b in bm.block_table(seq.seq_id)) * bm.block_size for seq in seqs]
+    assert cached == [8, 4, 4]  # the design's rule would take s0
+    assert [scheduler._recompute_cost(seq) for seq in seqs] == [1 / 3, 0.0, 1.5]
+    out = run_step(scheduler)
+    assert out.preempted_seq_ids == [seqs[1].seq_id]
+    assert {c.seq_id for c in out.chunks} == {seqs[0].seq_id, seqs[2].seq_id}
+
+
 def test_recompute_cost_of_a_sequence_that_frees_nothing_is_infinite():
     scheduler = make_scheduler()
     seq = make_seq("a", 6, max_tokens=3)
@@ -325,3 +388,463 @@ def test_a_step_that_starts_under_the_watermark_preempts_before_scheduling():
     for _ in range(3):  # the last running sequence is never preempted by the watermark
         assert run_step(scheduler).preempted_seq_ids == []
     scheduler.block_manager.check_invariants()
+
+
+# ---- cases found by mutation testing (issue 45, `make mutate`) --------------------------------------
+def spec_scheduler(method: str = "ngram", k: int = 3, budget: int = 64, **planner) -> Scheduler:
+    """A scheduler whose planner verifies up to k proposals per decode (a draft model's also reserve
+    k lookahead slots and keep their KV in the same blocks)."""
+    from pagedllm.config.speculative import SpeculativeConfig
+    from pagedllm.step.planner import StepPlanner
+
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, model="draft" if method == "draft_model" else None)
+    config = SchedulerConfig(16, budget, 4096, True, "recompute", "priority")
+    return Scheduler(config, BlockManager(64, 4, 0), planner=StepPlanner(max_model_len=4096, speculation=spec, **planner))
+
+
+def tokens(*ids: int) -> list[SampledToken]:
+    return [SampledToken(t, 0.0) for t in ids]
+
+
+def test_verified_proposals_advance_by_the_accepted_ones_and_are_counted():
+    scheduler = spec_scheduler()
+    a = make_seq("a", 6, max_tokens=50)
+    scheduler.add(a)
+    scheduler.schedule()
+    changed = scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)},
+                                                             spec_token_ids={a.seq_id: [8, 9, 10]}), lambda s, t: None)
+    assert changed == [a] and a.spec_token_ids == [8, 9, 10] and a.num_computed_tokens == 6
+    out = scheduler.schedule()
+    assert scheduled(out) == [(a.seq_id, 4)] and out.chunks[0].max_proposals == 3
+    # two proposals accepted, the third replaced: 1 + 2 positions computed, three tokens appended
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(8, 9, 11)}, spec_token_ids={a.seq_id: [12]}),
+                                 lambda s, t: None)
+    assert a.num_computed_tokens == 9 and a.token_ids[6:] == [7, 8, 9, 11] and a.spec_token_ids == [12]
+    stats = scheduler.spec_stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_position) == (1, 3, 2, [1, 1, 0])
+    assert scheduled(scheduler.schedule()) == [(a.seq_id, 2)]
+    # none accepted (one token back), and a fused cycle's own counts
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(13)}, spec_cycles={a.seq_id: [(2, 2), (3, 1)]}),
+                                 lambda s, t: None)
+    assert a.num_computed_tokens == 10 and a.spec_token_ids == []
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_position) == (4, 9, 5, [3, 2, 0])
+
+
+def test_proposals_verified_are_bounded_by_the_budget_left_for_later_decodes():
+    """budget 4, two decodes with three proposals each: the first verifies 4 - 1 - 1 (one token
+    kept for the second) = 2, the second what is left: 4 - 3 - 1 = 0."""
+    scheduler = spec_scheduler(budget=4)
+    a, b = make_seq("a", 2, max_tokens=50), make_seq("b", 2, arrival=1, first_token=100, max_tokens=50)
+    for seq in (a, b):
+        scheduler.add(seq)
+    scheduler.schedule()
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7), b.seq_id: tokens(7)},
+                                                   spec_token_ids={a.seq_id: [1, 2, 3], b.seq_id: [4, 5, 6]}), lambda s, t: None)
+    out = scheduler.schedule()
+    assert scheduled(out) == [(a.seq_id, 3), (b.seq_id, 1)]
+    assert [item.num_spec for item in scheduler._records[-1].scheduled] == [2, 0]
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(1, 9), b.seq_id: tokens(9)}), lambda s, t: None)
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (2 + 1 + 1, 3)
+    assert scheduler.spec_stats.num_draft_tokens == 2 and scheduler.spec_stats.num_accepted_tokens == 1
+
+
+def test_a_draft_models_blocks_are_published_when_both_models_computed_them():
+    """With a draft model a decode reserves k lookahead slots, and a block enters the prefix cache
+    only when the draft's KV is in it too (num_draft_computed, from the runner)."""
+    scheduler = spec_scheduler("draft_model", k=2)
+    bm = scheduler.block_manager
+    a = make_seq("a", 8, max_tokens=50)
+    scheduler.add(a)
+    scheduler.schedule()
+    assert len(bm.block_table(a.seq_id)) == 2
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}, draft_computed={a.seq_id: 4}), lambda s, t: None)
+    assert a.num_draft_computed == 4
+    assert [bm.content[b] is not None for b in bm.block_table(a.seq_id)] == [True, False]
+    scheduler.schedule()  # the decode: 1 position + 2 lookahead slots -> a third block
+    assert len(bm.block_table(a.seq_id)) == 3
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}), lambda s, t: None)
+    assert a.num_draft_computed == 4  # unchanged when the runner says nothing
+    scheduler.schedule()
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}, draft_computed={a.seq_id: 9}), lambda s, t: None)
+    assert [bm.content[b] is not None for b in bm.block_table(a.seq_id)[:2]] == [True, True]
+
+
+def test_a_sequence_ended_before_its_output_takes_nothing_and_others_still_advance():
+    scheduler = make_scheduler()
+    a, b = make_seq("a", 4), make_seq("b", 4, arrival=1, first_token=100)
+    for seq in (a, b):
+        scheduler.add(seq)
+    scheduler.schedule()
+    scheduler.finish(a, SequenceStatus.FINISHED_ABORTED)  # ended while its step ran
+    changed = scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7), b.seq_id: tokens(8)}), lambda s, t: None)
+    assert changed == [b] and a.token_ids == list(range(10, 14)) and b.token_ids[-1] == 8 and b.num_computed_tokens == 4
+
+
+def test_a_step_stops_at_a_block_bound_per_step():
+    """max_step_blocks (layer-wise KV offload's device buffer) bounds the blocks one step's
+    sequences use: the second prompt waits, then runs when the first is done."""
+    bm = BlockManager(64, 4, 0)
+    scheduler = Scheduler(SchedulerConfig(16, 100, 4096, True, "recompute", "priority", max_step_blocks=4), bm)
+    a, b = make_seq("a", 12, max_tokens=1), make_seq("b", 8, arrival=1, first_token=100, max_tokens=1)
+    for seq in (a, b):
+        scheduler.add(seq)
+    out = run_step_with(scheduler, finish_at_max_tokens)
+    assert scheduled(out) == [(a.seq_id, 12)] and b.status is SequenceStatus.WAITING  # 3 + 2 blocks > 4
+    assert a.finished
+    assert scheduled(run_step_with(scheduler, finish_at_max_tokens)) == [(b.seq_id, 8)]
+    assert scheduler.capacity_blocks == 4
+    too_long = make_seq("c", 17, arrival=2, first_token=200)  # 5 blocks: more than one step holds
+    scheduler.add(too_long)
+    out = scheduler.schedule()
+    assert too_long.status is SequenceStatus.FINISHED_LENGTH and out.finished_seq_ids == [b.seq_id, too_long.seq_id]
+
+
+def run_step_with(scheduler: Scheduler, on_token):
+    out = scheduler.schedule()
+    scheduler.update_from_output(ModelRunnerOutput(runner_tokens(out)), on_token)
+    return out
+
+
+def test_a_prompt_too_long_for_the_pool_ends_and_the_next_is_admitted_in_the_same_step():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=100)
+    too_long, fits = make_seq("long", 17, arrival=0), make_seq("fits", 4, arrival=1, first_token=100)
+    for seq in (too_long, fits):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert too_long.status is SequenceStatus.FINISHED_LENGTH and scheduled(out) == [(fits.seq_id, 4)]
+    assert scheduler._ended == [too_long]
+
+
+def test_the_last_token_of_the_budget_admits_a_one_token_chunk():
+    scheduler = make_scheduler(budget=5)
+    a, b = make_seq("a", 4), make_seq("b", 9, arrival=1, first_token=100)
+    for seq in (a, b):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert scheduled(out) == [(a.seq_id, 4), (b.seq_id, 1)]
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache_and_ask_for_each_position_once():
+    scheduler = make_scheduler(budget=6)
+    first = make_seq("first", 8)
+    scheduler.add(first)
+    run_step(scheduler)
+    run_step(scheduler)
+    request = Request("scored", None, list(range(10, 18)), SamplingParams(max_tokens=4, prompt_logprobs=2), 1.0)
+    scored = Sequence(request, 0, list(request.prompt_token_ids))
+    request.seqs.append(scored)
+    scheduler.add(scored)
+    out = scheduler.schedule()
+    assert request.num_cached_tokens == 0 and scored.num_computed_tokens == 0  # same prompt, no cache hit
+    chunk = next(c for c in out.chunks if c.seq_id == scored.seq_id)
+    assert chunk.num_tokens == 5 and chunk.prompt_logprobs.num == 2
+    assert (chunk.prompt_logprobs.start, chunk.prompt_logprobs.targets) == (0, list(range(11, 16)))
+    entries = {scored.seq_id: [SampledToken(t, -1.0) for t in range(11, 16)]}
+    scheduler.update_from_output(ModelRunnerOutput(runner_tokens(out), prompt_logprobs=entries), lambda s, t: None)
+    request.prompt_logprobs += [{} for _ in range(5)]  # what the output processor records
+    out = scheduler.schedule()
+    chunk = next(c for c in out.chunks if c.seq_id == scored.seq_id)
+    assert (chunk.prompt_logprobs.start, chunk.prompt_logprobs.targets) == (5, [16, 17])  # up to the last prompt token
+    cached = make_seq("cached", 8, arrival=2)  # the same prompt without prompt_logprobs hits the cache
+    scheduler.add(cached)
+    scheduler.schedule()
+    assert cached.request.num_cached_tokens == 4 and cached.num_computed_tokens == 4
+
+
+def test_num_cached_tokens_reports_the_prefix_hit_and_fcfs_keeps_the_first_admission_index():
+    scheduler = make_scheduler(budget=100, policy="fcfs")
+    a = make_seq("a", 9)
+    scheduler.add(a)
+    run_step(scheduler)
+    b, c = make_seq("b", 9, arrival=1), make_seq("c", 9, arrival=2)
+    for seq in (b, c):
+        scheduler.add(seq)
+    run_step(scheduler)
+    assert (b.request.num_cached_tokens, c.request.num_cached_tokens) == (8, 8)
+    assert [s.request.admission_index for s in (a, b, c)] == [0, 1, 2]
+    assert scheduler.block_manager.prefix_cache_queries == 27 and scheduler.block_manager.prefix_cache_hits == 16
+    from pagedllm.engine.scheduler import _Step
+
+    scheduler.running.remove(a)
+    scheduler._preempt(a, _Step())  # as the watermark would
+    run_step(scheduler)
+    assert a.status is SequenceStatus.RUNNING and a.request.admission_index == 0  # kept across the preemption
+
+
+def greedy_seq(name: str, prompt_len: int, arrival: float = 0.0, max_tokens: int = 16, first_token: int = 10) -> Sequence:
+    request = Request(name, None, list(range(first_token, first_token + prompt_len)),
+                      SamplingParams(max_tokens=max_tokens, temperature=0), arrival)
+    seq = Sequence(request, 0, list(request.prompt_token_ids))
+    request.seqs.append(seq)
+    return seq
+
+
+def planned_scheduler(num_blocks: int = 64, **planner) -> Scheduler:
+    from pagedllm.step.planner import StepPlanner
+
+    config = SchedulerConfig(16, 64, 4096, True, "recompute", "priority")
+    return Scheduler(config, BlockManager(num_blocks, 4, 0), planner=StepPlanner(max_model_len=4096, **planner))
+
+
+def test_greedy_decodes_run_as_a_burst_with_their_positions_reserved():
+    """num_scheduler_steps=4: once both decode (nothing waiting), each gets 4 tokens' budget and
+    blocks for 4 positions; the runner's 4 tokens advance each by 4. A pool that cannot reserve
+    them falls back to one token."""
+    scheduler = planned_scheduler(num_scheduler_steps=4)
+    a, b = greedy_seq("a", 3), greedy_seq("b", 5, arrival=1, first_token=100)
+    for seq in (a, b):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert [c.token_budget for c in out.chunks] == [1, 1]  # prompts: no burst
+    scheduler.update_from_output(ModelRunnerOutput(runner_tokens(out)), lambda s, t: None)
+    out = scheduler.schedule()
+    assert [(c.num_tokens, c.token_budget) for c in out.chunks] == [(1, 4), (1, 4)]
+    bm = scheduler.block_manager
+    assert [len(bm.block_table(s.seq_id)) for s in (a, b)] == [2, 3]  # positions 3..6 and 5..8
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(1, 2, 3, 4), b.seq_id: tokens(5, 6, 7, 8)}),
+                                 lambda s, t: None)
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (7, 9) and a.token_ids[-4:] == [1, 2, 3, 4]
+    assert bm.content[bm.block_table(b.seq_id)[1]] is not None  # a burst's positions are published too
+    small = planned_scheduler(num_blocks=3, num_scheduler_steps=4)
+    c = greedy_seq("c", 6)
+    small.add(c)
+    run_step(small)
+    out = small.schedule()  # positions 6..9 fit the 3 blocks; 10..13 would need a fourth
+    assert out.chunks[0].token_budget == 4
+    small.update_from_output(ModelRunnerOutput({c.seq_id: tokens(1, 2, 3, 4)}), lambda s, t: None)
+    out = small.schedule()
+    assert out.chunks[0].token_budget == 1 and len(small.block_manager.block_table(c.seq_id)) == 3
+    waiting = planned_scheduler(num_scheduler_steps=4)
+    d = greedy_seq("d", 3)
+    waiting.add(d)
+    run_step(waiting)
+    waiting.add(greedy_seq("e", 3, arrival=1, first_token=100))
+    assert [ch.token_budget for ch in waiting.schedule().chunks] == [1, 1]  # something was admitted: single steps
+
+
+class FakeGrammar:
+    """A grammar accepting `allowed` tokens, stopped after `length` of them."""
+
+    def __init__(self, allowed: set[int], length: int):
+        self.allowed, self.length, self.consumed = allowed, length, []
+
+    def consume_token(self, token: int) -> bool:
+        if token not in self.allowed:
+            return False
+        self.consumed.append(token)
+        return True
+
+    def is_stopped(self) -> bool:
+        return len(self.consumed) >= self.length
+
+    def get_error(self) -> str:
+        return "not allowed"
+
+    def deep_copy(self) -> "FakeGrammar":
+        copy = FakeGrammar(self.allowed, self.length)
+        copy.consumed = list(self.consumed)
+        return copy
+
+
+class FakeStructured:
+    def bitmasks(self, grammars):
+        return [f"mask-{len(g.consumed)}" for g in grammars]
+
+
+def test_grammar_rows_get_their_masks_and_end_where_the_grammar_does():
+    scheduler = Scheduler(SchedulerConfig(16, 64, 4096, True, "recompute", "priority"), BlockManager(64, 4, 0), FakeStructured())
+    free, bound, wrong = make_seq("free", 3), make_seq("bound", 3, arrival=1, first_token=100), make_seq("wrong", 3, arrival=2, first_token=200)
+    bound.grammar, wrong.grammar = FakeGrammar({7}, length=2), FakeGrammar({5}, length=3)
+    for seq in (free, bound, wrong):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert out.allowed_tokens == {bound.seq_id: "mask-0", wrong.seq_id: "mask-0"}
+    scheduler.update_from_output(ModelRunnerOutput(runner_tokens(out)), lambda s, t: None)  # token 7 for each
+    assert bound.status is SequenceStatus.RUNNING and bound.grammar.consumed == [7]
+    assert wrong.status is SequenceStatus.FINISHED_STOPPED and wrong.stop_reason == "grammar error"
+    out = scheduler.schedule()
+    assert out.allowed_tokens == {bound.seq_id: "mask-1"}
+    scheduler.update_from_output(ModelRunnerOutput(runner_tokens(out)), lambda s, t: None)
+    assert bound.status is SequenceStatus.FINISHED_STOPPED and bound.stop_reason is None
+    assert free.status is SequenceStatus.RUNNING
+
+
+def test_forked_samples_copy_the_grammar_and_the_parent_progress():
+    scheduler = Scheduler(SchedulerConfig(16, 100, 4096, True, "recompute", "priority"), BlockManager(64, 4, 0), FakeStructured())
+    parent = make_seq("p", 6, best_of=3)
+    parent.grammar = FakeGrammar({7}, length=5)
+    scheduler.add(parent)
+    out = scheduler.schedule()
+    children = parent.request.seqs[1:]
+    assert [c.index for c in children] == [1, 2] and all(c.num_computed_tokens == 6 for c in children)
+    assert all(c.grammar is not parent.grammar and c.grammar.length == 5 for c in children)
+    assert [n.forked_from for n in out.new_seqs] == [None, parent.seq_id, parent.seq_id]
+    assert scheduler._records[-1].forked and parent.request.forked
+    assert not scheduler.defer_last()  # a step that forked is never advanced ahead
+
+
+def test_async_scheduling_advances_a_step_before_its_output_and_swaps_in_the_tokens():
+    scheduler = planned_scheduler(async_scheduling=True)
+    a = make_seq("a", 5, max_tokens=10)
+    scheduler.add(a)
+    scheduler.schedule()
+    assert scheduler.defer_last() and scheduler.num_deferred_steps == 1
+    assert a.num_computed_tokens == 5 and a.num_pending == 1 and a.token_ids[-1] == PENDING_TOKEN
+    assert scheduler.can_schedule_ahead()
+    out = scheduler.schedule()  # the next step, while the first is out (the engine's order)
+    assert scheduled(out) == [(a.seq_id, 1)]
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(42)}), lambda s, t: None)
+    assert a.token_ids[5:] == [42] and a.num_pending == 0 and a.num_computed_tokens == 5
+    assert scheduler.defer_last() and a.num_computed_tokens == 6 and a.num_pending == 1
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(43)}), lambda s, t: None)
+    assert a.token_ids[5:] == [42, 43] and not scheduler._records
+    plain = planned_scheduler()
+    b = make_seq("b", 5)
+    plain.add(b)
+    plain.schedule()
+    assert not plain.defer_last() and b.num_pending == 0  # not asked for
+
+
+def test_schedule_ahead_only_while_the_pool_holds_every_next_token_above_the_watermark():
+    """3 blocks of 4: a sequence of 8 tokens holding 2 needs blocks_for(8 + 1) - 2 + 1 = 2 more."""
+    scheduler = planned_scheduler(num_blocks=4, async_scheduling=True)
+    a = make_seq("a", 7)
+    scheduler.add(a)
+    run_step(scheduler)  # 8 tokens in 2 blocks, 2 free
+    assert scheduler.can_schedule_ahead()
+    scheduler.block_manager.allocate_prefix(999, [1, 2])
+    scheduler.block_manager.allocate_slots(999, 0, 2)  # one block taken: 1 free
+    assert not scheduler.can_schedule_ahead()
+
+
+def test_abandoned_steps_give_back_what_they_touched_and_resend_what_the_runner_missed():
+    scheduler = make_scheduler(num_blocks=8, budget=100, mode="swap", secure=True)
+    a, b = make_seq("a", 4), make_seq("b", 5, arrival=1, first_token=100)  # b's second block is not cached
+    for seq in (a, b):
+        scheduler.add(seq)
+    run_step(scheduler)
+    scheduler.finish(b, SequenceStatus.FINISHED_ABORTED)  # finished: the runner is told with the next step
+    out = scheduler.schedule()
+    assert out.finished_seq_ids == [b.seq_id] and out.blocks_to_zero
+    victims, ended = scheduler.abandon_steps()
+    assert victims == {a} and ended == [] and not scheduler._records
+    out = scheduler.schedule()  # sent again: applying them twice is harmless
+    assert out.finished_seq_ids == [b.seq_id] and out.blocks_to_zero
+
+
+def test_counters_and_first_scheduled_times():
+    scheduler, seqs = fill_pool("priority", mode="swap")
+    assert scheduler.num_prompt_tokens_total == 24 and (scheduler.num_preemptions, scheduler.num_swap_outs) == (0, 0)
+    first = {name: seq.request.metrics.first_scheduled_time for name, seq in seqs.items()}
+    assert all(isinstance(t, float) and t > 0 for t in first.values())
+    run_step(scheduler)  # "second" swapped out
+    assert (scheduler.num_preemptions, scheduler.num_swap_outs, seqs["second"].request.num_preemptions) == (1, 1, 1)
+    for _ in range(20):
+        run_step(scheduler)
+        if scheduler.num_preemptions == 2:
+            break
+    assert (scheduler.num_preemptions, scheduler.num_swap_outs) == (2, 2)
+    assert sum(seq.request.num_preemptions for seq in seqs.values()) == 2
+    assert {name: seq.request.metrics.first_scheduled_time for name, seq in seqs.items()} == first  # set once
+    assert scheduler.num_prompt_tokens_total == 24  # counted at the first schedule only
+
+
+def test_a_step_that_fails_while_scheduling_is_abandoned_with_what_it_touched():
+    scheduler = planned_scheduler(num_scheduler_steps=4)
+    a, b = greedy_seq("a", 3), greedy_seq("b", 3, arrival=1, first_token=100)
+    for seq in (a, b):
+        scheduler.add(seq)
+    run_step(scheduler)
+
+    def broken(*args):
+        raise RuntimeError("planner failed")
+
+    object.__setattr__(scheduler.planner, "burst", broken)
+    with pytest.raises(RuntimeError, match="planner failed"):
+        scheduler.schedule()
+    assert len(scheduler._records) == 1 and scheduler._records[0].forked
+    assert [item.seq for item in scheduler._records[0].scheduled] == [a, b]
+    victims, ended = scheduler.abandon_steps()
+    assert victims == {a, b} and ended == [] and not scheduler._records
+
+
+def test_abandoning_a_step_that_swapped_out_gives_up_the_swapped_sequence():
+    scheduler, seqs = fill_pool("priority", mode="swap")
+    scheduler.schedule()  # "second" swapped out; the output never comes back
+    assert seqs["second"].status is SequenceStatus.SWAPPED
+    victims, _ = scheduler.abandon_steps()
+    assert victims == set(seqs.values())
+
+
+def test_a_token_outside_the_grammar_is_logged(caplog):
+    scheduler = Scheduler(SchedulerConfig(16, 64, 4096, True, "recompute", "priority"), BlockManager(64, 4, 0), FakeStructured())
+    wrong = make_seq("wrong", 3)
+    wrong.grammar = FakeGrammar({5}, length=3)
+    scheduler.add(wrong)
+    with caplog.at_level("ERROR", logger="pagedllm.scheduler"):
+        run_step(scheduler)
+    assert caplog.messages == ["token 7 was sampled outside request wrong's grammar: not allowed"]
+
+
+def test_edges_of_forks_chunks_step_blocks_deferrals_and_bursts():
+    two = make_scheduler(budget=100)
+    pair = make_seq("pair", 4, best_of=2)
+    two.add(pair)
+    two.schedule()
+    assert len(pair.request.seqs) == 2  # best_of=2 forks one sample
+    whole = make_scheduler(budget=8, chunked=False)
+    exact = make_seq("exact", 8)
+    whole.add(exact)
+    assert scheduled(whole.schedule()) == [(exact.seq_id, 8)]  # a prompt exactly the budget runs unchunked
+    bound = Scheduler(SchedulerConfig(16, 100, 4096, True, "recompute", "priority", max_step_blocks=5), BlockManager(64, 4, 0))
+    a, b = make_seq("a", 12), make_seq("b", 8, arrival=1, first_token=100)
+    for seq in (a, b):
+        bound.add(seq)
+    assert scheduled(bound.schedule()) == [(a.seq_id, 12), (b.seq_id, 8)]  # 3 + 2 blocks: exactly the bound
+    deferring = planned_scheduler(async_scheduling=True)
+    c = make_seq("c", 4)
+    deferring.add(c)
+    for _ in range(2):
+        deferring.schedule()
+        deferring.defer_last()
+        deferring.update_from_output(ModelRunnerOutput({c.seq_id: tokens(7)}), lambda s, t: None)
+    assert deferring.num_deferred_steps == 2
+    pairs = planned_scheduler(num_scheduler_steps=2)
+    d = greedy_seq("d", 3)
+    pairs.add(d)
+    run_step(pairs)
+    assert [ch.token_budget for ch in pairs.schedule().chunks] == [2]
+
+
+def test_a_recomputed_prompt_reports_only_the_positions_not_reported_yet():
+    scheduler = make_scheduler(budget=5)
+    request = Request("scored", None, list(range(10, 18)), SamplingParams(max_tokens=4, prompt_logprobs=1), 0.0)
+    seq = Sequence(request, 0, list(request.prompt_token_ids))
+    request.seqs.append(seq)
+    scheduler.add(seq)
+    out = scheduler.schedule()
+    assert out.chunks[0].prompt_logprobs.targets == [11, 12, 13, 14, 15]
+    scheduler.update_from_output(ModelRunnerOutput({}), lambda s, t: None)
+    request.prompt_logprobs += [{} for _ in range(5)]
+    from pagedllm.engine.scheduler import _Step
+
+    scheduler.running.remove(seq)
+    scheduler._preempt(seq, _Step())  # recompute: from position 0 again
+    out = scheduler.schedule()
+    assert out.chunks[0].num_tokens == 5 and out.chunks[0].prompt_logprobs is None  # positions 0..4 were reported
+    scheduler.update_from_output(ModelRunnerOutput({}), lambda s, t: None)
+    out = scheduler.schedule()
+    assert (out.chunks[0].prompt_logprobs.start, out.chunks[0].prompt_logprobs.targets) == (5, [16, 17])
+
+
+def test_a_swapped_in_sequence_decodes_in_the_same_step():
+    scheduler, seqs = fill_pool("priority", mode="swap")
+    run_step(scheduler)  # "second" swapped out
+    victim = seqs["second"]
+    scheduler.finish(seqs["first"], SequenceStatus.FINISHED_ABORTED)
+    newcomer = make_seq("newcomer", 3, arrival=5, first_token=300)
+    scheduler.add(newcomer)
+    out = run_step(scheduler)
+    assert victim.status is SequenceStatus.RUNNING and len(out.blocks_to_swap_in) == 2
+    assert scheduled(out) == [(seqs["third"].seq_id, 1), (victim.seq_id, 1)]  # the pool is full again: newcomer waits
+    assert victim.num_computed_tokens == 9 and victim.token_ids[-1] == 7 and newcomer.status is SequenceStatus.WAITING

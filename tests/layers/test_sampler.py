@@ -128,3 +128,74 @@ def test_the_greedy_kernel_matches_torch_argmax_and_logsumexp(vocab):
     kernel, torch_rows = Sampler(0, CPU, library).greedy(big), Sampler(0, CPU).greedy(big)
     assert torch.equal(kernel.token_ids, torch_rows.token_ids)
     torch.testing.assert_close(kernel.logprobs, torch_rows.logprobs, rtol=0, atol=1e-5)
+
+
+# ---- cases found by mutation testing (issue 45, `make mutate`) --------------------------------------
+def test_allowed_token_ids_then_logit_bias():
+    from pagedllm.layers.sampler import TokenChoices, apply_token_choices
+
+    logits = torch.arange(12, dtype=torch.float32).view(3, 4)
+    choices = TokenChoices(restricted_rows=torch.tensor([0, 2]), allowed=(torch.tensor([0, 0, 2]), torch.tensor([1, 3, 0])),
+                           bias=(torch.tensor([0, 1, 1]), torch.tensor([1, 2, 2])), bias_values=torch.tensor([0.5, 1.0, 2.0]))
+    out = apply_token_choices(logits, choices)
+    inf = float("-inf")
+    assert out.tolist() == [[inf, 1.5, inf, 3.0], [4.0, 5.0, 9.0, 7.0], [8.0, inf, inf, inf]]  # repeated bias adds up
+    assert logits[0, 0] == 0.0  # the input is left as it was
+    assert torch.equal(apply_token_choices(logits, TokenChoices(None, None, None, None)), logits)
+
+
+def test_a_grammar_bitmask_leaves_only_its_tokens():
+    from pagedllm.layers.sampler import apply_allowed
+
+    logits = torch.zeros(3, 40)
+    # row 2 may take tokens 1, 3 and 33 (bit 1 of word 1); row 0 tokens 0 and 31
+    bitmask = torch.tensor([[0b1010, 0b10], [1 | 1 << 31, 0]], dtype=torch.int64).to(torch.int32)  # bit 31: the sign bit
+    out = apply_allowed(logits, torch.tensor([2, 0]), bitmask)
+    allowed = [torch.isfinite(row).nonzero().flatten().tolist() for row in out]
+    assert allowed == [[0, 31], list(range(40)), [1, 3, 33]]
+
+
+def test_greedy_rows_with_choices_or_a_grammar_take_the_masked_argmax():
+    from pagedllm.layers.sampler import TokenChoices
+
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0], [3.0, 0.0, 1.0, 0.0]])
+    choices = TokenChoices(torch.tensor([0]), (torch.tensor([0, 0]), torch.tensor([1, 3])), None, None)
+    assert Sampler(0, CPU)(logits, SamplingMetadata(2, choices=choices)).token_ids.tolist() == [3, 0]
+    grammar = (torch.tensor([1]), torch.tensor([[0b0100]], dtype=torch.int32))  # row 1 may take token 2 only
+    assert Sampler(0, CPU)(logits, SamplingMetadata(2, allowed=grammar)).token_ids.tolist() == [2, 2]
+
+
+def test_probs_apply_temperature_and_each_filter():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]))
+    base = dict(random_rows=torch.tensor([0, 1]), temperature=torch.tensor([1.0, 1.0]))
+    probs = Sampler.probs(logits, SamplingMetadata(2, **base, top_k=torch.tensor([2, 4])))
+    torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    probs = Sampler.probs(logits, SamplingMetadata(2, **base, top_p=torch.tensor([0.6, 1.0])))
+    torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    probs = Sampler.probs(logits, SamplingMetadata(2, **base, min_p=torch.tensor([0.5, 0.5])))  # keeps p >= 0.25 of row 0
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]]))
+    hot = Sampler.probs(logits, SamplingMetadata(2, random_rows=torch.tensor([0]), temperature=torch.tensor([2.0])))
+    torch.testing.assert_close(hot[0], torch.tensor([0.5, 0.3, 0.15, 0.05]).sqrt() / torch.tensor([0.5, 0.3, 0.15, 0.05]).sqrt().sum())
+
+
+@pytest.mark.parametrize("top", [0, 1, 2])
+def test_ranks_and_top_logprobs_as_many_as_asked(top):
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    raw = torch.log_softmax(logits, dim=-1)
+    out = Sampler.with_logprobs(raw, torch.tensor([3]), SamplingMetadata(1, max_num_logprobs=top))
+    assert out.ranks.tolist() == [2] and out.logprobs.tolist() == [raw[0, 3].item()]
+    if top == 0:
+        assert out.top_ids is None and out.top_logprobs is None
+    else:
+        assert out.top_ids.tolist() == [[1, 3][:top]] and out.top_logprobs.tolist() == [raw[0, [1, 3][:top]].tolist()]
+    assert Sampler.with_logprobs(raw, torch.tensor([3]), SamplingMetadata(1)).ranks is None
+
+
+def test_unseeded_noise_comes_from_the_engines_generator():
+    probs = torch.full((2, 50), 0.02)
+    meta = SamplingMetadata(2, unseeded=torch.tensor([0, 1]))
+    torch.manual_seed(0)
+    first = Sampler(3, CPU).exponential_noise(probs, meta)
+    torch.manual_seed(1)
+    assert torch.equal(Sampler(3, CPU).exponential_noise(probs, meta), first)
+    assert not torch.equal(Sampler(4, CPU).exponential_noise(probs, meta), first)

@@ -63,3 +63,85 @@ def test_greedy_keeps_proposals_while_they_are_the_argmax():
                         torch.arange(4), torch.tensor([0]), torch.tensor([False]))
     out = rejection_sample(Sampler(0, CPU), logits, SamplingMetadata(4), batch)
     assert out.token_ids.tolist() == [1, 0, 2, -1]
+
+
+# ---- cases found by mutation testing (issue 45, `make mutate`) --------------------------------------
+VOCAB = 4000
+
+
+def mixed_batch(span_seed: int, draft_probs: torch.Tensor | None = None) -> VerifyBatch:
+    """Three spans of two proposals and a bonus row: greedy (rows 0-2), random on the engine's
+    generator (3-5), random on its own seeded generator (6-8)."""
+    own = torch.Generator().manual_seed(span_seed)
+    spans = [VerifySpan(0, 2, True), VerifySpan(3, 2, False, None, draft_probs), VerifySpan(6, 2, False, own)]
+    proposals = torch.tensor([5, 6, -1, 7, 8, -1, 9, 10, -1])
+    return VerifyBatch(spans, proposals, torch.arange(3).repeat_interleave(3), torch.arange(3).repeat(3),
+                       torch.tensor([0, 3, 6]), torch.tensor([False, True, True]))
+
+
+def mixed_logits() -> torch.Tensor:
+    logits = torch.zeros(9, VOCAB)  # the random spans: uniform, so a one-hot proposal is rejected
+    logits[0, 5] = logits[1, 6] = logits[2, 11] = 10.0  # greedy: both proposals kept, then 11
+    return logits
+
+
+def mixed_meta() -> SamplingMetadata:
+    return SamplingMetadata(9, random_rows=torch.arange(3, 9), temperature=torch.ones(6), unseeded=torch.arange(3),
+                            seeded=[(3, torch.Generator()), (4, torch.Generator()), (5, torch.Generator())])
+
+
+def verify_mixed(sampler_seed: int, span_seed: int, global_seed: int, draft_probs=None) -> list[int]:
+    torch.manual_seed(global_seed)  # never read: the draws come from the sampler's and the spans' generators
+    out = rejection_sample(Sampler(sampler_seed, CPU), mixed_logits(), mixed_meta(), mixed_batch(span_seed, draft_probs))
+    return out.token_ids.tolist()
+
+
+def test_each_span_draws_from_its_own_generator_only():
+    base = verify_mixed(1, 5, 0)
+    assert base[:3] == [5, 6, 11]  # greedy
+    assert verify_mixed(1, 5, 123) == base  # the global RNG plays no part
+    other_engine = verify_mixed(2, 5, 0)
+    assert other_engine[:3] == base[:3] and other_engine[6:] == base[6:] and other_engine[3:6] != base[3:6]
+    other_span = verify_mixed(1, 6, 0)
+    assert other_span[:6] == base[:6] and other_span[6:] != base[6:]
+    for tokens in (base, other_engine, other_span):  # uniform p, one-hot q: rejected at the first row
+        assert tokens[4:6] == [-1, -1] and tokens[7:] == [-1, -1] and tokens[3] not in (7, -1) and tokens[6] not in (9, -1)
+
+
+def test_a_draft_that_matches_the_target_is_always_accepted():
+    """q == p: u * q(d) <= p(d) for every u in [0, 1), so both proposals and the bonus come out."""
+    uniform = torch.full((2, VOCAB), 1.0 / VOCAB)
+    tokens = verify_mixed(1, 5, 0, draft_probs=uniform)
+    assert tokens[3:5] == [7, 8] and tokens[5] >= 0
+
+
+def test_emitted_tokens_carry_their_raw_logprobs():
+    logits = mixed_logits()
+    out = rejection_sample(Sampler(1, CPU), logits, mixed_meta(), mixed_batch(5))
+    expected = torch.log_softmax(logits, dim=-1).gather(1, out.token_ids.clamp(min=0).unsqueeze(1)).squeeze(1)
+    emitted = out.token_ids >= 0
+    torch.testing.assert_close(out.logprobs[emitted], expected[emitted])
+
+
+def test_acceptance_draws_come_from_the_engines_generator_or_the_spans_own():
+    """p(proposal) = 1/2: each of 40 spans keeps its proposal when its uniform draw is <= 1/2, so
+    the accepted pattern follows the draws: the same for the same generators whatever the global
+    RNG, different for another engine seed (unseeded spans) or another span seed (seeded)."""
+    spans = 40
+    logits = torch.zeros(2 * spans, 4)
+    logits[0::2, 1] = logits[0::2, 0] = 1.0  # proposal rows: p = [1/2 - e, 1/2 - e, e, e] roughly; the proposal is 1
+    logits[0::2, 2:] = -30.0
+
+    def accepted(engine_seed: int, span_seed: int | None, global_seed: int) -> list[bool]:
+        torch.manual_seed(global_seed)
+        own = None if span_seed is None else torch.Generator().manual_seed(span_seed)
+        batch = VerifyBatch([VerifySpan(2 * s, 1, False, own) for s in range(spans)], torch.tensor([1, -1] * spans),
+                            torch.arange(spans).repeat_interleave(2), torch.tensor([0, 1] * spans), torch.arange(0, 2 * spans, 2),
+                            torch.ones(spans, dtype=torch.bool))
+        out = rejection_sample(Sampler(engine_seed, CPU), logits, random_meta(2 * spans), batch)
+        return (out.token_ids.view(spans, 2)[:, 0] == 1).tolist()
+
+    base = accepted(1, None, 0)
+    assert 5 < sum(base) < 35 and accepted(1, None, 99) == base and accepted(2, None, 0) != base
+    seeded = accepted(1, 5, 0)
+    assert accepted(2, 5, 99) == seeded and accepted(1, 6, 0) != seeded

@@ -96,3 +96,63 @@ def test_how_the_runner_fills_a_budget():
     assert planner.step_kind(8, 3) is StepKind.SPEC_CYCLES
     assert planner.decode_rows_fit(16) and not planner.decode_rows_fit(17)
     assert not StepPlanner().decode_rows_fit(1)
+
+
+# ---- cases found by mutation testing (issue 45, `make mutate`) --------------------------------------
+def test_edges_of_the_greedy_rule_and_of_tokens_left():
+    from pagedllm.step.planner import tokens_left
+
+    assert plain_greedy_decode(Decoding(params=SamplingParams(temperature=0, logprobs=0)))
+    assert not plain_greedy_decode(Decoding(params=SamplingParams(temperature=0, logprobs=1)))
+    assert plain_greedy_decode(Decoding(params=SamplingParams(temperature=0, min_tokens=1)))  # 1 output token: met
+    assert tokens_left(Decoding(params=SamplingParams(max_tokens=5), num_tokens=11, num_output_tokens=2), 100) == 3
+    assert tokens_left(Decoding(params=SamplingParams(max_tokens=50), num_tokens=90, num_output_tokens=2), 100) == 10
+    assert tokens_left(Decoding(params=SamplingParams(max_tokens=None), num_tokens=90, num_output_tokens=2), 100) == 10
+
+
+def test_what_async_scheduling_may_overlap():
+    planner = StepPlanner(async_scheduling=True)
+    assert planner.overlappable(Decoding())
+    assert not planner.overlappable(Decoding(grammar=object()))
+    assert not planner.overlappable(Decoding(spec_token_ids=[1]))
+    assert not planner.overlappable(Decoding(params=SamplingParams(temperature=0, prompt_logprobs=1)))
+
+
+def test_edges_of_bursts_verification_and_fusing():
+    two = StepPlanner(max_model_len=512, num_scheduler_steps=2, max_burst_seqs=2)
+    assert two.burst([Decoding()] * 2, fusing=False) == Burst(2, 1, 0)  # exactly the rows it takes
+    assert two.burst([Decoding()] * 3, fusing=False) is None
+    assert two.burst([Decoding(num_tokens=511, num_computed_tokens=510)], fusing=False) is None  # one position left
+    assert two.burst([], fusing=False) is None
+    assert two.step_kind(2, 0) is StepKind.GREEDY_STEPS
+    spec = StepPlanner(speculation=SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 3}), fused_spec_cycles=True)
+    assert spec.num_to_verify(Decoding(spec_token_ids=[1, 2]), budget=1, fusing=False) == 0
+    assert spec.num_to_verify(Decoding(spec_token_ids=[1, 2]), budget=9, fusing=False) == 2
+    assert spec.num_to_verify(Decoding(spec_token_ids=[1, 2], grammar=object()), budget=9, fusing=False) == 0
+    assert spec.num_to_verify(Decoding(spec_token_ids=[1, 2], num_computed_tokens=5), budget=9, fusing=False) == 0
+    assert not spec.fuses_speculation([], queued=False)
+    rows = spec.max_fused_spec_seqs
+    assert spec.fuses_speculation([Decoding()] * rows, queued=False) and not spec.fuses_speculation([Decoding()] * (rows + 1), queued=False)
+
+
+def test_runs_fused_asks_the_decoder():
+    class Decoder:
+        def __init__(self, answer):
+            self.answer, self.asked = answer, []
+
+        def accepts(self, meta, num_rows):
+            self.asked.append((meta, num_rows))
+            return self.answer
+
+    planner = StepPlanner()
+    yes, no = Decoder(True), Decoder(False)
+    assert planner.runs_fused(yes, "meta", 3) and yes.asked == [("meta", 3)]
+    assert not planner.runs_fused(no, "meta", 3) and not planner.runs_fused(None, "meta", 3)
+
+
+def test_configurations_that_cannot_run_are_refused_naming_why(model_dir):
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype='bfloat16' needs the C attention kernels \(CPU, a float32 model\); "
+                                         r"this engine attends with 'sdpa'$"):
+        decide(model_dir, kv_cache_dtype="bfloat16", attention_backend="sdpa")
+    assert decide(model_dir, num_scheduler_steps=1, attention_backend="sdpa").num_scheduler_steps == 1
+    assert decide(model_dir, attention_backend="sdpa").notices == ()

@@ -53,6 +53,43 @@ def test_async_save_completes_and_resumes(tiny_paths, tmp_path):
     assert again.start_step == 4 and again.losses == {5: whole.losses[5], 6: whole.losses[6]}
 
 
+def test_async_save_lets_training_go_on_while_it_writes(tiny_paths, tmp_path, monkeypatch):
+    """The writer of step 2's checkpoint is held until step 3 has trained (or 10 s pass): with an
+    async save the step runs meanwhile; a synchronous save would hold the loop, and the writer
+    would give up waiting. The held save still completes and verifies."""
+    import threading
+    from contextlib import contextmanager
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from pagedllm.training.trainer import Trainer
+
+    stepped, seen = threading.Event(), []
+    original_stream, original_step = FileSystem.create_stream, Trainer.train_step
+
+    @contextmanager
+    def slow_writer(self, path, mode):
+        if "step-00000002" in str(path) and "w" in mode:
+            seen.append(stepped.wait(timeout=10 if all(seen) else 0))  # one timeout is enough
+        with original_stream(self, path, mode) as stream:
+            yield stream
+
+    def train_step(self, step):
+        result = original_step(self, step)
+        if step == 3:
+            stepped.set()
+        return result
+
+    monkeypatch.setattr(FileSystem, "create_stream", slow_writer)
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    ckpt = tmp_path / "run"
+    run(tiny_paths, ckpt, checkpoint_config={"checkpoint_interval_steps": 2, "async_save": True})
+    assert seen and all(seen), "training did not go on while the checkpoint was written"
+    assert statuses(ckpt) == {2: "COMPLETE", 4: "COMPLETE", 6: "COMPLETE"}
+    for step_dir, manifest in list_checkpoints(ckpt):
+        assert verify(step_dir, manifest) == []
+
+
 def test_time_interval_checkpoints(tiny_paths, tmp_path):
     ckpt = tmp_path / "run"
     run(tiny_paths, ckpt, checkpoint_config={"checkpoint_interval_minutes": 1e-6, "max_checkpoints_to_keep": 10})
@@ -158,3 +195,22 @@ def test_the_rng_states_are_plain_data_and_restore_exactly(tiny_paths, tmp_path)
         (ckpt / f"step-{step:08d}" / "manifest.json").unlink()
     again = run(tiny_paths, ckpt)
     assert again.start_step == 4 and again.losses == {5: whole.losses[5], 6: whole.losses[6]}
+
+
+def test_a_resume_with_dropout_reproduces_the_run_only_with_its_rng_restored(tiny_paths, tmp_path, monkeypatch):
+    """Attention dropout draws from torch's RNG at every step, so the losses after a resume equal
+    the uninterrupted run's only if the checkpoint's RNG state is restored — the randomness of
+    steps 5 and 6 is that of the run's own steps, not of a fresh start's. Without the restore
+    (the second half) the resumed steps draw other masks and their losses differ."""
+    from pagedllm.training import checkpoint
+
+    model = {"attention_dropout": 0.2}
+    ckpt = tmp_path / "run"
+    whole = run(tiny_paths, ckpt, model_config=model, checkpoint_config={"checkpoint_interval_steps": 2})
+    (ckpt / "step-00000006" / "manifest.json").unlink()
+    again = run(tiny_paths, ckpt, model_config=model)
+    assert again.start_step == 4 and again.losses == {5: whole.losses[5], 6: whole.losses[6]}
+    monkeypatch.setattr(checkpoint, "restore_rng", lambda record: None)
+    (ckpt / "step-00000006" / "manifest.json").unlink()
+    forgetful = run(tiny_paths, ckpt, model_config=model)
+    assert forgetful.start_step == 4 and forgetful.losses[5] != whole.losses[5]

@@ -114,3 +114,13 @@ def test_pipeline_stages_keep_global_layer_names():
     tokens = torch.randint(0, VOCAB, (2, 8))
     with torch.no_grad():
         torch.testing.assert_close(last(first(tokens)), model(tokens))
+
+
+def test_attention_dropout_applies_while_training_only():
+    """Dropout draws masks in train mode (two forwards differ) and is off in eval mode (equal to
+    the same weights without dropout)."""
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    dropped, plain = build_model(tiny_config("llama", attention_dropout=0.5), seed=1), build_model(tiny_config("llama"), seed=1)
+    assert not torch.equal(dropped(tokens), dropped(tokens))
+    dropped.eval()
+    torch.testing.assert_close(dropped(tokens), plain(tokens), rtol=0, atol=0)

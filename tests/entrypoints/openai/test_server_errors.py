@@ -22,6 +22,8 @@ COMPLETION = {"model": MAIN, "prompt": "def", "max_tokens": 2}
         ({"top_p": 1.5}, "top_p", "(0, 1]"),
         ({"n": 0}, "n", ">= 1"),
         ({"n": 3, "best_of": 2}, "best_of", "best_of must be >= n"),
+        ({"n": 257}, "n", "exceeds max_num_seqs=256"),  # issue 45: more samples than can run at once
+        ({"best_of": 257}, "best_of", "exceeds max_num_seqs=256"),
         ({"max_tokens": -1}, "max_tokens", ""),
         ({"max_tokens": 0}, None, "echo"),
         ({"logprobs": 21}, "logprobs", "20"),
