@@ -156,3 +156,26 @@ def test_configurations_that_cannot_run_are_refused_naming_why(model_dir):
         decide(model_dir, kv_cache_dtype="bfloat16", attention_backend="sdpa")
     assert decide(model_dir, num_scheduler_steps=1, attention_backend="sdpa").num_scheduler_steps == 1
     assert decide(model_dir, attention_backend="sdpa").notices == ()
+
+
+def test_a_draft_attention_window_cuts_every_layer(model_dir):
+    from pagedllm.step.planner import draft_model_config
+
+    llama, mistral = str(model_dir("llama")), str(model_dir("mistral"))  # windows: none / 48 on every layer
+    assert draft_model_config(llama, None) == ModelConfig.from_pretrained(llama)
+    cut = draft_model_config(llama, 16)
+    assert set(cut.sliding_windows) == {16} and cut.num_layers == ModelConfig.from_pretrained(llama).num_layers
+    assert set(draft_model_config(mistral, 16).sliding_windows) == {16}
+    assert set(draft_model_config(mistral, 64).sliding_windows) == {48}  # a wider cut keeps the layer's own window
+
+
+def test_multi_step_without_a_backend_for_it_runs_single_steps_and_says_why(model_dir, caplog):
+    with caplog.at_level("WARNING", logger="pagedllm.engine"):
+        planner = decide(model_dir, num_scheduler_steps=4, attention_backend="sdpa")
+    assert planner.num_scheduler_steps == 1 and not planner.cuda_graphs
+    assert caplog.messages == ["num_scheduler_steps=4 needs the fused decode step (CPU) or the C/Triton attention kernels "
+                               "on one device without offload or speculation: every engine step runs one step"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pagedllm.engine"):
+        assert decide(model_dir, num_scheduler_steps=1, attention_backend="sdpa").num_scheduler_steps == 1
+    assert caplog.messages == []
