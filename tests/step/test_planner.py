@@ -179,3 +179,20 @@ def test_multi_step_without_a_backend_for_it_runs_single_steps_and_says_why(mode
     with caplog.at_level("WARNING", logger="pagedllm.engine"):
         assert decide(model_dir, num_scheduler_steps=1, attention_backend="sdpa").num_scheduler_steps == 1
     assert caplog.messages == []
+
+
+def test_fused_decode_asked_for_where_it_cannot_run_is_refused_naming_why(model_dir):
+    with pytest.raises(ValueError, match=r"^decode_backend='fused' cannot be used: it runs on CPUs in float32$"):
+        decide(model_dir, decode_backend="fused", dtype="bfloat16")
+    assert not decide(model_dir, decode_backend="torch").fused_decode
+
+
+@needs_kernels
+def test_async_scheduling_is_off_with_the_fused_step_and_says_why(model_dir, caplog):
+    with caplog.at_level("WARNING", logger="pagedllm.engine"):
+        fused = decide(model_dir, async_scheduling=True)
+    notice = "async_scheduling is off: it does not run with the fused C decode step (decode_backend='torch' turns it off)"
+    assert fused.fused_decode and not fused.async_scheduling and fused.notices == (notice,) and caplog.messages == [notice]
+    modules = decide(model_dir, async_scheduling=True, decode_backend="torch")
+    assert modules.async_scheduling and modules.notices == ()
+    assert not decide(model_dir, decode_backend="torch").async_scheduling
