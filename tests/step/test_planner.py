@@ -196,3 +196,18 @@ def test_async_scheduling_is_off_with_the_fused_step_and_says_why(model_dir, cap
     modules = decide(model_dir, async_scheduling=True, decode_backend="torch")
     assert modules.async_scheduling and modules.notices == ()
     assert not decide(model_dir, decode_backend="torch").async_scheduling
+
+
+def test_attention_backends_chosen_and_refused_naming_why(model_dir, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"^attention_backend='triton' cannot be used: Triton kernels need a CUDA device "
+                                         r"\(TRITON_INTERPRET=1 runs them on the CPU, slowly, for testing\)$"):
+        decide(model_dir, attention_backend="triton")
+    with pytest.raises(ValueError, match=r"^attention_backend='kernel' needs float32 KV caches on the CPU and a head_dim that "
+                                         r"is a multiple of 8; use 'sdpa' or 'auto'$"):
+        decide(model_dir, attention_backend="kernel", dtype="bfloat16")
+    assert decide(model_dir, attention_backend="auto", dtype="bfloat16").attention_backend == "sdpa"
+    assert decide(model_dir, attention_backend="sdpa").attention_backend == "sdpa"
+    if kernels.load() is not None:
+        assert decide(model_dir, attention_backend="auto").attention_backend == "kernel"
+        assert decide(model_dir, attention_backend="kernel", decode_backend="torch").attention_backend == "kernel"
