@@ -29,9 +29,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+if sys.version_info < (3, 11):
+    sys.exit("make mutate needs Python 3.11 or newer (tomllib)")
+import tomllib  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "mutate"

@@ -156,3 +156,58 @@ def test_configurations_that_cannot_run_are_refused_naming_why(model_dir):
         decide(model_dir, kv_cache_dtype="bfloat16", attention_backend="sdpa")
     assert decide(model_dir, num_scheduler_steps=1, attention_backend="sdpa").num_scheduler_steps == 1
     assert decide(model_dir, attention_backend="sdpa").notices == ()
+
+
+def test_a_draft_attention_window_cuts_every_layer(model_dir):
+    from pagedllm.step.planner import draft_model_config
+
+    llama, mistral = str(model_dir("llama")), str(model_dir("mistral"))  # windows: none / 48 on every layer
+    assert draft_model_config(llama, None) == ModelConfig.from_pretrained(llama)
+    cut = draft_model_config(llama, 16)
+    assert set(cut.sliding_windows) == {16} and cut.num_layers == ModelConfig.from_pretrained(llama).num_layers
+    assert set(draft_model_config(mistral, 16).sliding_windows) == {16}
+    assert set(draft_model_config(mistral, 64).sliding_windows) == {48}  # a wider cut keeps the layer's own window
+
+
+def test_multi_step_without_a_backend_for_it_runs_single_steps_and_says_why(model_dir, caplog):
+    with caplog.at_level("WARNING", logger="pagedllm.engine"):
+        planner = decide(model_dir, num_scheduler_steps=4, attention_backend="sdpa")
+    assert planner.num_scheduler_steps == 1 and not planner.cuda_graphs
+    assert caplog.messages == ["num_scheduler_steps=4 needs the fused decode step (CPU) or the C/Triton attention kernels "
+                               "on one device without offload or speculation: every engine step runs one step"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pagedllm.engine"):
+        assert decide(model_dir, num_scheduler_steps=1, attention_backend="sdpa").num_scheduler_steps == 1
+    assert caplog.messages == []
+
+
+def test_fused_decode_asked_for_where_it_cannot_run_is_refused_naming_why(model_dir):
+    with pytest.raises(ValueError, match=r"^decode_backend='fused' cannot be used: it runs on CPUs in float32$"):
+        decide(model_dir, decode_backend="fused", dtype="bfloat16")
+    assert not decide(model_dir, decode_backend="torch").fused_decode
+
+
+@needs_kernels
+def test_async_scheduling_is_off_with_the_fused_step_and_says_why(model_dir, caplog):
+    with caplog.at_level("WARNING", logger="pagedllm.engine"):
+        fused = decide(model_dir, async_scheduling=True)
+    notice = "async_scheduling is off: it does not run with the fused C decode step (decode_backend='torch' turns it off)"
+    assert fused.fused_decode and not fused.async_scheduling and fused.notices == (notice,) and caplog.messages == [notice]
+    modules = decide(model_dir, async_scheduling=True, decode_backend="torch")
+    assert modules.async_scheduling and modules.notices == ()
+    assert not decide(model_dir, decode_backend="torch").async_scheduling
+
+
+def test_attention_backends_chosen_and_refused_naming_why(model_dir, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"^attention_backend='triton' cannot be used: Triton kernels need a CUDA device "
+                                         r"\(TRITON_INTERPRET=1 runs them on the CPU, slowly, for testing\)$"):
+        decide(model_dir, attention_backend="triton")
+    with pytest.raises(ValueError, match=r"^attention_backend='kernel' needs float32 KV caches on the CPU and a head_dim that "
+                                         r"is a multiple of 8; use 'sdpa' or 'auto'$"):
+        decide(model_dir, attention_backend="kernel", dtype="bfloat16")
+    assert decide(model_dir, attention_backend="auto", dtype="bfloat16").attention_backend == "sdpa"
+    assert decide(model_dir, attention_backend="sdpa").attention_backend == "sdpa"
+    if kernels.load() is not None:
+        assert decide(model_dir, attention_backend="auto").attention_backend == "kernel"
+        assert decide(model_dir, attention_backend="kernel", decode_backend="torch").attention_backend == "kernel"
