@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from pagedllm.training.config import DataConfig
-from pagedllm.training.data import BatchPlan
+from pagedllm.training.data import BatchPlan, RankSplits
 
 log = logging.getLogger("pagedllm.training")
 
@@ -219,7 +219,7 @@ def tokenize_examples(tokenizer, conversations: list[tuple[int, list[dict]]], pa
     return examples
 
 
-class ChatData:
+class ChatData(RankSplits):
     """The train and validation rows of a fine-tune, and this rank's share of each (data.TrainingData's interface)."""
 
     def __init__(self, data: DataConfig, tokenizer, dp_rank: int, dp_size: int, seed: int) -> None:
@@ -239,11 +239,3 @@ class ChatData:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.eval_sequences = data.eval_sequences
 
-    def step_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.train.batch(self.plan.rank_indices(step))
-
-    def val_indices(self) -> np.ndarray:
-        total = min(self.eval_sequences, self.val.num_sequences)
-        total -= total % self.dp_size
-        per_rank = total // self.dp_size
-        return np.arange(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)

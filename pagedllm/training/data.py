@@ -161,7 +161,24 @@ class BatchPlan:
         return step * self.global_batch / self.num_sequences
 
 
-class TrainingData:
+class RankSplits:
+    """A training and a validation split read by data-parallel ranks: each step's batch and the
+    validation windows shared out by rank. Subclasses set train, val (with `batch` and
+    `num_sequences`), plan, dp_rank, dp_size and eval_sequences."""
+
+    def step_batch(self, step: int) -> tuple[torch.Tensor, ...]:
+        """This rank's (inputs, labels[, segments]) for global step `step`: global_batch / dp sequences."""
+        return self.train.batch(self.plan.rank_indices(step))
+
+    def val_indices(self) -> np.ndarray:
+        """This rank's share of the first eval_sequences validation windows (fixed, so evals compare)."""
+        total = min(self.eval_sequences, self.val.num_sequences)
+        total -= total % self.dp_size
+        per_rank = total // self.dp_size
+        return np.arange(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+
+
+class TrainingData(RankSplits):
     """The train and validation streams of one job, and this rank's share of each."""
 
     def __init__(self, data: DataConfig, folder: Path, dp_rank: int, dp_size: int, seed: int) -> None:
@@ -177,13 +194,3 @@ class TrainingData:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.eval_sequences = data.eval_sequences
 
-    def step_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (inputs, labels) for global step `step`: global_batch / dp sequences."""
-        return self.train.batch(self.plan.rank_indices(step))
-
-    def val_indices(self) -> np.ndarray:
-        """This rank's share of the first eval_sequences validation windows (fixed, so evals compare)."""
-        total = min(self.eval_sequences, self.val.num_sequences)
-        total -= total % self.dp_size
-        per_rank = total // self.dp_size
-        return np.arange(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
