@@ -84,8 +84,7 @@ def _check_against_tensors(model: GGUFModel, heads: int, hidden: int, head_dim: 
             continue
         actual = int(tensor.shape[dim])
         if actual != size:
-            value = size if "x" in field else int(model.get(field))
-            raise ModelLoadError(f"{model.path}: {arch}.{field}={value} does not match tensor {name} "
+            raise ModelLoadError(f"{model.path}: {arch}.{field}={size} does not match tensor {name} "
                                  f"(shape {[int(d) for d in tensor.shape]})")
 
 
