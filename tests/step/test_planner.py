@@ -347,3 +347,19 @@ def test_every_sampling_option_that_is_more_than_an_argmax():
                    SamplingParams(temperature=0, logit_bias={1: 2.0}), SamplingParams(temperature=0, allowed_token_ids=[1, 2])):
         assert not plain_greedy_decode(Decoding(params=params))
     assert not plain_greedy_decode(Decoding(num_computed_tokens=11))  # nothing to compute: not a decode row
+
+
+def test_one_sequence_and_one_proposal_still_fuse_speculation():
+    one = StepPlanner(speculation=SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 1}), fused_spec_cycles=True)
+    assert one.max_fused_spec_seqs == 8
+    assert one.fuses_speculation([Decoding()], queued=False)  # a single stream: the case fused cycles are for
+    assert one.fuses_speculation([Decoding()] * 8, queued=False)
+
+
+@needs_kernels
+def test_the_kernel_probe_is_made_on_the_engines_device(model_dir):
+    """The C kernels attend only over CPU caches: on another device (the meta device stands in for
+    one here) 'kernel' is refused and 'auto' falls back to SDPA, even where the kernels were built."""
+    with pytest.raises(ValueError, match=r"^attention_backend='kernel' needs float32 KV caches on the CPU"):
+        decide(model_dir, device="meta", dtype="float32", attention_backend="kernel", decode_backend="torch")
+    assert decide(model_dir, device="meta", dtype="float32", decode_backend="torch").attention_backend == "sdpa"
