@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 
 def saved_activation_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]) -> int:
@@ -19,6 +20,8 @@ def saved_activation_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]
     def pack(t: torch.Tensor) -> torch.Tensor:
         params = {id(p) for p in model.parameters()}  # now: FSDP swaps in the gathered ones around a forward
         if id(t) not in params and id(t._base) not in params:
+            if isinstance(t, AsyncCollectiveTensor):  # an all-to-all's output (expert parallelism)
+                t = t.trigger_wait()
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
         return t

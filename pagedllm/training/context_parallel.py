@@ -54,12 +54,17 @@ class Ring:
         rank = self.rank if of_rank is None else of_rank
         return chunk_positions(local_len * self.size, rank, self.size).to(device)
 
-    def pass_on(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Send `tensor` to the next rank, receive the previous rank's (same shape)."""
+    def start_pass(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Start sending `tensor` to the next rank and receiving the previous rank's (same shape)."""
         received = torch.empty_like(tensor)
         ops = [dist.P2POp(dist.isend, tensor.contiguous(), self.next, self.group),
                dist.P2POp(dist.irecv, received, self.prev, self.group)]
-        for request in dist.batch_isend_irecv(ops):
+        return received, dist.batch_isend_irecv(ops)
+
+    def pass_on(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Send `tensor` to the next rank, return the previous rank's."""
+        received, requests = self.start_pass(tensor)
+        for request in requests:
             request.wait()
         return received
 
@@ -92,7 +97,7 @@ class _RingAttention(torch.autograd.Function):
         out = lse = None
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
-            incoming = ring.pass_on(kv) if step < ring.size - 1 else None
+            incoming, requests = ring.start_pass(kv) if step < ring.size - 1 else (None, [])  # overlaps the block
             scores = _block_scores(qf, kv[0], _block_mask(ring, local, source, window, q.device))
             block_lse = scores.logsumexp(dim=-1)
             # rows with no visible key (-inf) contribute nothing; step 0 (the diagonal) has none
@@ -104,6 +109,8 @@ class _RingAttention(torch.autograd.Function):
                 merged = torch.logaddexp(lse, block_lse)
                 out = out * torch.exp(lse - merged)[..., None] + block_out * torch.exp(block_lse - merged)[..., None]
                 lse = merged
+            for request in requests:
+                request.wait()
             kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.window = ring, window
