@@ -81,8 +81,9 @@ def launch(job: dict, work: Path, nproc: int, args: argparse.Namespace) -> dict:
 def print_rows(rows: list[dict]) -> None:
     print(f"{'config':<28} {'tokens/s':>9} {'saved activations/rank':>23} {'experts gathered/layer':>23} {'peak/rank':>10}")
     for r in rows:
+        experts = f"{r['expert_bytes_gathered'] / 2**20:>20.2f} MiB" if r["expert_bytes_gathered"] else f"{'-':>24}"
         print(f"{r['config']:<28} {r['tokens_per_s']:>9.0f} {r['activation_bytes'] / 2**20:>20.2f} MiB "
-              f"{r['expert_bytes_gathered'] / 2**20:>20.2f} MiB {r['peak_bytes'] / 2**20:>6.0f} MiB")
+              f"{experts} {r['peak_bytes'] / 2**20:>6.0f} MiB")
 
 
 # ---- the worker (one per rank, under torchrun) ----------------------------------------------------
