@@ -69,18 +69,25 @@ def first_microbatch_activation_bytes(trainer: Trainer) -> int:
     return saved_activation_bytes(part, lambda: part(inputs[:micro]))
 
 
+def measure_before_training(trainer: Trainer, spec: dict) -> dict:
+    """Optional, before the run (neither changes the parameters): the bytes step 1's first
+    microbatch saves for backward ("activations"), step 1's gradients saved to <"gradients">/."""
+    measured = {}
+    if spec.get("activations"):
+        measured["activation_bytes"] = first_microbatch_activation_bytes(trainer)
+    if spec.get("gradients"):
+        grads = first_step_gradients(trainer)
+        torch.save(grads, Path(spec["gradients"]) / f"{spec['name']}-grads-rank{dist.get_rank()}.pt")
+    return measured
+
+
 def run_scenario(spec: dict) -> dict:
     if spec.get("corrupt_newest"):
         if dist.get_rank() == 0:
             corrupt_newest(Path(spec["job"]["checkpoint_config"]["checkpoint_dir"]))
         dist.barrier()
     trainer = Trainer(parse_job(spec["job"]), RunOptions(**spec.get("options", {})))
-    if spec.get("activations"):
-        return {"activation_bytes": first_microbatch_activation_bytes(trainer)}
-    if spec.get("gradients"):
-        out = Path(spec["gradients"])
-        torch.save(first_step_gradients(trainer), out / f"{spec['name']}-grads-rank{dist.get_rank()}.pt")
-        return {}
+    measured = measure_before_training(trainer, spec)
     seen = watch_resharding(trainer)
     result = trainer.run()
     optimizer_state = {name: list(state["exp_avg"].to_local().shape if isinstance(state["exp_avg"], DTensor)
@@ -89,6 +96,7 @@ def run_scenario(spec: dict) -> dict:
                        for name, p in part.named_parameters() if (state := opt.state.get(p))}
     pipeline = trainer.pipeline
     return {
+        **measured,
         "losses": {str(k): v for k, v in result.losses.items()},
         "start_step": result.start_step,
         "reason": result.reason,
