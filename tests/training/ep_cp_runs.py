@@ -2,7 +2,7 @@
 (dist_scenarios.py) holding every case, and the single-process runs in this process.
 
     ep:  moe, dp 4 = dp_mod_ep 2 x ep 2, ZeRO-3 (EP composed with FSDP); stopped at step 3 and resumed
-    cp:  llama, dp 2 x cp 2, ZeRO-3;  cp4: llama, cp 4 (a 4-rank ring)
+    cp:  llama, dp 2 x cp 2, ZeRO-3;  cp4: mistral with a sliding window of 8, cp 4 (a 4-rank ring)
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ MOE = {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 2}
 EP = {"expert_parallel_size": 2}
 CP = {"context_parallel_size": 2}
 CP4 = {"context_parallel_size": 4}
+MISTRAL = {"architecture": "mistral", "sliding_window": 8}  # the window inside the 32-token sequence
 
 
 def in_process(paths: dict, checkpoint_dir: Path, **sections) -> dict:
@@ -50,9 +51,10 @@ def run_all(paths: dict, root: Path) -> dict:
     ep = {"model_config": MOE, "parallelism_config": EP}
     resumed = {"name": "ep_resume", "job": tiny_job(paths, root / "ep_stop", **ep), "options": FAST}
     stopped = {**resumed, "name": "ep_stop", "options": {**FAST, "stop_at_step": 3}}
-    scenarios = [case("ep", **ep), stopped, resumed, case("cp", parallelism_config=CP), case("cp4", parallelism_config=CP4)]
+    scenarios = [case("ep", **ep), stopped, resumed, case("cp", parallelism_config=CP), case("cp4", model_config=MISTRAL, parallelism_config=CP4)]
     ranks = launch_scenarios(4, scenarios, paths, out)
     grads = {name: [torch.load(out / f"{name}-grads-rank{r}.pt") for r in range(4)] for name in ("ep", "cp", "cp4")}
     ref = root / "reference"
     return {"ranks": ranks, "grads": grads,
-            "reference": {"moe": in_process(paths, ref / "moe", model_config=MOE), "llama": in_process(paths, ref / "llama")}}
+            "reference": {"moe": in_process(paths, ref / "moe", model_config=MOE), "llama": in_process(paths, ref / "llama"),
+                          "mistral": in_process(paths, ref / "mistral", model_config=MISTRAL)}}

@@ -22,16 +22,19 @@ def test_chunks_partition_the_sequence_with_equal_causal_work(size):
     assert torch.equal(shard_sequence(ids, 1, size)[0], parts[1])
 
 
+REFERENCE = {"cp": "llama", "cp4": "mistral"}  # cp4: a 4-rank ring, and Mistral's sliding window
+
+
 @pytest.mark.parametrize("case", ["cp", "cp4"])
 def test_context_parallel_losses_equal_single_process(ep_cp_runs, case):
     for rank in ep_cp_runs["ranks"]:
-        assert_losses_match(rank[case]["losses"], ep_cp_runs["reference"]["llama"]["losses"])
+        assert_losses_match(rank[case]["losses"], ep_cp_runs["reference"][REFERENCE[case]]["losses"])
 
 
 @pytest.mark.parametrize("case", ["cp", "cp4"])
 def test_context_parallel_gradients_equal_single_process(ep_cp_runs, case):
     """Step 1's gradients of every parameter (FSDP over dp x cp, gathered) equal one process's."""
-    expected = ep_cp_runs["reference"]["llama"]["grads"]
+    expected = ep_cp_runs["reference"][REFERENCE[case]]["grads"]
     for grads in ep_cp_runs["grads"][case]:
         assert set(grads) == set(expected)
         for name, grad in grads.items():
@@ -40,9 +43,11 @@ def test_context_parallel_gradients_equal_single_process(ep_cp_runs, case):
 
 @pytest.mark.parametrize("case, cp", [("cp", 2), ("cp4", 4)])
 def test_each_rank_saves_a_cp_th_of_the_activations(ep_cp_runs, case, cp):
-    """The bytes a rank's forward keeps for backward: the single process's / cp (within 10%). A
-    budget of the full sequence's / cp is enough for every rank and not for one process."""
-    full = ep_cp_runs["reference"]["llama"]["activation_bytes"]
+    """The bytes a rank's forward keeps for backward: at most the single process's / cp (+10%), so a
+    budget of the full sequence's / cp is enough for every rank and not for one process. Llama's are
+    proportional (within 10% of 1/cp); one Mistral process also keeps its (seq x seq) window mask."""
+    full = ep_cp_runs["reference"][REFERENCE[case]]["activation_bytes"]
     for rank in ep_cp_runs["ranks"]:
         got = rank[case]["activation_bytes"]
-        assert full / cp * 0.9 <= got <= full / cp * 1.1, (got, full)
+        assert got <= full / cp * 1.1, (got, full)
+        assert case != "cp" or got >= full / cp * 0.9, (got, full)
