@@ -70,7 +70,8 @@ class Ring:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """Causal attention of this rank's queries (batch, heads, local, head_dim) over the whole
-        sequence's keys/values, whose local parts k, v every rank holds (heads already repeated)."""
+        sequence's keys/values, whose local parts k, v (batch, kv_heads, local, head_dim) every rank
+        holds. Keys/values travel with their kv_heads only; each block repeats them for its queries."""
         return _RingAttention.apply(q, k, v, self, window)
 
 
@@ -80,6 +81,19 @@ def _block_mask(ring: Ring, local: int, source: int, window: int | None, device:
     pk = ring.positions(local, device, source)[None, :]
     mask = pk <= pq
     return mask & (pk > pq - window) if window is not None else mask
+
+
+def _repeat_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query attention: kv head h serves query heads h x groups .. (h + 1) x groups - 1."""
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+
+def _sum_groups(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of `_repeat_heads`: the query-head copies summed back onto their kv head."""
+    if groups == 1:
+        return t
+    batch, heads, length, dim = t.shape
+    return t.view(batch, heads // groups, groups, length, dim).sum(dim=2)
 
 
 def _block_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -92,17 +106,17 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, window: int | None):
-        dtype, local = q.dtype, q.shape[2]
+        dtype, local, groups = q.dtype, q.shape[2], q.shape[1] // k.shape[1]
         qf, kv = q.float(), torch.stack((k.float(), v.float()))
         out = lse = None
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
             incoming, requests = ring.start_pass(kv) if step < ring.size - 1 else (None, [])  # overlaps the block
-            scores = _block_scores(qf, kv[0], _block_mask(ring, local, source, window, q.device))
+            scores = _block_scores(qf, _repeat_heads(kv[0], groups), _block_mask(ring, local, source, window, q.device))
             block_lse = scores.logsumexp(dim=-1)
             # rows with no visible key (-inf) contribute nothing; step 0 (the diagonal) has none
             safe = torch.where(torch.isinf(block_lse), torch.zeros_like(block_lse), block_lse)
-            block_out = torch.matmul(torch.exp(scores - safe[..., None]), kv[1])
+            block_out = torch.matmul(torch.exp(scores - safe[..., None]), _repeat_heads(kv[1], groups))
             if out is None:
                 out, lse = block_out, block_lse
             else:
@@ -119,7 +133,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, window, local = ctx.ring, ctx.window, q.shape[2]
+        ring, window, local, groups = ctx.ring, ctx.window, q.shape[2], q.shape[1] // k.shape[1]
         qf, dout = q.float(), grad_out.float()
         scale = q.shape[-1] ** -0.5
         delta = (dout * out).sum(dim=-1, keepdim=True)
@@ -128,12 +142,13 @@ class _RingAttention(torch.autograd.Function):
         dkv = torch.zeros_like(kv)
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
-            scores = _block_scores(qf, kv[0], _block_mask(ring, local, source, window, q.device))
+            k_block, v_block = _repeat_heads(kv[0], groups), _repeat_heads(kv[1], groups)
+            scores = _block_scores(qf, k_block, _block_mask(ring, local, source, window, q.device))
             probs = torch.exp(scores - lse[..., None])
-            dkv[1] += torch.matmul(probs.transpose(-1, -2), dout)
-            dscores = probs * (torch.matmul(dout, kv[1].transpose(-1, -2)) - delta)
-            dq += torch.matmul(dscores, kv[0]) * scale
-            dkv[0] += torch.matmul(dscores.transpose(-1, -2), qf) * scale
+            dkv[1] += _sum_groups(torch.matmul(probs.transpose(-1, -2), dout), groups)
+            dscores = probs * (torch.matmul(dout, v_block.transpose(-1, -2)) - delta)
+            dq += torch.matmul(dscores, k_block) * scale
+            dkv[0] += _sum_groups(torch.matmul(dscores.transpose(-1, -2), qf) * scale, groups)
             if step < ring.size - 1:  # keys/values move on with their gradients so far
                 kv, dkv = ring.pass_on(torch.cat((kv, dkv))).chunk(2)
             else:  # the last hop takes the gradients home

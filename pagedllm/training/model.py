@@ -117,10 +117,7 @@ class Attention(nn.Module):
         cos, sin = cos[positions], sin[positions]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.kv_groups > 1:
-            k = k.repeat_interleave(self.kv_groups, dim=1)
-            v = v.repeat_interleave(self.kv_groups, dim=1)
-        out = self.ring(q, k, v, self.sliding_window)
+        out = self.ring(q, k, v, self.sliding_window)  # k, v keep their kv heads: fewer bytes around the ring
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _window_mask(self, seq: int, device: torch.device) -> torch.Tensor | None:
