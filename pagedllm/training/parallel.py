@@ -143,10 +143,11 @@ def apply_activation_checkpointing(model: TrainingCausalLM, granularity: str) ->
 
 def data_parallel_wrapping(memory: MemoryConfig, dims: ParallelDims) -> str | None:
     """'fsdp', 'replicate' or None: ZeRO >= 1 always shards (also on one rank, so cpu_offload and
-    mixed precision behave the same at any scale); stage 0 replicates only when there is a replica."""
+    mixed precision behave the same at any scale); stage 0 replicates only when there is a replica
+    (a context-parallel rank is one: it holds the same parameters and needs the summed gradients)."""
     if memory.zero_stage >= 1:
         return "fsdp"
-    return "replicate" if dims.dp > 1 else None
+    return "replicate" if dims.dp * dims.cp > 1 else None
 
 
 def requires_sync_every_microbatch(memory: MemoryConfig) -> bool:

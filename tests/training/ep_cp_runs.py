@@ -2,7 +2,8 @@
 (dist_scenarios.py) holding every case, and the single-process runs in this process.
 
     ep:  moe, dp 4 = dp_mod_ep 2 x ep 2, ZeRO-3 (EP composed with FSDP); stopped at step 3 and resumed
-    cp:  llama, dp 2 x cp 2, ZeRO-3;  cp4: mistral with a sliding window of 8, cp 4 (a 4-rank ring)
+    cp:  llama, dp 2 x cp 2, ZeRO-3;  cp4: mistral with a sliding window of 8, cp 4 (a 4-rank ring),
+         ZeRO-0 (replicate over the cp ranks, dp = 1)
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def run_all(paths: dict, root: Path) -> dict:
     ep = {"model_config": MOE, "parallelism_config": EP}
     resumed = {"name": "ep_resume", "job": tiny_job(paths, root / "ep_stop", **ep), "options": FAST}
     stopped = {**resumed, "name": "ep_stop", "options": {**FAST, "stop_at_step": 3}}
-    scenarios = [case("ep", **ep), stopped, resumed, case("cp", parallelism_config=CP), case("cp4", model_config=MISTRAL, parallelism_config=CP4)]
+    scenarios = [case("ep", **ep), stopped, resumed, case("cp", parallelism_config=CP), case("cp4", model_config=MISTRAL, parallelism_config=CP4, memory_config={"zero_stage": 0})]
     ranks = launch_scenarios(4, scenarios, paths, out)
     grads = {name: [torch.load(out / f"{name}-grads-rank{r}.pt") for r in range(4)] for name in ("ep", "cp", "cp4")}
     ref = root / "reference"
