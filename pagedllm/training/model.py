@@ -266,10 +266,15 @@ class TrainingCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        """`segments`: packed examples (Attention.forward); None is one causal sequence per row."""
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """`segments`: packed examples (Attention.forward); None is one causal sequence per row.
+        `keep` (batch, seq), bool: logits only for those positions, flattened (a fine-tune's trained
+        tokens: the output layer is a fifth of a small model's FLOPs and its logits the largest
+        activation, and the prompts' and the padding's are never used)."""
         h = self.model(x) if segments is None else self.model(x, segments)
-        return self.lm_head(h) if self.lm_head is not None else h
+        if self.lm_head is None:
+            return h
+        return self.lm_head(h if keep is None else h[keep])
 
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Mean load-balancing loss over this module's MoE layers from the last forward, or None."""

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pagedllm.training.chat_data import IGNORE
 from pagedllm.training.checkpoint import CheckpointManager, CheckpointMetadata, step_dir_name
 from pagedllm.training.config import Precision, TrainingJob, resolve
 from pagedllm.training.control import Controller, Decision
@@ -232,8 +233,11 @@ class Trainer:
                 model.set_requires_gradient_sync(sync_each or i == count - 1)
             chunk = slice(i * micro, (i + 1) * micro)
             with self.autocast():
-                logits = model(inputs[chunk]) if segments is None else model(inputs[chunk], segments[chunk])
-                loss = cross_entropy(logits, labels[chunk])
+                if segments is None:
+                    loss = cross_entropy(model(inputs[chunk]), labels[chunk])
+                else:  # only the trained positions reach the output layer (the same mean over them)
+                    keep = labels[chunk] != IGNORE
+                    loss = F.cross_entropy(model(inputs[chunk], segments[chunk], keep).float(), labels[chunk][keep])
                 aux = model.moe_aux_loss()
                 objective = loss + self.job.model.router_aux_loss_coef * aux if aux is not None else loss
             objective = objective / count

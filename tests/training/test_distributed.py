@@ -19,7 +19,9 @@ from pagedllm.training.config import parse_job
 from pagedllm.training.progress import read_metrics
 from pagedllm.training.trainer import RunOptions, run_training
 
-from .helpers import tiny_job
+from tiny_models import build_model
+
+from .helpers import lora_job, tiny_job, write_chat
 
 HERE = Path(__file__).parent
 FAST = {"peak_flops": 1e10, "export_hf": False}
@@ -54,6 +56,17 @@ def references(tiny_paths, tmp_path_factory) -> dict:
             "llama4": reference_losses(tiny_paths, root / "llama4", model_config={"num_layers": 4})}
 
 
+def finetune_job(root: Path, name: str, zero_stage: int) -> dict:
+    """A LoRA fine-tune of a tiny pretrained (tied-embedding) base on chat data, without dropout (each
+    rank draws its own dropout masks, so only the deterministic update can equal one process's)."""
+    if not (root / "ft-base").is_dir():
+        build_model(root / "ft-base", "llama", tie_word_embeddings=True)
+        write_chat(root / "chat.jsonl")
+    job = lora_job(root / "ft-base", root / "chat.jsonl", root / name, steps=4, memory_config={"zero_stage": zero_stage})
+    job["finetune_config"]["lora_dropout"] = 0.0
+    return job
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
     root = tmp_path_factory.mktemp("two-ranks")
@@ -81,6 +94,7 @@ def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
         case("pp_gpipe", parallelism_config={**pp, "pipeline_schedule": "GPIPE"}),
         case("pp_interleaved", parallelism_config={**pp, "pipeline_schedule": "INTERLEAVED_1F1B"},
              model_config={"num_layers": 4}),
+        {"name": "lora_zero3", "job": finetune_job(root, "lora-zero3", zero_stage=3), "options": FAST},
     ]
     return launch_scenarios(2, scenarios, tiny_paths, root / "out"), root
 
@@ -201,6 +215,16 @@ def test_fsdp_times_tp_losses_equal_single_process(four_ranks, references):
     for rank in four_ranks:
         assert_losses_match(rank["fsdp_tp"]["losses"], references["llama"])
         assert_losses_match(rank["fsdp_tp_qwen3_sp"]["losses"], references["qwen3"])
+
+
+def test_lora_finetune_under_fsdp_on_two_ranks_equals_single_process(two_ranks):
+    """LoRA under FSDP2 over two data-parallel ranks: the frozen base sharded like any module, the
+    adapter's gradients reduced across ranks; the losses equal one process on the same batches."""
+    results, root = two_ranks
+    reference = run_training(parse_job(finetune_job(root, "lora-reference", zero_stage=0)), RunOptions(**FAST))
+    expected = {str(k): v for k, v in reference.losses.items()}
+    for rank in results:
+        assert_losses_match(rank["lora_zero3"]["losses"], expected)
 
 
 def test_moe_with_zero3_losses_equal_single_process(two_ranks, references):
