@@ -158,7 +158,9 @@ class _RingAttention(torch.autograd.Function):
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Every attention layer attends over the ring of `cp_mesh`; inputs must be `shard_sequence`d."""
+    from pagedllm.training.model import Attention
+
     ring = Ring(cp_mesh.get_group())
     for module in model.modules():
-        if hasattr(module, "ring") and hasattr(module, "q_proj"):
+        if isinstance(module, Attention):
             module.ring = ring

@@ -65,7 +65,9 @@ class AllToAllDispatch:
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "dispatch") and hasattr(m, "experts")]
+    from pagedllm.training.model import SparseMoE
+
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
