@@ -115,3 +115,64 @@ def test_a_bad_engine_argument_is_one_line_before_the_banner():
     assert done.returncode == 2
     assert done.stderr.strip() == ("pagedllm serve: error: tensor_parallel_size=2 must divide the model's "
                                    "num_attention_heads=9")
+
+
+DOCS = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchor(heading: str) -> str:
+    """GitHub's slug for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def prose(path: Path) -> str:
+    """A page without its code blocks, whose brackets and parentheses are code, not links."""
+    return re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+
+
+def anchors(path: Path) -> set[str]:
+    slugs: set[str] = set()
+    for heading in re.findall(r"^#+\s+(.*)$", prose(path), re.M):
+        slug = base = anchor(heading)
+        n = 0
+        while slug in slugs:  # GitHub numbers a repeated heading's slug
+            n += 1
+            slug = f"{base}-{n}"
+        slugs.add(slug)
+    return slugs
+
+
+def relative_links(path: Path) -> list[str]:
+    return [t for t in LINK.findall(prose(path)) if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
+def test_relative_links_resolve(page: Path):
+    """Every relative link in the README and docs/ names a file that exists and, where it names a
+    heading, a heading of that file — pages are moved and split, and a link left behind fails."""
+    broken = []
+    for target in relative_links(page):
+        file, _, fragment = target.partition("#")
+        resolved = (page.parent / file).resolve() if file else page
+        if not resolved.exists():
+            broken.append(target)
+        elif fragment and resolved.suffix == ".md" and fragment not in anchors(resolved):
+            broken.append(target)
+    assert not broken, f"{page.name}: {broken}"
+
+
+def test_the_link_checker_sees_a_broken_link(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n[ok](#title) [gone](missing.md) [bad](#nowhere)\n\n```\n[code](not-a-link)\n```\n")
+    assert relative_links(page) == ["#title", "missing.md", "#nowhere"]
+    assert anchors(page) == {"title"}
+
+
+@pytest.mark.parametrize("page", [p for p in DOCS if p.parent.name == "docs"], ids=lambda p: p.name)
+def test_each_doc_opens_with_what_it_covers(page: Path):
+    """A title, then a paragraph of prose (not a list, table, code or another heading)."""
+    lines = page.read_text().splitlines()
+    assert lines[0].startswith("# "), page.name
+    first = next(line for line in lines[1:] if line.strip())
+    assert not re.match(r"\s*(#|\||```|[-*] |\d+\. )", first), f"{page.name} opens with {first!r}"
