@@ -425,8 +425,6 @@ def _check_unsupported(job: TrainingJob, dp: int) -> None:
         raise ConfigError("memory_config.precision", "FP16 with a gradient scaler is not supported with pipeline parallelism yet")
     if model.architecture == "moe" and par.tensor_parallel_size * par.pipeline_parallel_size > 1:
         raise ConfigError("model_config.architecture", "moe with tensor or pipeline parallelism is not supported yet")
-    if model.tie_word_embeddings and par.tensor_parallel_size * par.pipeline_parallel_size > 1:
-        raise ConfigError("model_config.tie_word_embeddings", "tied embeddings need tensor_parallel_size = pipeline_parallel_size = 1")
     if mem.zero_stage == 0 and par.tensor_parallel_size > 1 and dp > 1:
         raise ConfigError("memory_config.zero_stage", "zero_stage 0 (replicate) with tensor parallelism: use zero_stage >= 1")
 

@@ -110,11 +110,14 @@ def clip_grad_norm(parts: list[nn.Module], max_norm: float, pp_group=None) -> fl
     via one all-reduce of the squared norm), clipped to `max_norm` when it is > 0."""
     import torch.distributed as dist
 
+    from pagedllm.training.tied import is_duplicate
+
     params = [p for part in parts for p in part.parameters() if p.grad is not None]
-    if not params:
+    counted = [p for p in params if not is_duplicate(p)]  # a tied weight's second pipeline copy: once
+    if not counted:
         norm = torch.zeros(())
     else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in counted], norm_type=2.0)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     if pp_group is not None:
         squared = norm.float() ** 2

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from pagedllm.training.config import MemoryConfig, ParallelismConfig, Precision
 from pagedllm.training.model import TrainingCausalLM, DecoderLayer
+from pagedllm.training.tied import retie
 
 LOW_PRECISION = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
@@ -91,6 +92,7 @@ def apply_tensor_parallel(model: TrainingCausalLM, tp_mesh: DeviceMesh, sequence
     if model.lm_head is not None:
         root_plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
     parallelize_module(model, tp_mesh, root_plan)
+    retie(model)  # the embedding and lm_head were distributed one by one: one Shard(0) DTensor again
     for layer in model.model.layers.values():
         parallelize_module(layer, tp_mesh, _layer_plan(layer, sequence_parallel))
 

@@ -234,6 +234,8 @@ class Trainer:
     def _pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         self._run_schedule(self.pipeline.schedule.step, inputs, labels, losses)
+        if self.pipeline.tied is not None:
+            self.pipeline.tied.all_reduce()
         return self._from_last_stage(losses)
 
     def _run_schedule(self, fn, inputs: torch.Tensor, labels: torch.Tensor, losses: list) -> None:

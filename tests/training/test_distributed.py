@@ -25,6 +25,7 @@ HERE = Path(__file__).parent
 FAST = {"peak_flops": 1e10, "export_hf": False}
 QWEN3 = {"architecture": "qwen3", "head_dim": 16}
 MOE = {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 2}
+TIED = {"tie_word_embeddings": True}  # as SmolLM2, the default served model
 
 
 def launch_scenarios(nproc: int, scenarios: list[dict], paths: dict, out: Path) -> list[dict]:
@@ -51,7 +52,13 @@ def references(tiny_paths, tmp_path_factory) -> dict:
     return {"llama": reference_losses(tiny_paths, root / "llama"),
             "qwen3": reference_losses(tiny_paths, root / "qwen3", model_config=QWEN3),
             "moe": reference_losses(tiny_paths, root / "moe", model_config=MOE),
-            "llama4": reference_losses(tiny_paths, root / "llama4", model_config={"num_layers": 4})}
+            "llama4": reference_losses(tiny_paths, root / "llama4", model_config={"num_layers": 4}),
+            "tied": reference_losses(tiny_paths, root / "tied", model_config=TIED),
+            "tied_grad_norms": grad_norms(root / "tied")}
+
+
+def grad_norms(checkpoint_dir: Path) -> list[float]:
+    return [record["grad_norm"] for record in read_metrics(checkpoint_dir / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +88,8 @@ def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
         case("pp_gpipe", parallelism_config={**pp, "pipeline_schedule": "GPIPE"}),
         case("pp_interleaved", parallelism_config={**pp, "pipeline_schedule": "INTERLEAVED_1F1B"},
              model_config={"num_layers": 4}),
+        case("tp_tied", parallelism_config={"tensor_parallel_size": 2}, model_config=TIED, memory_config={"zero_stage": 0}),
+        case("pp_tied", parallelism_config=pp, model_config=TIED),
     ]
     return launch_scenarios(2, scenarios, tiny_paths, root / "out"), root
 
@@ -230,6 +239,30 @@ def test_fsdp_times_tp_uses_a_2d_mesh(four_ranks):
         dims, places, local, full = placements(result, "model.layers.0.self_attn.o_proj.weight")
         assert places == ["Shard(dim=0)", "Shard(dim=1)"] and local == [full[0] // 2, full[1] // 2]
         assert set(result["resharded_after_forward"]) == {True}
+
+
+# ---- tied embeddings (tied.py) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["tp_tied", "pp_tied"])
+def test_tied_embeddings_equal_single_process(two_ranks, references, kind):
+    """Loss and global gradient norm of every step equal one process's: TP keeps one Shard(0) DTensor
+    for both uses, PP sums the first and last stage's gradients and counts the weight once in the norm
+    (losses alone would not see a double count below the clipping threshold: the norm does)."""
+    ranks, root = two_ranks
+    for rank in ranks:
+        assert_losses_match(rank[kind]["losses"], references["tied"])
+    assert grad_norms(root / kind) == pytest.approx(references["tied_grad_norms"], rel=1e-4)
+
+
+def test_tied_embedding_placements(two_ranks):
+    ranks, _ = two_ranks
+    for rank in ranks:
+        sharding = rank["tp_tied"]["sharding"]
+        assert "lm_head.weight" not in sharding  # one Parameter: named_parameters lists it once
+        assert placements(rank["tp_tied"], "model.embed_tokens.weight")[1] == ["Shard(dim=0)"]
+    first, last = ranks[0]["pp_tied"]["sharding"], ranks[1]["pp_tied"]["sharding"]
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" not in first
+    assert "lm_head.weight" in last and "model.embed_tokens.weight" not in last
 
 
 # ---- exact resume and corrupt checkpoints -------------------------------------------------------
