@@ -79,6 +79,13 @@ class Precision(str, enum.Enum):
     FP8 = "FP8"
 
 
+class Fp8Recipe(str, enum.Enum):
+    """torchao's float8 scaling recipes (training/fp8.py)."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+
+
 class CheckpointGranularity(str, enum.Enum):
     FULL = "FULL"
     SELECTIVE = "SELECTIVE"
@@ -176,6 +183,8 @@ class MemoryConfig(_Section):
     cpu_offload: bool = False
     nvme_offload: bool = False
     activation_checkpointing_granularity: CheckpointGranularity = CheckpointGranularity.FULL
+    # Not in the seed.
+    fp8_recipe: Fp8Recipe = Field(Fp8Recipe.TENSORWISE, description="precision FP8: torchao's scaling recipe")
 
 
 class DataConfig(_Section):
@@ -352,13 +361,6 @@ def apply_overrides(job: TrainingJob, overrides: list[str]) -> TrainingJob:
     return parse_job(data)
 
 
-def fp8_supported() -> bool:
-    """FP8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer (Ada/Hopper)."""
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-
-
 def resolve(job: TrainingJob, world_size: int) -> TrainingJob:
     """Check the cross-field rules for `world_size` processes; return the job with data_parallel_size set."""
     if job.finetune is not None:  # model_config is the base's: pretrained.apply_base_model, called before
@@ -416,9 +418,10 @@ def _check_unsupported(job: TrainingJob, dp: int) -> None:
     if mem.nvme_offload:
         raise ConfigError("memory_config.nvme_offload", "NVMe offload is not supported yet (use cpu_offload)")
     if mem.precision is Precision.FP8:
-        if not fp8_supported():
-            raise ConfigError("memory_config.precision", "FP8 needs a GPU with compute capability >= 8.9; none found")
-        raise ConfigError("memory_config.precision", "FP8 training is not supported yet (use BF16)")
+        from pagedllm.training.fp8 import fp8_device_problem
+
+        if problem := fp8_device_problem():
+            raise ConfigError("memory_config.precision", problem)
     if mem.cpu_offload and mem.zero_stage == 0:
         raise ConfigError("memory_config.cpu_offload", "cpu_offload needs zero_stage >= 1 (FSDP's CPUOffloadPolicy)")
     if mem.precision is Precision.FP16 and par.pipeline_parallel_size > 1:

@@ -34,7 +34,8 @@ from pagedllm.training.config import MemoryConfig, ParallelismConfig, Precision
 from pagedllm.training.model import TrainingCausalLM, DecoderLayer
 from pagedllm.training.tied import retie
 
-LOW_PRECISION = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+# FP8 is float8 matmuls in BF16 training (fp8.py): everything else takes BF16's policy.
+LOW_PRECISION = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16, Precision.FP8: torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,11 @@ def apply_data_parallel(model: TrainingCausalLM, mem: MemoryConfig, dims: Parall
 
 def parallelize(model: TrainingCausalLM, par: ParallelismConfig, memory: MemoryConfig, dims: ParallelDims,
                 mesh: DeviceMesh) -> TrainingCausalLM:
-    """TP -> activation checkpointing -> FSDP/replicate, each only when configured."""
+    """(FP8 linears ->) TP -> activation checkpointing -> FSDP/replicate, each only when configured."""
+    if memory.precision is Precision.FP8:
+        from pagedllm.training.fp8 import apply_fp8
+
+        apply_fp8(model, memory.fp8_recipe)
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], par.sequence_parallel)
     if memory.gradient_checkpointing:

@@ -54,7 +54,8 @@ def references(tiny_paths, tmp_path_factory) -> dict:
             "moe": reference_losses(tiny_paths, root / "moe", model_config=MOE),
             "llama4": reference_losses(tiny_paths, root / "llama4", model_config={"num_layers": 4}),
             "tied": reference_losses(tiny_paths, root / "tied", model_config=TIED),
-            "tied_grad_norms": grad_norms(root / "tied")}
+            "tied_grad_norms": grad_norms(root / "tied"),
+            "fp8": reference_losses(tiny_paths, root / "fp8", memory_config={"zero_stage": 0, "precision": "FP8"})}
 
 
 def grad_norms(checkpoint_dir: Path) -> list[float]:
@@ -90,6 +91,8 @@ def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
              model_config={"num_layers": 4}),
         case("tp_tied", parallelism_config={"tensor_parallel_size": 2}, model_config=TIED, memory_config={"zero_stage": 0}),
         case("pp_tied", parallelism_config=pp, model_config=TIED),
+        case("tp_fp8", parallelism_config={"tensor_parallel_size": 2}, memory_config={"zero_stage": 0, "precision": "FP8"}),
+        case("pp_fp8", parallelism_config=pp, memory_config={"precision": "FP8"}),
     ]
     return launch_scenarios(2, scenarios, tiny_paths, root / "out"), root
 
@@ -263,6 +266,17 @@ def test_tied_embedding_placements(two_ranks):
     first, last = ranks[0]["pp_tied"]["sharding"], ranks[1]["pp_tied"]["sharding"]
     assert "model.embed_tokens.weight" in first and "lm_head.weight" not in first
     assert "lm_head.weight" in last and "model.embed_tokens.weight" not in last
+
+
+def test_fp8_under_tensor_and_pipeline_parallelism(two_ranks, references):
+    """Float8Linear on TP shards (torchao scales a DTensor by its global amax) and on pipeline stages
+    follows the one-process FP8 run; float8 rounding of differently-split matmuls allows 1e-3."""
+    ranks, _ = two_ranks
+    for rank in ranks:
+        for kind in ("tp_fp8", "pp_fp8"):
+            got = rank[kind]["losses"]
+            assert got == pytest.approx(references["fp8"], rel=1e-3), kind
+    assert ranks[0]["tp_fp8"]["losses"] != references["llama"]  # not the FP32 run: float8 ran
 
 
 # ---- exact resume and corrupt checkpoints -------------------------------------------------------
