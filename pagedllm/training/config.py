@@ -185,6 +185,7 @@ class MemoryConfig(_Section):
     activation_checkpointing_granularity: CheckpointGranularity = CheckpointGranularity.FULL
     # Not in the seed.
     fp8_recipe: Fp8Recipe = Field(Fp8Recipe.TENSORWISE, description="precision FP8: torchao's scaling recipe")
+    nvme_offload_dir: str | None = Field(None, description="nvme_offload's state files; default <checkpoint_dir>/nvme-offload")
 
 
 class DataConfig(_Section):
@@ -415,8 +416,8 @@ def _check_unsupported(job: TrainingJob, dp: int) -> None:
         raise ConfigError("parallelism_config.expert_parallel_size", "expert parallelism is not supported yet (use 1)")
     if par.context_parallel_size > 1:
         raise ConfigError("parallelism_config.context_parallel_size", "context parallelism is not supported yet (use 1)")
-    if mem.nvme_offload:
-        raise ConfigError("memory_config.nvme_offload", "NVMe offload is not supported yet (use cpu_offload)")
+    if mem.nvme_offload and mem.zero_stage == 0:
+        raise ConfigError("memory_config.nvme_offload", "nvme_offload needs zero_stage >= 1 (it builds on FSDP's CPUOffloadPolicy)")
     if mem.precision is Precision.FP8:
         from pagedllm.training.fp8 import fp8_device_problem
 

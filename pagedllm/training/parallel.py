@@ -152,7 +152,8 @@ def apply_data_parallel(model: TrainingCausalLM, mem: MemoryConfig, dims: Parall
 
         replicate(model, mesh=dp_mesh, mp_policy=mp)
     elif kind == "fsdp":
-        offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if mem.cpu_offload else OffloadPolicy()
+        host = mem.cpu_offload or mem.nvme_offload  # NVMe offload steps the optimizer in host memory too
+        offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if host else OffloadPolicy()
         options = {"mesh": dp_mesh, "mp_policy": mp, "offload_policy": offload,
                    "reshard_after_forward": mem.zero_stage == 3}
         for layer in model.model.layers.values():

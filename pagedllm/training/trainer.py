@@ -165,6 +165,12 @@ class Trainer:
         else:
             self.parts = [parallelize(model, self.job.parallelism, self.job.memory, self.dims, self.mesh)]
         self.optimizers = [build_optimizer(part, self.job.optimization) for part in self.parts]
+        if self.job.memory.nvme_offload:
+            from pagedllm.training.nvme_offload import NvmeOffloadOptimizer, offload_folder
+
+            folder = self.job.memory.nvme_offload_dir
+            self.optimizers = [NvmeOffloadOptimizer(optimizer, offload_folder(self.dir, folder, self.rank, i))
+                               for i, optimizer in enumerate(self.optimizers)]
         dtype = autocast_dtype(self.job.memory, self.dims)
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype else nullcontext
 
