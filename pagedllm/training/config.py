@@ -423,14 +423,8 @@ def _check_unsupported(job: TrainingJob, dp: int) -> None:
 
         if problem := fp8_device_problem():
             raise ConfigError("memory_config.precision", problem)
-    if mem.cpu_offload and mem.zero_stage == 0:
-        raise ConfigError("memory_config.cpu_offload", "cpu_offload needs zero_stage >= 1 (FSDP's CPUOffloadPolicy)")
-    if mem.precision is Precision.FP16 and par.pipeline_parallel_size > 1:
-        raise ConfigError("memory_config.precision", "FP16 with a gradient scaler is not supported with pipeline parallelism yet")
     if model.architecture == "moe" and par.tensor_parallel_size * par.pipeline_parallel_size > 1:
         raise ConfigError("model_config.architecture", "moe with tensor or pipeline parallelism is not supported yet")
-    if mem.zero_stage == 0 and par.tensor_parallel_size > 1 and dp > 1:
-        raise ConfigError("memory_config.zero_stage", "zero_stage 0 (replicate) with tensor parallelism: use zero_stage >= 1")
 
 
 def _check_model_shape(model: ModelShapeConfig, par: ParallelismConfig) -> None:

@@ -133,7 +133,8 @@ def data_parallel_wrapping(memory: MemoryConfig, dims: ParallelDims) -> str | No
     mixed precision behave the same at any scale); stage 0 replicates only when there is a replica."""
     if memory.zero_stage >= 1:
         return "fsdp"
-    return "replicate" if dims.dp > 1 else None
+    # cpu_offload keeps the replicas' parameters in host memory: replicate's CPUOffloadPolicy, also on one rank
+    return "replicate" if dims.dp > 1 or memory.cpu_offload else None
 
 
 def requires_sync_every_microbatch(memory: MemoryConfig) -> bool:
@@ -147,13 +148,13 @@ def apply_data_parallel(model: TrainingCausalLM, mem: MemoryConfig, dims: Parall
     if mem.precision in LOW_PRECISION:
         mp = MixedPrecisionPolicy(param_dtype=LOW_PRECISION[mem.precision], reduce_dtype=torch.float32)
     kind = data_parallel_wrapping(mem, dims)
+    host = mem.cpu_offload or mem.nvme_offload  # NVMe offload steps the optimizer in host memory too
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if host else OffloadPolicy()
     if kind == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        replicate(model, mesh=dp_mesh, mp_policy=mp)
+        replicate(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
     elif kind == "fsdp":
-        host = mem.cpu_offload or mem.nvme_offload  # NVMe offload steps the optimizer in host memory too
-        offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if host else OffloadPolicy()
         options = {"mesh": dp_mesh, "mp_policy": mp, "offload_policy": offload,
                    "reshard_after_forward": mem.zero_stage == 3}
         for layer in model.model.layers.values():

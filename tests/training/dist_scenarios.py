@@ -36,6 +36,16 @@ def watch_resharding(trainer: Trainer) -> dict:
     return seen
 
 
+def offload_policy(part) -> str | None:
+    """The class of the data-parallel wrapper's offload policy (FSDP's or replicate's), or None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(part, FSDPModule):
+        return None
+    group = part._get_fsdp_state()._fsdp_param_group
+    return type(group.offload_policy).__name__ if group is not None else None
+
+
 def corrupt_newest(checkpoint_dir: Path) -> str:
     """Flip bytes in the middle of rank 1's model shard of the newest checkpoint (as disk rot would)."""
     step_dir, _ = list_checkpoints(checkpoint_dir)[-1]
@@ -61,6 +71,7 @@ def run_scenario(spec: dict) -> dict:
                        for name, p in part.named_parameters() if (state := opt.state.get(p))}
     pipeline = trainer.pipeline
     return {
+        "offload_policy": offload_policy(trainer.parts[0]),
         "losses": {str(k): v for k, v in result.losses.items()},
         "start_step": result.start_step,
         "reason": result.reason,

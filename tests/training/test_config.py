@@ -80,7 +80,6 @@ def test_overrides_parse_json_values():
     ({"parallelism_config": {"expert_parallel_size": 2}}, 2, "parallelism_config.expert_parallel_size"),
     ({"parallelism_config": {"context_parallel_size": 2}}, 2, "parallelism_config.context_parallel_size"),
     ({"memory_config": {"nvme_offload": True, "zero_stage": 0}}, 1, "memory_config.nvme_offload"),
-    ({"memory_config": {"cpu_offload": True, "zero_stage": 0}}, 1, "memory_config.cpu_offload"),
     ({"model_config": {"architecture": "moe"}}, 1, "model_config.num_experts"),
     ({"model_config": {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 5}}, 1,
      "model_config.num_experts_per_token"),

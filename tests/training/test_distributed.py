@@ -55,7 +55,8 @@ def references(tiny_paths, tmp_path_factory) -> dict:
             "llama4": reference_losses(tiny_paths, root / "llama4", model_config={"num_layers": 4}),
             "tied": reference_losses(tiny_paths, root / "tied", model_config=TIED),
             "tied_grad_norms": grad_norms(root / "tied"),
-            "fp8": reference_losses(tiny_paths, root / "fp8", memory_config={"zero_stage": 0, "precision": "FP8"})}
+            "fp8": reference_losses(tiny_paths, root / "fp8", memory_config={"zero_stage": 0, "precision": "FP8"}),
+            "fp16": reference_losses(tiny_paths, root / "fp16", memory_config={"zero_stage": 3, "precision": "FP16"})}
 
 
 def grad_norms(checkpoint_dir: Path) -> list[float]:
@@ -93,6 +94,8 @@ def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
         case("pp_tied", parallelism_config=pp, model_config=TIED),
         case("tp_fp8", parallelism_config={"tensor_parallel_size": 2}, memory_config={"zero_stage": 0, "precision": "FP8"}),
         case("pp_fp8", parallelism_config=pp, memory_config={"precision": "FP8"}),
+        case("pp_fp16", parallelism_config=pp, memory_config={"precision": "FP16"}),
+        case("zero0_offload", memory_config={"zero_stage": 0, "cpu_offload": True}),
     ]
     return launch_scenarios(2, scenarios, tiny_paths, root / "out"), root
 
@@ -109,6 +112,8 @@ def four_ranks(tiny_paths, tmp_path_factory) -> list[dict]:
         {"name": "pp_tp", "job": tiny_job(tiny_paths, root / "pp_tp", memory_config={"zero_stage": 3},
                                            parallelism_config={"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
          "options": FAST},
+        {"name": "replicate_tp", "job": tiny_job(tiny_paths, root / "replicate_tp", memory_config={"zero_stage": 0},
+                                                 parallelism_config={"tensor_parallel_size": 2}), "options": FAST},
     ]
     return launch_scenarios(4, scenarios, tiny_paths, root / "out")
 
@@ -277,6 +282,34 @@ def test_fp8_under_tensor_and_pipeline_parallelism(two_ranks, references):
             got = rank[kind]["losses"]
             assert got == pytest.approx(references["fp8"], rel=1e-3), kind
     assert ranks[0]["tp_fp8"]["losses"] != references["llama"]  # not the FP32 run: float8 ran
+
+
+# ---- what used to be refused: FP16 x PP, cpu_offload x ZeRO-0, replicate x TP -----------------------
+
+def test_fp16_pipeline_scales_the_loss_on_the_last_stage(two_ranks, references):
+    """The schedule runs backward from the last stage's loss, so that loss is scaled there; every rank
+    all-reduces found_inf (ShardedGradScaler over the world), so the stages skip or step together."""
+    ranks, _ = two_ranks
+    for rank in ranks:
+        assert_losses_match(rank["pp_fp16"]["losses"], references["fp16"])
+
+
+def test_cpu_offload_with_zero0_replicates_in_host_memory(two_ranks, references):
+    ranks, _ = two_ranks
+    for rank in ranks:
+        assert_losses_match(rank["zero0_offload"]["losses"], references["llama"])
+        assert rank["zero0_offload"]["offload_policy"] == "CPUOffloadPolicy"
+        assert rank["zero0"]["offload_policy"] == "OffloadPolicy"
+        dims, places, local, full = placements(rank["zero0_offload"], "model.layers.0.mlp.up_proj.weight")
+        assert dims == ["dp"] and places == ["Replicate()"] and local == full
+
+
+def test_replicate_with_tensor_parallel(four_ranks, references):
+    """zero_stage 0 on dp 2 x tp 2: replicate over dp of the TP shards."""
+    for rank in four_ranks:
+        assert_losses_match(rank["replicate_tp"]["losses"], references["llama"])
+        dims, places, local, full = placements(rank["replicate_tp"], "model.layers.0.self_attn.q_proj.weight")
+        assert dims == ["dp", "tp"] and places == ["Replicate()", "Shard(dim=0)"] and local == [full[0] // 2, full[1]]
 
 
 # ---- exact resume and corrupt checkpoints -------------------------------------------------------
