@@ -423,8 +423,13 @@ def _check_unsupported(job: TrainingJob, dp: int) -> None:
 
         if problem := fp8_device_problem():
             raise ConfigError("memory_config.precision", problem)
-    if model.architecture == "moe" and par.tensor_parallel_size * par.pipeline_parallel_size > 1:
-        raise ConfigError("model_config.architecture", "moe with tensor or pipeline parallelism is not supported yet")
+    if model.architecture == "moe" and par.tensor_parallel_size > 1:
+        # Each expert is its own nn.Linear fed a data-dependent subset of tokens (torch.where on the
+        # router's choice): DTensor has no sharding rule for that indexing, and the tensor-parallel
+        # answer for experts is to shard them over ranks, which is expert parallelism.
+        raise ConfigError("model_config.architecture", "moe with tensor_parallel_size > 1 is not supported: its experts "
+                          "route a data-dependent set of tokens, which DTensor cannot shard; split the experts over "
+                          "ranks with expert_parallel_size instead (pipeline parallelism works)")
 
 
 def _check_model_shape(model: ModelShapeConfig, par: ParallelismConfig) -> None:

@@ -162,6 +162,12 @@ class Trainer:
             self.pipeline = build_pipeline(model, self.job.parallelism, self.job.memory, microbatches, self.dims, self.mesh,
                                            self.device, self._pipeline_loss)
             self.parts = self.pipeline.parts
+            if self.job.model.architecture == "moe" and self.job.model.router_aux_loss_coef > 0:
+                from pagedllm.training.moe_pipeline import add_balance_loss_gradients
+
+                scale = lambda: self.scaler.get_scale() if self.scaler is not None else 1.0  # noqa: E731
+                for part in self.parts:
+                    add_balance_loss_gradients(part, self.job.model.router_aux_loss_coef, self.job.model.num_layers, scale)
         else:
             self.parts = [parallelize(model, self.job.parallelism, self.job.memory, self.dims, self.mesh)]
         self.optimizers = [build_optimizer(part, self.job.optimization) for part in self.parts]

@@ -81,6 +81,8 @@ def test_overrides_parse_json_values():
     ({"parallelism_config": {"context_parallel_size": 2}}, 2, "parallelism_config.context_parallel_size"),
     ({"memory_config": {"nvme_offload": True, "zero_stage": 0}}, 1, "memory_config.nvme_offload"),
     ({"model_config": {"architecture": "moe"}}, 1, "model_config.num_experts"),
+    ({"model_config": {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 2},
+      "parallelism_config": {"tensor_parallel_size": 2}}, 2, "model_config.architecture"),
     ({"model_config": {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 5}}, 1,
      "model_config.num_experts_per_token"),
     ({"data_config": {"sequence_length": 4096}}, 1, "data_config.sequence_length"),
