@@ -15,7 +15,6 @@ from pagedllm.training.trainer import RunOptions, Trainer, init_distributed
 
 from .helpers import tiny_job
 
-HERE = Path(__file__).parent
 FAST = {"peak_flops": 1e10, "export_hf": False}
 # ~34M parameters: AdamW's two states take 275 MB, well above the allocator's noise
 WIDE = {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 8, "num_kv_heads": 8}
@@ -50,7 +49,7 @@ def test_step_peak_rss_is_lower_by_the_states(tiny_paths, tmp_path):
         job = tiny_job(tiny_paths, folder, model_config=WIDE, memory_config=memory,
                        data_config={"global_batch_size": 2, "micro_batch_size": 2})
         (folder / "job.json").write_text(json.dumps(job))
-        procs[name] = subprocess.Popen([sys.executable, str(HERE / "step_memory.py"), str(folder / "job.json"),
+        procs[name] = subprocess.Popen([sys.executable, "-m", "pagedllm.bench.step_memory", str(folder / "job.json"),
                                         str(folder / "out.json")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=300)

@@ -1,6 +1,7 @@
-"""Run by test_nvme_offload.py in a fresh process: the peak resident memory of ONE training step.
+"""The peak resident memory of ONE training step, in a fresh process (what `bench train --nvme-offload`
+and tests/training/test_nvme_offload.py compare between cpu_offload and nvme_offload):
 
-    python step_memory.py job.json out.json
+    python -m pagedllm.bench.step_memory job.json out.json
 
 Builds the job's Trainer, takes step 1 (which creates the optimizer states), resets the kernel's
 peak-RSS mark (/proc/self/clear_refs, "5"), takes step 2 and writes {"before", "peak", "state_bytes"}:
