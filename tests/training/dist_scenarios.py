@@ -68,7 +68,8 @@ def run_scenario(spec: dict) -> dict:
     optimizer_state = {name: list(state["exp_avg"].to_local().shape if isinstance(state["exp_avg"], DTensor)
                                   else state["exp_avg"].shape)
                        for part, opt in zip(trainer.parts, trainer.optimizers)
-                       for name, p in part.named_parameters() if (state := opt.state.get(p))}
+                       for name, p in part.named_parameters()
+                       if (state := opt.state.get(p)) and isinstance(state.get("exp_avg"), torch.Tensor)}  # not nvme_offload's
     pipeline = trainer.pipeline
     return {
         "offload_policy": offload_policy(trainer.parts[0]),

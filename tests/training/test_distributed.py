@@ -100,6 +100,7 @@ def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
         case("pp_fp16", parallelism_config=pp, memory_config={"precision": "FP16"}),
         case("zero0_offload", memory_config={"zero_stage": 0, "cpu_offload": True}),
         case("pp_moe", parallelism_config=pp, model_config=MOE_BALANCED),
+        case("zero3_nvme", memory_config={"zero_stage": 3, "nvme_offload": True}),
     ]
     return launch_scenarios(2, scenarios, tiny_paths, root / "out"), root
 
@@ -316,6 +317,19 @@ def test_cpu_offload_with_zero0_replicates_in_host_memory(two_ranks, references)
         assert rank["zero0"]["offload_policy"] == "OffloadPolicy"
         dims, places, local, full = placements(rank["zero0_offload"], "model.layers.0.mlp.up_proj.weight")
         assert dims == ["dp"] and places == ["Replicate()"] and local == full
+
+
+def test_nvme_offload_of_sharded_states(two_ranks, references):
+    """Each rank's files hold its FSDP shard of the states (half of dim 0); the losses are the FP32 run's."""
+    ranks, root = two_ranks
+    for rank in ranks:
+        assert_losses_match(rank["zero3_nvme"]["losses"], references["llama"])
+    import numpy as np
+
+    for r in range(2):
+        shard = np.load(root / "zero3_nvme" / "nvme-offload" / f"rank{r:05d}" / "part0" / "00000.exp_avg.npy")
+        local = ranks[r]["zero3_nvme"]["sharding"]["model.embed_tokens.weight"]["local_shape"]
+        assert list(shard.shape) == local and local[0] * 2 == ranks[r]["zero3_nvme"]["sharding"]["model.embed_tokens.weight"]["shape"][0]
 
 
 def test_replicate_with_tensor_parallel(four_ranks, references):
