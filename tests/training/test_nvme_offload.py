@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+import torch
 
 from pagedllm.training.config import parse_job
 from pagedllm.training.trainer import RunOptions, Trainer, init_distributed
@@ -32,7 +32,7 @@ def test_offloaded_states_give_the_resident_run_and_resume_exactly(tiny_paths, t
     assert offloaded == resident  # bit for bit: the same AdamW arithmetic on the mapped states
     files = sorted(p.name for p in (tmp_path / "nvme" / "nvme-offload" / "rank00000" / "part0").iterdir())
     assert "00000.exp_avg.npy" in files and "00000.exp_avg_sq.npy" in files
-    assert all(not isinstance(v, __import__("torch").Tensor) or v.ndim == 0
+    assert all(not isinstance(v, torch.Tensor) or v.ndim == 0
                for state in trainer.optimizers[0].state.values() for v in state.values())  # nothing big resident
     stopped, _ = run(tiny_paths, tmp_path / "resume", {"stop_at_step": 3}, nvme_offload=True, nvme_offload_dir=str(tmp_path / "scratch"))
     assert list(stopped) == [1, 2, 3]
