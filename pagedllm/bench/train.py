@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     train_precision.add_arguments(parser)  # --fp8, --nvme-offload (bench/train_precision.py)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    from pagedllm.bench import train_parallel
+
+    train_parallel.add_arguments(parser)
 
 
 def bench_job(args: argparse.Namespace, work: Path, name: str, zero_stage: int) -> dict:
@@ -113,6 +116,15 @@ def run(args: argparse.Namespace) -> int:
     from pagedllm.training.model import flops_per_token, num_params
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    from pagedllm.bench import train_parallel
+
+    if train_parallel.wanted(args):  # EP / CP comparisons (bench/train_parallel.py)
+        with tempfile.TemporaryDirectory(prefix="pagedllm-bench-train-") as tmp:
+            rows = train_parallel.run(argparse.Namespace(**{**vars(args), "device": device}), bench_job, prepare, Path(tmp))
+        train_parallel.print_rows(rows)
+        if args.json:
+            args.json.write_text(json.dumps({"device": device, "results": rows}, indent=2))
+        return 0
     ranks = _ranks_for(device, args.ranks)
     dtype = torch.float32 if args.precision == "FP32" else torch.bfloat16
     peak = measure_matmul_peak(dtype=dtype, device=device)  # one device: all CPU cores, or one GPU

@@ -412,10 +412,8 @@ def _resolve_data_parallel(par: ParallelismConfig, world_size: int) -> int:
 
 def _check_unsupported(job: TrainingJob, dp: int) -> None:
     par, mem, model = job.parallelism, job.memory, job.model
-    if par.expert_parallel_size > 1:
-        raise ConfigError("parallelism_config.expert_parallel_size", "expert parallelism is not supported yet (use 1)")
-    if par.context_parallel_size > 1:
-        raise ConfigError("parallelism_config.context_parallel_size", "context parallelism is not supported yet (use 1)")
+    _check_expert_parallel(job, dp)
+    _check_context_parallel(job)
     if mem.nvme_offload and mem.zero_stage == 0:
         raise ConfigError("memory_config.nvme_offload", "nvme_offload needs zero_stage >= 1 (it builds on FSDP's CPUOffloadPolicy)")
     if mem.precision is Precision.FP8:
@@ -430,6 +428,45 @@ def _check_unsupported(job: TrainingJob, dp: int) -> None:
         raise ConfigError("model_config.architecture", "moe with tensor_parallel_size > 1 is not supported: its experts "
                           "route a data-dependent set of tokens, which DTensor cannot shard; split the experts over "
                           "ranks with expert_parallel_size instead (pipeline parallelism works)")
+
+
+def _check_expert_parallel(job: TrainingJob, dp: int) -> None:
+    """EP (training/expert_parallel.py) shards a moe's experts over ranks that are also data-parallel
+    replicas (as torchtitan borrows them from data parallelism): ep divides data_parallel_size and
+    num_experts, and the expert shards are FSDP-wrapped, so ZeRO >= 1."""
+    par, field = job.parallelism, "parallelism_config.expert_parallel_size"
+    ep = par.expert_parallel_size
+    if ep == 1:
+        return
+    if job.model.architecture != "moe":
+        raise ConfigError(field, f"expert parallelism needs a moe model (architecture is {job.model.architecture!r})")
+    if dp % ep:
+        raise ConfigError(field, f"{ep} does not divide data_parallel_size {dp} (EP ranks are data-parallel ranks too)")
+    if (job.model.num_experts or 0) % ep:
+        raise ConfigError(field, f"{ep} does not divide model_config.num_experts {job.model.num_experts}")
+    if job.memory.zero_stage == 0:
+        raise ConfigError(field, "expert parallelism wraps the expert shards with FSDP: use zero_stage >= 1")
+    if par.tensor_parallel_size * par.pipeline_parallel_size * par.context_parallel_size > 1:
+        raise ConfigError(field, "expert parallelism composes with data parallelism only (tensor, pipeline and context parallel sizes 1)")
+
+
+def _check_context_parallel(job: TrainingJob) -> None:
+    """CP (training/context_parallel.py): a ring over the sequence cut into 2 x cp load-balanced chunks."""
+    par, field = job.parallelism, "parallelism_config.context_parallel_size"
+    cp = par.context_parallel_size
+    if cp == 1:
+        return
+    if job.data.sequence_length % (2 * cp):
+        raise ConfigError("data_config.sequence_length",
+                          f"{job.data.sequence_length} is not divisible by 2 x context_parallel_size = {2 * cp} (load-balanced chunks)")
+    if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
+        raise ConfigError(field, "context parallelism composes with data parallelism only (tensor and pipeline parallel sizes 1)")
+    if job.finetune is not None:
+        raise ConfigError(field, "fine-tuning packs examples with per-example masks; the ring does not carry them (use 1)")
+    if job.model.architecture == "moe":
+        raise ConfigError(field, "moe's load-balancing loss needs the whole sequence's routing statistics; not with context parallelism")
+    if job.model.attention_dropout > 0:
+        raise ConfigError(field, "attention_dropout with context parallelism is not supported (the ring computes attention in blocks)")
 
 
 def _check_model_shape(model: ModelShapeConfig, par: ParallelismConfig) -> None:

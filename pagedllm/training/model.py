@@ -76,6 +76,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # Context parallelism (training/context_parallel.py): this rank holds load-balanced chunks of
+        # the sequence; `ring` gives their global positions and computes ring attention over them.
+        self.ring = None
 
     def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         """`segments` (batch, seq): packed examples' ids; each token then attends only within its
@@ -86,6 +89,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.ring is not None:
+            return self._ring_forward(q, k, v)
         cos, sin = rotary_tables(seq, self.head_dim, self.rope_theta, x.device)
         if segments is not None:
             positions = segment_positions(segments)
@@ -102,6 +107,17 @@ class Attention(nn.Module):
             mask = (same & causal)[:, None]
         dropout = self.attention_dropout if self.training else 0.0  # drawn from torch's global RNG
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _ring_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """This rank's chunks of the sequence: rotary at their global positions, attention over the ring."""
+        batch, seq = q.shape[:2]
+        positions = self.ring.positions(seq, q.device)
+        cos, sin = rotary_tables(seq * self.ring.size, self.head_dim, self.rope_theta, q.device)
+        cos, sin = cos[positions], sin[positions]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = self.ring(q, k, v, self.sliding_window)  # k, v keep their kv heads: fewer bytes around the ring
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _window_mask(self, seq: int, device: torch.device) -> torch.Tensor | None:
@@ -153,6 +169,9 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_experts))
         self.aux_loss: torch.Tensor | None = None
+        # Expert parallelism (training/expert_parallel.py) replaces `experts` by this rank's shard and
+        # sets the all-to-all dispatch that sends each token to the rank holding its experts.
+        self.dispatch = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -160,11 +179,14 @@ class SparseMoE(nn.Module):
         probs = F.softmax(self.gate(flat).float(), dim=-1)
         top_weights, top_index = torch.topk(probs, self.top_k, dim=-1)
         top_weights = (top_weights / top_weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
-        out = torch.zeros_like(flat)
-        for e, expert in enumerate(self.experts):
-            token_idx, slot = torch.where(top_index == e)
-            y = expert(flat[token_idx]) * top_weights[token_idx, slot, None]
-            out = out.index_add(0, token_idx, y)
+        if self.dispatch is not None:
+            out = self.dispatch(flat, top_index, top_weights, self.experts)
+        else:
+            out = torch.zeros_like(flat)
+            for e, expert in enumerate(self.experts):
+                token_idx, slot = torch.where(top_index == e)
+                y = expert(flat[token_idx]) * top_weights[token_idx, slot, None]
+                out = out.index_add(0, token_idx, y)
         self.aux_loss = self._balance_loss(probs, top_index)
         return out.view(shape)
 
@@ -244,10 +266,15 @@ class TrainingCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        """`segments`: packed examples (Attention.forward); None is one causal sequence per row."""
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """`segments`: packed examples (Attention.forward); None is one causal sequence per row.
+        `keep` (batch, seq), bool: logits only for those positions, flattened (a fine-tune's trained
+        tokens: the output layer is a fifth of a small model's FLOPs and its logits the largest
+        activation, and the prompts' and the padding's are never used)."""
         h = self.model(x) if segments is None else self.model(x, segments)
-        return self.lm_head(h) if self.lm_head is not None else h
+        if self.lm_head is None:
+            return h
+        return self.lm_head(h if keep is None else h[keep])
 
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Mean load-balancing loss over this module's MoE layers from the last forward, or None."""

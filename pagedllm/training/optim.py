@@ -105,24 +105,43 @@ def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
             group["lr"] = lr
 
 
-def clip_grad_norm(parts: list[nn.Module], max_norm: float, pp_group=None) -> float:
+def clip_grad_norm(parts: list[nn.Module], max_norm: float, pp_group=None, ep_group=None) -> float:
     """Global L2 norm of all gradients (across FSDP/TP shards via DTensor, across pipeline stages
-    via one all-reduce of the squared norm), clipped to `max_norm` when it is > 0."""
+    via one all-reduce of the squared norm, across expert-parallel ranks' experts likewise),
+    clipped to `max_norm` when it is > 0."""
     import torch.distributed as dist
 
     from pagedllm.training.tied import is_duplicate
 
     params = [p for part in parts for p in part.parameters() if p.grad is not None]
-    counted = [p for p in params if not is_duplicate(p)]  # a tied weight's second pipeline copy: once
-    if not counted:
-        norm = torch.zeros(())
+    duplicates = [p for p in params if is_duplicate(p)]  # a tied weight's second pipeline copy: counted once,
+    params = [p for p in params if not is_duplicate(p)]  # clipped like the first
+    groups = [params]
+    if ep_group is not None:  # experts live on one EP rank (and on their own FSDP mesh)
+        from pagedllm.training.expert_parallel import expert_parameters
+
+        experts = expert_parameters(parts)
+        groups = [[p for p in params if id(p) not in experts], [p for p in params if id(p) in experts]]
+    if ep_group is None:
+        norm = _norm(params)
     else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in counted], norm_type=2.0)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        dense, expert = (_norm(group) ** 2 for group in groups)
+        dist.all_reduce(expert, group=ep_group)
+        norm = (dense + expert).sqrt()
     if pp_group is not None:
-        squared = norm.float() ** 2
+        squared = norm ** 2
         dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt()
-    if max_norm > 0 and params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    if max_norm > 0:
+        for group in (*groups, duplicates):
+            if group:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return float(norm)
+
+
+def _norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of these parameters' gradients as a plain fp32 scalar (DTensor shards reduced)."""
+    if not params:
+        return torch.zeros((), device=torch.get_default_device())
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float()

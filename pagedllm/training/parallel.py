@@ -45,18 +45,34 @@ class ParallelDims:
     pp: int
     dp: int
     tp: int
+    ep: int = 1  # expert-parallel ranks: a split of dp (dp = dp_mod_ep x ep)
+    cp: int = 1  # context-parallel ranks: each holds 1/cp of every sequence
 
     @classmethod
     def from_config(cls, par: ParallelismConfig) -> "ParallelDims":
         assert par.data_parallel_size is not None, "resolve() the job first"
-        return cls(pp=par.pipeline_parallel_size, dp=par.data_parallel_size, tp=par.tensor_parallel_size)
+        return cls(pp=par.pipeline_parallel_size, dp=par.data_parallel_size, tp=par.tensor_parallel_size,
+                   ep=par.expert_parallel_size, cp=par.context_parallel_size)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+        """("pp", "dp", "tp"); with EP or CP ("pp", "dp_mod_ep", "ep", "cp", "tp"), "dp" flattened from
+        dp_mod_ep x ep (the data ranks) and "dp_cp" from those x cp (what FSDP shards and reduces over:
+        CP ranks hold the same parameters, as data-parallel ranks do)."""
+        if self.ep == self.cp == 1:
+            return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = init_device_mesh(device_type, (self.pp, self.dp // self.ep, self.ep, self.cp, self.tp),
+                                mesh_dim_names=("pp", "dp_mod_ep", "ep", "cp", "tp"))
+        mesh[("dp_mod_ep", "ep")]._flatten("dp")
+        mesh[("dp_mod_ep", "ep", "cp")]._flatten("dp_cp")
+        return mesh
+
+    def data_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The ranks that hold copies (or FSDP shards) of the same parameters: dp, and cp with it."""
+        return mesh["dp_cp"] if self.cp > 1 else mesh["dp"]
 
 
 class ReplicateParallel(ParallelStyle):
@@ -130,11 +146,12 @@ def apply_activation_checkpointing(model: TrainingCausalLM, granularity: str) ->
 
 def data_parallel_wrapping(memory: MemoryConfig, dims: ParallelDims) -> str | None:
     """'fsdp', 'replicate' or None: ZeRO >= 1 always shards (also on one rank, so cpu_offload and
-    mixed precision behave the same at any scale); stage 0 replicates only when there is a replica."""
+    mixed precision behave the same at any scale); stage 0 replicates only when there is a replica
+    (a context-parallel rank is one: it holds the same parameters and needs the summed gradients)."""
     if memory.zero_stage >= 1:
         return "fsdp"
     # cpu_offload keeps the replicas' parameters in host memory: replicate's CPUOffloadPolicy, also on one rank
-    return "replicate" if dims.dp > 1 or memory.cpu_offload else None
+    return "replicate" if dims.dp * dims.cp > 1 or memory.cpu_offload else None
 
 
 def requires_sync_every_microbatch(memory: MemoryConfig) -> bool:
@@ -143,7 +160,9 @@ def requires_sync_every_microbatch(memory: MemoryConfig) -> bool:
     return memory.zero_stage >= 2
 
 
-def apply_data_parallel(model: TrainingCausalLM, mem: MemoryConfig, dims: ParallelDims, dp_mesh: DeviceMesh) -> None:
+def apply_data_parallel(model: TrainingCausalLM, mem: MemoryConfig, dims: ParallelDims, dp_mesh: DeviceMesh,
+                        expert_mesh: DeviceMesh | None = None) -> None:
+    """`expert_mesh`: with EP, the ranks holding the same experts (training/expert_parallel.py)."""
     mp = MixedPrecisionPolicy()
     if mem.precision in LOW_PRECISION:
         mp = MixedPrecisionPolicy(param_dtype=LOW_PRECISION[mem.precision], reduce_dtype=torch.float32)
@@ -157,6 +176,10 @@ def apply_data_parallel(model: TrainingCausalLM, mem: MemoryConfig, dims: Parall
     elif kind == "fsdp":
         options = {"mesh": dp_mesh, "mp_policy": mp, "offload_policy": offload,
                    "reshard_after_forward": mem.zero_stage == 3}
+        if expert_mesh is not None:
+            from pagedllm.training.expert_parallel import shard_experts
+
+            shard_experts(model, expert_mesh, options, dims.dp * dims.cp)
         for layer in model.model.layers.values():
             fully_shard(layer, **options)
         fully_shard(model, **options)
@@ -164,16 +187,24 @@ def apply_data_parallel(model: TrainingCausalLM, mem: MemoryConfig, dims: Parall
 
 def parallelize(model: TrainingCausalLM, par: ParallelismConfig, memory: MemoryConfig, dims: ParallelDims,
                 mesh: DeviceMesh) -> TrainingCausalLM:
-    """(FP8 linears ->) TP -> activation checkpointing -> FSDP/replicate, each only when configured."""
+    """(FP8 linears ->) TP -> EP / CP -> activation checkpointing -> FSDP/replicate, each only when configured."""
     if memory.precision is Precision.FP8:
         from pagedllm.training.fp8 import apply_fp8
 
         apply_fp8(model, memory.fp8_recipe)
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], par.sequence_parallel)
+    if dims.ep > 1:
+        from pagedllm.training.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, mesh["ep"])
+    if dims.cp > 1:
+        from pagedllm.training.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, mesh["cp"])
     if memory.gradient_checkpointing:
         apply_activation_checkpointing(model, memory.activation_checkpointing_granularity.value)
-    apply_data_parallel(model, memory, dims, mesh["dp"])
+    apply_data_parallel(model, memory, dims, dims.data_parallel_mesh(mesh), mesh["dp_mod_ep"] if dims.ep > 1 else None)
     return model
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pagedllm.training.chat_data import IGNORE
 from pagedllm.training.checkpoint import CheckpointManager, CheckpointMetadata, step_dir_name
 from pagedllm.training.config import Precision, TrainingJob, resolve
 from pagedllm.training.control import Controller, Decision
@@ -199,7 +200,7 @@ class Trainer:
         if data_parallel_wrapping(self.job.memory, self.dims) is not None:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            return ShardedGradScaler(device=self.device.type, process_group=self.mesh["dp"].get_group())
+            return ShardedGradScaler(device=self.device.type, process_group=self.dims.data_parallel_mesh(self.mesh).get_group())
         return torch.amp.GradScaler(self.device.type)
 
     def _scaler_state(self) -> dict:
@@ -213,7 +214,7 @@ class Trainer:
 
     def train_step(self, step: int) -> tuple[float, float]:
         """Forward/backward/optimizer for global step `step`; returns (mean loss, grad norm)."""
-        inputs, labels, *segments = (t.to(self.device) for t in self.data.step_batch(step))
+        inputs, labels, *segments = (self._local_sequence(t.to(self.device)) for t in self.data.step_batch(step))
         if self.pipeline is not None:
             loss = self._pipeline_forward_backward(inputs, labels)
         else:
@@ -222,7 +223,8 @@ class Trainer:
             for optimizer in self.optimizers:
                 self.scaler.unscale_(optimizer)
         pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
-        grad_norm = clip_grad_norm(self.parts, self.job.optimization.gradient_clipping, pp_group)
+        ep_group = self.mesh["ep"].get_group() if self.dims.ep > 1 else None
+        grad_norm = clip_grad_norm(self.parts, self.job.optimization.gradient_clipping, pp_group, ep_group)
         for optimizer in self.optimizers:
             if self.scaler is not None:
                 self.scaler.step(optimizer)
@@ -232,6 +234,15 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.update()
         return self._global_mean(loss), grad_norm
+
+    def _local_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """With context parallelism, this rank's load-balanced chunks of each sequence (inputs and
+        labels alike: a rank's loss is the mean over its tokens, all ranks holding as many)."""
+        if self.dims.cp == 1:
+            return t
+        from pagedllm.training.context_parallel import shard_sequence
+
+        return shard_sequence(t, self.mesh["cp"].get_local_rank(), self.dims.cp)
 
     def _accumulate(self, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         """Gradient accumulation over micro_batch_size chunks; gradients average over all of them.
@@ -247,8 +258,11 @@ class Trainer:
                 model.set_requires_gradient_sync(sync_each or i == count - 1)
             chunk = slice(i * micro, (i + 1) * micro)
             with self.autocast():
-                logits = model(inputs[chunk]) if segments is None else model(inputs[chunk], segments[chunk])
-                loss = cross_entropy(logits, labels[chunk])
+                if segments is None:
+                    loss = cross_entropy(model(inputs[chunk]), labels[chunk])
+                else:  # only the trained positions reach the output layer (the same mean over them)
+                    keep = labels[chunk] != IGNORE
+                    loss = F.cross_entropy(model(inputs[chunk], segments[chunk], keep).float(), labels[chunk][keep])
                 aux = model.moe_aux_loss()
                 objective = loss + self.job.model.router_aux_loss_coef * aux if aux is not None else loss
             objective = objective / count
@@ -281,11 +295,12 @@ class Trainer:
         return loss
 
     def _global_mean(self, loss: torch.Tensor) -> float:
-        """Average over data-parallel replicas (gloo has no AVG: sum, then divide)."""
+        """Average over data-parallel replicas and context-parallel ranks (gloo has no AVG: sum, then divide)."""
         loss = loss.detach().float().clone()
-        if self.dims.dp > 1:
-            dist.all_reduce(loss, group=self.mesh["dp"].get_group())
-            loss /= self.dims.dp
+        replicas = self.dims.dp * self.dims.cp
+        if replicas > 1:
+            dist.all_reduce(loss, group=self.dims.data_parallel_mesh(self.mesh).get_group())
+            loss /= replicas
         return float(loss)
 
     def evaluate(self) -> float | None:
@@ -311,7 +326,7 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for c in range(chunks):
             inputs, labels = self.data.val.batch(indices[c * per_chunk:(c + 1) * per_chunk])
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            inputs, labels = self._local_sequence(inputs.to(self.device)), self._local_sequence(labels.to(self.device))
             if self.pipeline is not None:
                 losses: list[torch.Tensor] = []
                 self._run_schedule(self.pipeline.schedule.eval, inputs, labels, losses)
@@ -485,14 +500,15 @@ class Trainer:
         dist.all_gather_object(gathered, info)
         self.events.emit("started", step=start, total_steps=self.job.optimization.total_steps, world_size=self.world,
                          resumed_from=str(resumed.checkpoint_id) if resumed else None, processes=gathered,
-                         parallelism={"pp": self.dims.pp, "dp": self.dims.dp, "tp": self.dims.tp},
+                         parallelism={"pp": self.dims.pp, "dp": self.dims.dp, "tp": self.dims.tp,
+                                                              "ep": self.dims.ep, "cp": self.dims.cp},
                          checkpoint_dir=str(self.dir))
 
     def _banner(self, start: int, resumed) -> str:
         mem = self.job.memory
         text = (f"job {self.job.job_name} ({self.job.job_id}): {self.job.model.architecture} with "
                 f"{num_params(self.job.model) / 1e6:.2f}M parameters, world {self.world} = pp {self.dims.pp} x "
-                f"dp {self.dims.dp} x tp {self.dims.tp}, zero_stage {mem.zero_stage}, {mem.precision.value}, "
+                f"dp {self.dims.dp} x tp {self.dims.tp} x cp {self.dims.cp} (ep {self.dims.ep}), zero_stage {mem.zero_stage}, {mem.precision.value}, "
                 f"steps {start + 1}..{self.job.optimization.total_steps}")
         if resumed:
             text += f", resumed from step {resumed.step} ({resumed.checkpoint_id})"

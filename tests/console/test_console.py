@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import time
 
 import httpx
@@ -295,7 +296,7 @@ def test_models_load_and_unload(page, server, artifacts):
 STEPS = 320
 
 
-def test_training_job_from_toml_then_one_from_the_form_cancelled(page, server, tiny_paths, artifacts):
+def test_training_job_from_toml_then_one_from_the_form_cancelled(page, server, tiny_paths, artifacts, tmp_path):
     p = page.page
     signed_in(p)
     p.click("#tabs a[data-tab='jobs']")
@@ -333,6 +334,24 @@ def test_training_job_from_toml_then_one_from_the_form_cancelled(page, server, t
     p.click("#job-detail button[data-action='cancel']")
     p.wait_for_selector("#job-detail h2 .badge:has-text('CANCELLED')")
     assert server.http.get(f"/v1/training/jobs/{form_id}").json()["status"] == "CANCELLED"
+
+    # the fine-tune preset: LoRA on the default model; pointed at a chat file, the server takes it
+    # with the base's shape (SmolLM2-135M: hidden size 576, tied embeddings); cancel it too
+    chat = tmp_path / "chat.jsonl"
+    line = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    chat.write_text((json.dumps(line) + "\n") * 20)
+    p.click("#preset-finetune")
+    preset = p.input_value("#job-text")
+    assert 'base_model = "@default"' in preset and 'method = "lora"' in preset
+    p.fill("#job-text", preset.replace('"chat.jsonl"', json.dumps(str(chat))))
+    p.click("#job-paste button[type='submit']")
+    p.wait_for_selector("#job-detail h2:has-text('finetune-smollm2')")
+    tune_id = p.inner_text("#job-detail .job-header .mono")
+    tune = server.http.get(f"/v1/training/jobs/{tune_id}").json()
+    assert tune["finetune_config"]["base_model"] == "@default" and tune["finetune_config"]["method"] == "lora"
+    assert tune["model_config"]["hidden_size"] == 576
+    p.click("#job-detail button[data-action='cancel']")
+    p.wait_for_selector("#job-detail h2 .badge:has-text('CANCELLED')")
 
     # back to the first job: it completes with every step on the curves, checkpoints and a log
     p.click(f"#jobs-table tr[data-job-id='{job_id}']")

@@ -3,7 +3,9 @@ answers to the scheduler (bursts, proposals, lookahead) and to the runner (how t
 The engine suites run every path it chooses; these pin the rules themselves."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import torch
 
 import pytest
 
@@ -211,3 +213,153 @@ def test_attention_backends_chosen_and_refused_naming_why(model_dir, monkeypatch
     if kernels.load() is not None:
         assert decide(model_dir, attention_backend="auto").attention_backend == "kernel"
         assert decide(model_dir, attention_backend="kernel", decode_backend="torch").attention_backend == "kernel"
+
+
+# ---- start-up decisions, one input at a time (mutation testing: `decide` and its helpers) -----------
+def _pretend_cuda(monkeypatch, triton_reason: str | None = None) -> None:
+    """The planner's CUDA decisions on this CPU machine: nothing is allocated on the device at
+    start-up, so a config naming `device='cuda'` and a Triton probe that answers are all it reads."""
+    from pagedllm.layers import triton_attention
+
+    monkeypatch.setattr(triton_attention, "unavailable_reason", lambda device: triton_reason)
+
+
+def test_on_a_gpu_triton_attends_and_decode_steps_replay_cuda_graphs(model_dir, monkeypatch):
+    _pretend_cuda(monkeypatch)
+    gpu = decide(model_dir, device="cuda", dtype="float16", num_scheduler_steps=4, max_num_seqs=24)
+    assert (gpu.attention_backend, gpu.fused_decode, gpu.small_matmul_panels, gpu.cuda_graphs) == ("triton", False, False, True)
+    assert (gpu.num_scheduler_steps, gpu.max_burst_rows) == (4, 24)  # bursts as passes back to back on the device
+    assert not decide(model_dir, device="cuda", dtype="float16", enforce_eager=True).cuda_graphs
+    assert not decide(model_dir, device="cuda", dtype="float16", kv_offload=True).cuda_graphs
+    assert not decide(model_dir, device="cuda", dtype="float16", attention_backend="sdpa").cuda_graphs
+    moe = str(model_dir("mixtral"))
+    assert not StepPlanner.decide(EngineConfig.from_kwargs(moe, device="cuda", dtype="float16"),
+                                  ModelConfig.from_pretrained(moe), 512).cuda_graphs
+    assert decide(model_dir, device="cuda", dtype="float16", async_scheduling=True).async_scheduling
+
+
+def test_on_a_gpu_without_triton_auto_falls_back_to_sdpa(model_dir, monkeypatch):
+    _pretend_cuda(monkeypatch, triton_reason="no triton here")
+    planner = decide(model_dir, device="cuda", dtype="float16", num_scheduler_steps=4)
+    assert (planner.attention_backend, planner.cuda_graphs, planner.num_scheduler_steps) == ("sdpa", False, 1)
+    with pytest.raises(ValueError, match=r"^attention_backend='triton' cannot be used: no triton here$"):
+        decide(model_dir, device="cuda", dtype="float16", attention_backend="triton")
+
+
+@needs_kernels
+def test_the_fused_step_packs_panels_and_takes_its_own_rows(model_dir):
+    from pagedllm.layers.small_matmul import MAX_ROWS
+
+    fused = decide(model_dir, max_num_seqs=64, num_scheduler_steps=4)
+    assert fused.small_matmul_panels and fused.max_burst_seqs == MAX_ROWS and fused.kernel_attention
+    modules = decide(model_dir, decode_backend="torch", max_num_seqs=64)
+    assert not modules.small_matmul_panels and modules.max_burst_seqs == 64 and modules.max_burst_rows == 0
+    assert decide(model_dir, kv_cache_dtype="bfloat16").kernel_attention  # the C kernels attend: accepted
+
+
+@needs_kernels
+def test_multi_step_on_the_device_needs_one_plain_device(model_dir):
+    folder = str(model_dir("llama"))
+    base = {"num_scheduler_steps": 8, "decode_backend": "torch"}
+    assert decide(model_dir, **base).num_scheduler_steps == 8
+    # a draft model's fused cycles need the fused step: on the modules path each engine step runs one step
+    assert decide(model_dir, **base, speculative_config={"model": folder, "num_speculative_tokens": 2}).num_scheduler_steps == 1
+
+
+@needs_kernels
+def test_async_scheduling_names_every_clash(model_dir, caplog):
+    with caplog.at_level("WARNING", logger="pagedllm.engine"):
+        planner = decide(model_dir, async_scheduling=True, kv_offload=True)
+    assert not planner.async_scheduling
+    assert planner.notices == ("async_scheduling is off: it does not run with kv_offload",)
+    spec = decide(model_dir, async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert spec.notices == ("async_scheduling is off: it does not run with the fused C decode step (decode_backend='torch' "
+                            "turns it off), speculative_config",)
+
+
+@needs_kernels
+def test_the_draft_models_backends_follow_the_targets(model_dir):
+    folder = str(model_dir("llama"))
+    draft = {"model": folder, "num_speculative_tokens": 3}
+    modules = decide(model_dir, decode_backend="torch", speculative_config=draft)
+    assert modules.draft_kernel_attention and modules.draft_fused_decode and not modules.fused_spec_cycles
+    assert modules.max_fused_spec_seqs == 0 and modules.draft_model and modules.num_speculative_tokens == 3
+    sdpa = decide(model_dir, attention_backend="sdpa", speculative_config=draft)
+    assert not (sdpa.draft_kernel_attention or sdpa.draft_fused_decode or sdpa.fused_spec_cycles)
+    ngram = decide(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert not (ngram.draft_kernel_attention or ngram.draft_fused_decode or ngram.draft_model)
+    assert ngram.num_speculative_tokens == 2 and StepPlanner().num_speculative_tokens == 0
+
+
+def test_fused_decode_refusals_name_every_reason(model_dir):
+    with pytest.raises(ValueError, match=r"^decode_backend='fused' cannot be used: it runs on CPUs in float32; it runs the "
+                                         r"whole model over KV pools bound once \(no tensor parallelism, no KV offload\)$"):
+        decide(model_dir, decode_backend="fused", dtype="bfloat16", kv_offload=True)
+    with pytest.raises(ValueError, match=r"^decode_backend='fused' cannot be used: it runs the whole model over KV pools "
+                                         r"bound once \(no tensor parallelism, no KV offload\)$"):
+        decide(model_dir, decode_backend="fused", kv_offload=True)
+    moe = ModelConfig.from_pretrained(str(model_dir("mixtral")))
+    from pagedllm.step.planner import fused_decode_unsupported
+
+    assert fused_decode_unsupported(moe, torch.float32, torch.device("cpu")) == ["it computes dense MLPs (this is a mixture of experts)"]
+    odd = replace(ModelConfig.from_pretrained(str(model_dir("llama"))), head_dim=12)
+    assert fused_decode_unsupported(odd, torch.float32, torch.device("cpu")) == [
+        "it attends with the C decode kernel (head_dim a multiple of 8)"]
+
+
+def test_kernels_that_did_not_build(model_dir, monkeypatch):
+    """A machine whose C compiler failed: auto attends with SDPA and runs no fused step; asking for
+    the kernel or the fused step by name is an error that says the build failed."""
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    auto = decide(model_dir)
+    assert (auto.attention_backend, auto.fused_decode) == ("sdpa", False)
+    with pytest.raises(RuntimeError, match=r"^attention_backend='kernel' was asked for, but the kernel could not be built"):
+        decide(model_dir, attention_backend="kernel", decode_backend="torch")
+    with pytest.raises(ValueError, match=r"^decode_backend='fused' cannot be used: the CPU kernels could not be built \(see the log\)$"):
+        decide(model_dir, decode_backend="fused")
+
+
+@needs_kernels
+def test_a_fused_step_without_kernel_attention_is_an_error(model_dir, monkeypatch):
+    from pagedllm.step import planner as planner_module
+
+    monkeypatch.setattr(planner_module, "_attention_backend", lambda *args: "sdpa")
+    with pytest.raises(RuntimeError, match=r"^decode_backend='fused' needs the C decode attention kernel, which is not in use$"):
+        decide(model_dir, decode_backend="fused")
+    assert not decide(model_dir).fused_decode  # auto: quietly not fused
+
+
+def test_questions_without_speculation_or_bursts():
+    plain = StepPlanner()
+    assert plain.max_proposals(1) == 0 and plain.max_burst_rows == 0 and plain.max_fused_spec_seqs == 0
+    assert not plain.kernel_attention and StepPlanner(attention_backend="kernel").kernel_attention
+    assert plain.lookahead_slots(Decoding()) == 0 and not plain.draft_model
+    always = StepPlanner(speculation=SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 2}))
+    assert always.max_proposals(1000) == 2  # no disable_by_batch_size: never paused
+    assert always.step_kind(4, 2) is StepKind.GREEDY_STEPS  # proposals, but no fused cycles
+    assert not always.fuses_speculation([Decoding()], queued=False)  # no fused cycles: max_fused_spec_seqs is 0
+    one = StepPlanner(speculation=SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 2}), fused_spec_cycles=True)
+    assert one.burst([Decoding()], fusing=True) == Burst(3, 3, 2)  # one cycle of k + 1 per engine step
+
+
+def test_every_sampling_option_that_is_more_than_an_argmax():
+    for params in (SamplingParams(temperature=0, presence_penalty=0.5), SamplingParams(temperature=0, frequency_penalty=0.5),
+                   SamplingParams(temperature=0, logit_bias={1: 2.0}), SamplingParams(temperature=0, allowed_token_ids=[1, 2])):
+        assert not plain_greedy_decode(Decoding(params=params))
+    assert not plain_greedy_decode(Decoding(num_computed_tokens=11))  # nothing to compute: not a decode row
+
+
+def test_one_sequence_and_one_proposal_still_fuse_speculation():
+    one = StepPlanner(speculation=SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 1}), fused_spec_cycles=True)
+    assert one.max_fused_spec_seqs == 8
+    assert one.fuses_speculation([Decoding()], queued=False)  # a single stream: the case fused cycles are for
+    assert one.fuses_speculation([Decoding()] * 8, queued=False)
+
+
+@needs_kernels
+def test_the_kernel_probe_is_made_on_the_engines_device(model_dir):
+    """The C kernels attend only over CPU caches: on another device (the meta device stands in for
+    one here) 'kernel' is refused and 'auto' falls back to SDPA, even where the kernels were built."""
+    with pytest.raises(ValueError, match=r"^attention_backend='kernel' needs float32 KV caches on the CPU"):
+        decide(model_dir, device="meta", dtype="float32", attention_backend="kernel", decode_backend="torch")
+    assert decide(model_dir, device="meta", dtype="float32", decode_backend="torch").attention_backend == "sdpa"

@@ -14,3 +14,12 @@ def tiny_paths(tmp_path_factory) -> dict:
     corpus = write_corpus(root / "corpus")
     train_tokenizer(str(corpus), VOCAB, root / "tokenizer")
     return {"corpus": corpus, "tokenizer": root / "tokenizer", "cache": root / "cache"}
+
+
+@pytest.fixture(scope="session")
+def ep_cp_runs(tiny_paths, tmp_path_factory) -> dict:
+    """One 4-rank launch for expert and context parallelism (test_expert_parallel.py,
+    test_context_parallel.py), and the single-process runs they must equal."""
+    from .ep_cp_runs import run_all
+
+    return run_all(tiny_paths, tmp_path_factory.mktemp("ep-cp"))

@@ -57,12 +57,47 @@ def corrupt_newest(checkpoint_dir: Path) -> str:
     return step_dir.name
 
 
+def first_step_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Gradients of step 1's loss (all microbatches), each parameter's whole tensor; with expert
+    parallelism only this rank's experts (the test joins the ranks' dicts)."""
+    inputs, labels = (trainer._local_sequence(t.to(trainer.device)) for t in trainer.data.step_batch(1))
+    trainer._accumulate(inputs, labels)
+    grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+             for part in trainer.parts for name, p in part.named_parameters()}
+    for optimizer in trainer.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+def first_microbatch_activation_bytes(trainer: Trainer) -> int:
+    """Bytes this rank's forward of step 1's first microbatch saves for backward."""
+    from pagedllm.training.activation_memory import saved_activation_bytes
+
+    inputs, labels = (trainer._local_sequence(t.to(trainer.device)) for t in trainer.data.step_batch(1))
+    micro = trainer.job.data.micro_batch_size
+    part = trainer.parts[0]
+    return saved_activation_bytes(part, lambda: part(inputs[:micro]))
+
+
+def measure_before_training(trainer: Trainer, spec: dict) -> dict:
+    """Optional, before the run (neither changes the parameters): the bytes step 1's first
+    microbatch saves for backward ("activations"), step 1's gradients saved to <"gradients">/."""
+    measured = {}
+    if spec.get("activations"):
+        measured["activation_bytes"] = first_microbatch_activation_bytes(trainer)
+    if spec.get("gradients"):
+        grads = first_step_gradients(trainer)
+        torch.save(grads, Path(spec["gradients"]) / f"{spec['name']}-grads-rank{dist.get_rank()}.pt")
+    return measured
+
+
 def run_scenario(spec: dict) -> dict:
     if spec.get("corrupt_newest"):
         if dist.get_rank() == 0:
             corrupt_newest(Path(spec["job"]["checkpoint_config"]["checkpoint_dir"]))
         dist.barrier()
     trainer = Trainer(parse_job(spec["job"]), RunOptions(**spec.get("options", {})))
+    measured = measure_before_training(trainer, spec)
     seen = watch_resharding(trainer)
     result = trainer.run()
     optimizer_state = {name: list(state["exp_avg"].to_local().shape if isinstance(state["exp_avg"], DTensor)
@@ -73,6 +108,7 @@ def run_scenario(spec: dict) -> dict:
     pipeline = trainer.pipeline
     return {
         "offload_policy": offload_policy(trainer.parts[0]),
+        **measured,
         "losses": {str(k): v for k, v in result.losses.items()},
         "start_step": result.start_step,
         "reason": result.reason,

@@ -19,6 +19,9 @@ from pagedllm.training.config import (
 MINIMAL = {"data_config": {"dataset_path": "corpus", "tokenizer_path": "tok"}}
 
 
+MOE = {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 2}
+
+
 def job_with(**sections) -> TrainingJob:
     data = json.loads(json.dumps(MINIMAL))
     for section, values in sections.items():
@@ -77,8 +80,15 @@ def test_overrides_parse_json_values():
     ({"model_config": {"num_layers": 2}, "parallelism_config": {"pipeline_parallel_size": 4}}, 4, "model_config.num_layers"),
     ({"model_config": {"num_layers": 4}, "parallelism_config": {"pipeline_parallel_size": 4,
      "pipeline_schedule": "INTERLEAVED_1F1B"}}, 4, "model_config.num_layers"),
-    ({"parallelism_config": {"expert_parallel_size": 2}}, 2, "parallelism_config.expert_parallel_size"),
-    ({"parallelism_config": {"context_parallel_size": 2}}, 2, "parallelism_config.context_parallel_size"),
+    ({"parallelism_config": {"expert_parallel_size": 2}}, 2, "parallelism_config.expert_parallel_size"),  # not moe
+    ({"model_config": MOE, "parallelism_config": {"expert_parallel_size": 4}}, 2, "parallelism_config.expert_parallel_size"),
+    ({"model_config": {**MOE, "num_experts": 3}, "parallelism_config": {"expert_parallel_size": 2}}, 2,
+     "parallelism_config.expert_parallel_size"),
+    ({"model_config": MOE, "parallelism_config": {"expert_parallel_size": 2}, "memory_config": {"zero_stage": 0}}, 2,
+     "parallelism_config.expert_parallel_size"),
+    ({"parallelism_config": {"context_parallel_size": 3}}, 3, "data_config.sequence_length"),  # 512 % 6
+    ({"parallelism_config": {"context_parallel_size": 2, "tensor_parallel_size": 2}}, 4, "parallelism_config.context_parallel_size"),
+    ({"model_config": MOE, "parallelism_config": {"context_parallel_size": 2}}, 2, "parallelism_config.context_parallel_size"),
     ({"memory_config": {"nvme_offload": True, "zero_stage": 0}}, 1, "memory_config.nvme_offload"),
     ({"model_config": {"architecture": "moe"}}, 1, "model_config.num_experts"),
     ({"model_config": {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 2},
@@ -94,6 +104,14 @@ def test_invalid_configs_name_their_field(sections, world, field):
         resolve(job_with(**sections), world)
     assert info.value.field == field
     assert str(info.value).startswith(field)
+
+
+def test_expert_and_context_parallel_sizes_are_accepted():
+    """EP borrows its ranks from data parallelism; CP multiplies the world like TP does."""
+    job = resolve(job_with(model_config=MOE, parallelism_config={"expert_parallel_size": 2}), 4)
+    assert job.parallelism.data_parallel_size == 4
+    job = resolve(job_with(parallelism_config={"context_parallel_size": 2}), 4)
+    assert job.parallelism.data_parallel_size == 2
 
 
 def test_fp8_resolves_where_float8_runs():

@@ -19,7 +19,9 @@ from pagedllm.training.config import parse_job
 from pagedllm.training.progress import read_metrics
 from pagedllm.training.trainer import RunOptions, run_training
 
-from .helpers import tiny_job
+from tiny_models import build_model
+
+from .helpers import lora_job, tiny_job, write_chat
 
 HERE = Path(__file__).parent
 FAST = {"peak_flops": 1e10, "export_hf": False}
@@ -66,6 +68,17 @@ def grad_norms(checkpoint_dir: Path) -> list[float]:
     return [record["grad_norm"] for record in read_metrics(checkpoint_dir / "metrics.jsonl")]
 
 
+def finetune_job(root: Path, name: str, zero_stage: int) -> dict:
+    """A LoRA fine-tune of a tiny pretrained (tied-embedding) base on chat data, without dropout (each
+    rank draws its own dropout masks, so only the deterministic update can equal one process's)."""
+    if not (root / "ft-base").is_dir():
+        build_model(root / "ft-base", "llama", tie_word_embeddings=True)
+        write_chat(root / "chat.jsonl")
+    job = lora_job(root / "ft-base", root / "chat.jsonl", root / name, steps=4, memory_config={"zero_stage": zero_stage})
+    job["finetune_config"]["lora_dropout"] = 0.0
+    return job
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
     root = tmp_path_factory.mktemp("two-ranks")
@@ -101,6 +114,7 @@ def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
         case("zero0_offload", memory_config={"zero_stage": 0, "cpu_offload": True}),
         case("pp_moe", parallelism_config=pp, model_config=MOE_BALANCED),
         case("zero3_nvme", memory_config={"zero_stage": 3, "nvme_offload": True}),
+        {"name": "lora_zero3", "job": finetune_job(root, "lora-zero3", zero_stage=3), "options": FAST},
     ]
     return launch_scenarios(2, scenarios, tiny_paths, root / "out"), root
 
@@ -223,6 +237,16 @@ def test_fsdp_times_tp_losses_equal_single_process(four_ranks, references):
     for rank in four_ranks:
         assert_losses_match(rank["fsdp_tp"]["losses"], references["llama"])
         assert_losses_match(rank["fsdp_tp_qwen3_sp"]["losses"], references["qwen3"])
+
+
+def test_lora_finetune_under_fsdp_on_two_ranks_equals_single_process(two_ranks):
+    """LoRA under FSDP2 over two data-parallel ranks: the frozen base sharded like any module, the
+    adapter's gradients reduced across ranks; the losses equal one process on the same batches."""
+    results, root = two_ranks
+    reference = run_training(parse_job(finetune_job(root, "lora-reference", zero_stage=0)), RunOptions(**FAST))
+    expected = {str(k): v for k, v in reference.losses.items()}
+    for rank in results:
+        assert_losses_match(rank["lora_zero3"]["losses"], expected)
 
 
 def test_moe_with_zero3_losses_equal_single_process(two_ranks, references):

@@ -18,20 +18,9 @@ from pagedllm.training.trainer import RunOptions, run_training
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import build_model, load_reference  # noqa: E402
 
+from .helpers import lora_job, write_chat  # noqa: E402
+
 FAST = RunOptions(peak_flops=1e10)
-
-
-def write_chat(path: Path, count: int = 24) -> Path:
-    lines = []
-    for i in range(count):
-        if i % 2:
-            lines.append({"prompt": f"def f{i}(x):", "completion": f"    return x + {i}"})
-        else:
-            lines.append({"messages": [{"role": "system", "content": "Write Python."},
-                                       {"role": "user", "content": f"import {i}"},
-                                       {"role": "assistant", "content": f"from os import path{i}"}]})
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +31,6 @@ def base(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory) -> Path:
     return write_chat(tmp_path_factory.mktemp("chat") / "chat.jsonl")
-
-
-def lora_job(base: Path, chat: Path, out: Path, steps: int = 6, **sections) -> dict:
-    job = {"job_name": "lora", "seed": 3, "log_interval_steps": 100,
-           "finetune_config": {"base_model": str(base), "method": "lora", "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1},
-           "data_config": {"dataset_path": str(chat), "sequence_length": 128, "global_batch_size": 4, "micro_batch_size": 2,
-                           "validation_split": 0.2},
-           "optimization_config": {"total_steps": steps, "warmup_steps": 1, "learning_rate": 1e-2, "weight_decay": 0.0},
-           "memory_config": {"zero_stage": 0}, "checkpoint_config": {"checkpoint_dir": str(out)}}
-    job.update(sections)
-    return job
 
 
 def test_lora_cli_then_merge_is_served_like_transformers_with_peft(base, chat, tmp_path):

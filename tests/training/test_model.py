@@ -124,3 +124,22 @@ def test_attention_dropout_applies_while_training_only():
     assert not torch.equal(dropped(tokens), dropped(tokens))
     dropped.eval()
     torch.testing.assert_close(dropped(tokens), plain(tokens), rtol=0, atol=0)
+
+
+def test_logits_of_kept_positions_and_their_loss_equal_the_full_outputs():
+    """A fine-tune's step asks for the trained positions' logits only: the same rows of the full
+    logits, and the loss over them (with its gradients) equals cross-entropy over all positions
+    with the rest ignored."""
+    cfg = tiny_config("llama", tie_word_embeddings=True)
+    full, kept = build_model(cfg, 5), build_model(cfg, 5)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    segments = torch.tensor([[0] * 6 + [1] * 10, [0] * 12 + [-1] * 4])
+    labels = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    labels[0, :3] = labels[1, 12:] = -100
+    keep = labels != -100
+    logits = full(tokens, segments)
+    torch.testing.assert_close(kept(tokens, segments, keep), logits[keep], rtol=1e-5, atol=1e-6)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    torch.nn.functional.cross_entropy(kept(tokens, segments, keep), labels[keep]).backward()
+    for (name, a), (_, b) in zip(full.named_parameters(), kept.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -37,6 +37,30 @@ const FORM = [
   ["checkpoint_config", "checkpoint_interval_steps", "checkpoint every (steps, empty: at the end)", "int", 50],
 ];
 
+// The fine-tune preset: LoRA on the default model (SmolLM2-135M-Instruct) from a chat JSONL file
+// ({"messages": [...]} per line) under the server's data dir; the adapter lands in the job's output
+// in PEFT's format (docs/training.md: base_model, method, the data format).
+const FINETUNE_PRESET = `job_name = "finetune-smollm2"
+
+[finetune_config]
+base_model = "@default"        # or a Hugging Face folder / .gguf file under an --allowed-path
+method = "lora"                # full | lora | qlora
+lora_rank = 8
+lora_alpha = 16.0
+
+[data_config]
+dataset_path = "chat.jsonl"    # JSONL chat data; the base's tokenizer and chat template are used
+sequence_length = 512
+global_batch_size = 8
+micro_batch_size = 4
+validation_split = 0.1
+
+[optimization_config]
+learning_rate = 0.0002
+warmup_steps = 10
+total_steps = 100
+`;
+
 const fieldId = (section, field) => `job-${section || "top"}-${field}`;
 
 function buildForm() {
@@ -275,5 +299,9 @@ export function initJobs() {
     submitPaste();
   });
   for (const b of document.querySelectorAll("[data-submit]")) b.addEventListener("click", () => showSubmit(b.dataset.submit));
+  $("#preset-finetune").addEventListener("click", () => {
+    $("#job-text").value = FINETUNE_PRESET;
+    showSubmit("paste");
+  });
   every(2000, () => refreshList().catch((err) => showError($("#submit-error"), err)), () => !$("#panel-jobs").hidden);
 }

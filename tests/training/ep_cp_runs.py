@@ -1,0 +1,61 @@
+"""The runs behind test_expert_parallel.py and test_context_parallel.py: one 4-rank torchrun launch
+(dist_scenarios.py) holding every case, and the single-process runs in this process.
+
+    ep:  moe, dp 4 = dp_mod_ep 2 x ep 2, ZeRO-3 (EP composed with FSDP); stopped at step 3 and resumed
+    cp:  llama, dp 2 x cp 2, ZeRO-3;  cp4: mistral with a sliding window of 8, cp 4 (a 4-rank ring),
+         ZeRO-0 (replicate over the cp ranks, dp = 1)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pagedllm.training.config import parse_job
+from pagedllm.training.trainer import RunOptions, Trainer, init_distributed
+
+from .dist_scenarios import first_microbatch_activation_bytes, first_step_gradients
+from .helpers import tiny_job
+from .test_distributed import FAST, launch_scenarios
+
+MOE = {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 2}
+EP = {"expert_parallel_size": 2}
+CP = {"context_parallel_size": 2}
+CP4 = {"context_parallel_size": 4}
+MISTRAL = {"architecture": "mistral", "sliding_window": 8}  # the window inside the 32-token sequence
+
+
+def in_process(paths: dict, checkpoint_dir: Path, **sections) -> dict:
+    """The one-process, unwrapped (ZeRO-0) run of the tiny job: step 1's gradients, the bytes its
+    first microbatch saves for backward, then the training's losses."""
+    sections.setdefault("memory_config", {"zero_stage": 0})
+    created = init_distributed()
+    try:
+        trainer = Trainer(parse_job(tiny_job(paths, checkpoint_dir, **sections)), RunOptions(**FAST))
+        measured = {"grads": first_step_gradients(trainer), "activation_bytes": first_microbatch_activation_bytes(trainer)}
+        return {**measured, "losses": {str(k): v for k, v in trainer.run().losses.items()}}
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def run_all(paths: dict, root: Path) -> dict:
+    """Each distributed case measures its step-1 gradients (and, for CP, activation bytes) before training."""
+    out = root / "out"
+    out.mkdir(parents=True)
+    measure = {"gradients": str(out), "activations": True}
+
+    def case(name: str, **sections) -> dict:
+        return {"name": name, "job": tiny_job(paths, root / name, **sections), "options": FAST, **measure}
+
+    ep = {"model_config": MOE, "parallelism_config": EP}
+    resumed = {"name": "ep_resume", "job": tiny_job(paths, root / "ep_stop", **ep), "options": FAST}
+    stopped = {**resumed, "name": "ep_stop", "options": {**FAST, "stop_at_step": 3}}
+    scenarios = [case("ep", **ep), stopped, resumed, case("cp", parallelism_config=CP), case("cp4", model_config=MISTRAL, parallelism_config=CP4, memory_config={"zero_stage": 0})]
+    ranks = launch_scenarios(4, scenarios, paths, out)
+    grads = {name: [torch.load(out / f"{name}-grads-rank{r}.pt") for r in range(4)] for name in ("ep", "cp", "cp4")}
+    ref = root / "reference"
+    return {"ranks": ranks, "grads": grads,
+            "reference": {"moe": in_process(paths, ref / "moe", model_config=MOE), "llama": in_process(paths, ref / "llama"),
+                          "mistral": in_process(paths, ref / "mistral", model_config=MISTRAL)}}
