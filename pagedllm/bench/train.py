@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="FP32", choices=["FP32", "BF16"], help='training precision (default: %(default)s)')
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="where the runs train (auto: CUDA when available); the peak is measured there")
+    from pagedllm.bench import train_precision
+
+    train_precision.add_arguments(parser)  # --fp8, --nvme-offload (bench/train_precision.py)
     parser.add_argument("--json", type=Path, help="also write the results here")
     from pagedllm.bench import train_parallel
 
@@ -99,6 +102,16 @@ def summarize(name: str, records: list[dict], warmup: int, flops_per_token: floa
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagedllm.bench import train_precision
+
+    if train_precision.wanted(args):  # FP8 vs BF16, NVMe offload vs cpu_offload
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        with tempfile.TemporaryDirectory(prefix="pagedllm-bench-train-") as tmp:
+            out = train_precision.run(args, bench_job, prepare, run_config, Path(tmp), device)
+        train_precision.print_results(out)
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=2))
+        return 0
     from pagedllm.training.config import ModelShapeConfig
     from pagedllm.training.model import flops_per_token, num_params
 

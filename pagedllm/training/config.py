@@ -79,6 +79,13 @@ class Precision(str, enum.Enum):
     FP8 = "FP8"
 
 
+class Fp8Recipe(str, enum.Enum):
+    """torchao's float8 scaling recipes (training/fp8.py)."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+
+
 class CheckpointGranularity(str, enum.Enum):
     FULL = "FULL"
     SELECTIVE = "SELECTIVE"
@@ -176,6 +183,9 @@ class MemoryConfig(_Section):
     cpu_offload: bool = False
     nvme_offload: bool = False
     activation_checkpointing_granularity: CheckpointGranularity = CheckpointGranularity.FULL
+    # Not in the seed.
+    fp8_recipe: Fp8Recipe = Field(Fp8Recipe.TENSORWISE, description="precision FP8: torchao's scaling recipe")
+    nvme_offload_dir: str | None = Field(None, description="nvme_offload's state files; default <checkpoint_dir>/nvme-offload")
 
 
 class DataConfig(_Section):
@@ -352,13 +362,6 @@ def apply_overrides(job: TrainingJob, overrides: list[str]) -> TrainingJob:
     return parse_job(data)
 
 
-def fp8_supported() -> bool:
-    """FP8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer (Ada/Hopper)."""
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-
-
 def resolve(job: TrainingJob, world_size: int) -> TrainingJob:
     """Check the cross-field rules for `world_size` processes; return the job with data_parallel_size set."""
     if job.finetune is not None:  # model_config is the base's: pretrained.apply_base_model, called before
@@ -411,22 +414,20 @@ def _check_unsupported(job: TrainingJob, dp: int) -> None:
     par, mem, model = job.parallelism, job.memory, job.model
     _check_expert_parallel(job, dp)
     _check_context_parallel(job)
-    if mem.nvme_offload:
-        raise ConfigError("memory_config.nvme_offload", "NVMe offload is not supported yet (use cpu_offload)")
+    if mem.nvme_offload and mem.zero_stage == 0:
+        raise ConfigError("memory_config.nvme_offload", "nvme_offload needs zero_stage >= 1 (it builds on FSDP's CPUOffloadPolicy)")
     if mem.precision is Precision.FP8:
-        if not fp8_supported():
-            raise ConfigError("memory_config.precision", "FP8 needs a GPU with compute capability >= 8.9; none found")
-        raise ConfigError("memory_config.precision", "FP8 training is not supported yet (use BF16)")
-    if mem.cpu_offload and mem.zero_stage == 0:
-        raise ConfigError("memory_config.cpu_offload", "cpu_offload needs zero_stage >= 1 (FSDP's CPUOffloadPolicy)")
-    if mem.precision is Precision.FP16 and par.pipeline_parallel_size > 1:
-        raise ConfigError("memory_config.precision", "FP16 with a gradient scaler is not supported with pipeline parallelism yet")
-    if model.architecture == "moe" and par.tensor_parallel_size * par.pipeline_parallel_size > 1:
-        raise ConfigError("model_config.architecture", "moe with tensor or pipeline parallelism is not supported yet")
-    if model.tie_word_embeddings and par.tensor_parallel_size * par.pipeline_parallel_size > 1:
-        raise ConfigError("model_config.tie_word_embeddings", "tied embeddings need tensor_parallel_size = pipeline_parallel_size = 1")
-    if mem.zero_stage == 0 and par.tensor_parallel_size > 1 and dp > 1:
-        raise ConfigError("memory_config.zero_stage", "zero_stage 0 (replicate) with tensor parallelism: use zero_stage >= 1")
+        from pagedllm.training.fp8 import fp8_device_problem
+
+        if problem := fp8_device_problem():
+            raise ConfigError("memory_config.precision", problem)
+    if model.architecture == "moe" and par.tensor_parallel_size > 1:
+        # Each expert is its own nn.Linear fed a data-dependent subset of tokens (torch.where on the
+        # router's choice): DTensor has no sharding rule for that indexing, and the tensor-parallel
+        # answer for experts is to shard them over ranks, which is expert parallelism.
+        raise ConfigError("model_config.architecture", "moe with tensor_parallel_size > 1 is not supported: its experts "
+                          "route a data-dependent set of tokens, which DTensor cannot shard; split the experts over "
+                          "ranks with expert_parallel_size instead (pipeline parallelism works)")
 
 
 def _check_expert_parallel(job: TrainingJob, dp: int) -> None:

@@ -111,7 +111,11 @@ def clip_grad_norm(parts: list[nn.Module], max_norm: float, pp_group=None, ep_gr
     clipped to `max_norm` when it is > 0."""
     import torch.distributed as dist
 
+    from pagedllm.training.tied import is_duplicate
+
     params = [p for part in parts for p in part.parameters() if p.grad is not None]
+    duplicates = [p for p in params if is_duplicate(p)]  # a tied weight's second pipeline copy: counted once,
+    params = [p for p in params if not is_duplicate(p)]  # clipped like the first
     groups = [params]
     if ep_group is not None:  # experts live on one EP rank (and on their own FSDP mesh)
         from pagedllm.training.expert_parallel import expert_parameters
@@ -129,7 +133,7 @@ def clip_grad_norm(parts: list[nn.Module], max_norm: float, pp_group=None, ep_gr
         dist.all_reduce(squared, group=pp_group)
         norm = squared.sqrt()
     if max_norm > 0:
-        for group in groups:
+        for group in (*groups, duplicates):
             if group:
                 torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return float(norm)

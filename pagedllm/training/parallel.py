@@ -32,8 +32,10 @@ from torch.distributed.tensor.parallel import (
 
 from pagedllm.training.config import MemoryConfig, ParallelismConfig, Precision
 from pagedllm.training.model import TrainingCausalLM, DecoderLayer
+from pagedllm.training.tied import retie
 
-LOW_PRECISION = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+# FP8 is float8 matmuls in BF16 training (fp8.py): everything else takes BF16's policy.
+LOW_PRECISION = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16, Precision.FP8: torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ def apply_tensor_parallel(model: TrainingCausalLM, tp_mesh: DeviceMesh, sequence
     if model.lm_head is not None:
         root_plan["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
     parallelize_module(model, tp_mesh, root_plan)
+    retie(model)  # the embedding and lm_head were distributed one by one: one Shard(0) DTensor again
     for layer in model.model.layers.values():
         parallelize_module(layer, tp_mesh, _layer_plan(layer, sequence_parallel))
 
@@ -147,7 +150,8 @@ def data_parallel_wrapping(memory: MemoryConfig, dims: ParallelDims) -> str | No
     (a context-parallel rank is one: it holds the same parameters and needs the summed gradients)."""
     if memory.zero_stage >= 1:
         return "fsdp"
-    return "replicate" if dims.dp * dims.cp > 1 else None
+    # cpu_offload keeps the replicas' parameters in host memory: replicate's CPUOffloadPolicy, also on one rank
+    return "replicate" if dims.dp * dims.cp > 1 or memory.cpu_offload else None
 
 
 def requires_sync_every_microbatch(memory: MemoryConfig) -> bool:
@@ -163,12 +167,13 @@ def apply_data_parallel(model: TrainingCausalLM, mem: MemoryConfig, dims: Parall
     if mem.precision in LOW_PRECISION:
         mp = MixedPrecisionPolicy(param_dtype=LOW_PRECISION[mem.precision], reduce_dtype=torch.float32)
     kind = data_parallel_wrapping(mem, dims)
+    host = mem.cpu_offload or mem.nvme_offload  # NVMe offload steps the optimizer in host memory too
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if host else OffloadPolicy()
     if kind == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        replicate(model, mesh=dp_mesh, mp_policy=mp)
+        replicate(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
     elif kind == "fsdp":
-        offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if mem.cpu_offload else OffloadPolicy()
         options = {"mesh": dp_mesh, "mp_policy": mp, "offload_policy": offload,
                    "reshard_after_forward": mem.zero_stage == 3}
         if expert_mesh is not None:
@@ -182,7 +187,11 @@ def apply_data_parallel(model: TrainingCausalLM, mem: MemoryConfig, dims: Parall
 
 def parallelize(model: TrainingCausalLM, par: ParallelismConfig, memory: MemoryConfig, dims: ParallelDims,
                 mesh: DeviceMesh) -> TrainingCausalLM:
-    """TP -> EP / CP -> activation checkpointing -> FSDP/replicate, each only when configured."""
+    """(FP8 linears ->) TP -> EP / CP -> activation checkpointing -> FSDP/replicate, each only when configured."""
+    if memory.precision is Precision.FP8:
+        from pagedllm.training.fp8 import apply_fp8
+
+        apply_fp8(model, memory.fp8_recipe)
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], par.sequence_parallel)
     if dims.ep > 1:

@@ -22,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from pagedllm.training.config import MemoryConfig, ParallelismConfig, PipelineSchedule
 from pagedllm.training.model import TrainingCausalLM
 from pagedllm.training.parallel import ParallelDims, parallelize
+from pagedllm.training.tied import TiedStageGradients
 
 SINGLE_STAGE_SCHEDULES = {PipelineSchedule.ONE_F_ONE_B: Schedule1F1B, PipelineSchedule.GPIPE: ScheduleGPipe}
 
@@ -59,6 +60,7 @@ class Pipeline:
     stage_indices: list[int]
     num_stages: int
     microbatches: int
+    tied: TiedStageGradients | None = None  # a tied embedding's first/last-stage copies
 
     @property
     def has_first_stage(self) -> bool:
@@ -85,4 +87,5 @@ def build_pipeline(model: TrainingCausalLM, par: ParallelismConfig, memory: Memo
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn)
     else:
         schedule = SINGLE_STAGE_SCHEDULES[par.pipeline_schedule](stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
-    return Pipeline(schedule, parts, stage_indices, num_stages, microbatches)
+    tied = TiedStageGradients.build(parts, stage_indices, num_stages, mesh) if model.cfg.tie_word_embeddings else None
+    return Pipeline(schedule, parts, stage_indices, num_stages, microbatches, tied)

@@ -97,8 +97,8 @@ class Trainer:
         self.events = EventLog(events_path, str(self.job.job_id), self.rank)
         torch.manual_seed(self.job.seed)
         self.data = self._prepare_data()
+        self.scaler = self._grad_scaler()  # before the model: a pipeline's loss function scales by it
         self._build_model()
-        self.scaler = self._grad_scaler()
         self.ckpt = CheckpointManager(self.job.checkpoint, self.job.job_id, self.job.model_dump_json(indent=2), self.parts,
                                       self.optimizers, self._scaler_state, self._load_scaler_state, on_event=self.events.emit)
         self.controller = Controller(self.dir / "control", self.job.checkpoint.checkpoint_interval_minutes, self.rank)
@@ -161,17 +161,42 @@ class Trainer:
             data = self.job.data
             microbatches = data.global_batch_size // (data.micro_batch_size * self.dims.dp)
             self.pipeline = build_pipeline(model, self.job.parallelism, self.job.memory, microbatches, self.dims, self.mesh,
-                                           self.device, cross_entropy)
+                                           self.device, self._pipeline_loss)
             self.parts = self.pipeline.parts
+            if self.job.model.architecture == "moe" and self.job.model.router_aux_loss_coef > 0:
+                from pagedllm.training.moe_pipeline import add_balance_loss_gradients
+
+                scale = lambda: self.scaler.get_scale() if self.scaler is not None else 1.0  # noqa: E731
+                for part in self.parts:
+                    add_balance_loss_gradients(part, self.job.model.router_aux_loss_coef, self.job.model.num_layers, scale)
         else:
             self.parts = [parallelize(model, self.job.parallelism, self.job.memory, self.dims, self.mesh)]
         self.optimizers = [build_optimizer(part, self.job.optimization) for part in self.parts]
+        if self.job.memory.nvme_offload:
+            from pagedllm.training.nvme_offload import NvmeOffloadOptimizer, offload_folder
+
+            folder = self.job.memory.nvme_offload_dir
+            self.optimizers = [NvmeOffloadOptimizer(optimizer, offload_folder(self.dir, folder, self.rank, i))
+                               for i, optimizer in enumerate(self.optimizers)]
         dtype = autocast_dtype(self.job.memory, self.dims)
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype else nullcontext
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss; FP16 scales it there, since the schedule runs the backward itself."""
+        loss = cross_entropy(logits, labels)
+        return self.scaler.scale(loss) if self.scaler is not None else loss
 
     def _grad_scaler(self):
         if self.job.memory.precision is not Precision.FP16:
             return None
+        if self.dims.pp > 1:
+            # every stage must skip (or take) the same step: found_inf is all-reduced over every rank
+            # (pipeline stages, replicas and tensor shards), which ShardedGradScaler does over its group
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler(device=self.device.type, process_group=dist.group.WORLD)
+            scaler.scale(torch.zeros((), device=self.device))  # creates the scale on stages that compute no loss
+            return scaler
         if data_parallel_wrapping(self.job.memory, self.dims) is not None:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -248,6 +273,8 @@ class Trainer:
     def _pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         self._run_schedule(self.pipeline.schedule.step, inputs, labels, losses)
+        if self.pipeline.tied is not None:
+            self.pipeline.tied.all_reduce()
         return self._from_last_stage(losses)
 
     def _run_schedule(self, fn, inputs: torch.Tensor, labels: torch.Tensor, losses: list) -> None:
@@ -261,6 +288,8 @@ class Trainer:
         """The mean microbatch loss, computed on the last stage, broadcast to every pipeline rank."""
         pipe = self.pipeline
         loss = torch.stack([l.detach().float() for l in losses]).mean() if pipe.has_last_stage else torch.zeros((), device=self.device)
+        if self.scaler is not None and pipe.has_last_stage:
+            loss = loss / self.scaler.get_scale()  # _pipeline_loss scaled each microbatch's loss
         last_rank = (pipe.num_stages - 1) % self.dims.pp
         dist.broadcast(loss, group=self.mesh["pp"].get_group(), group_src=last_rank)
         return loss

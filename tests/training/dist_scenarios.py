@@ -36,6 +36,16 @@ def watch_resharding(trainer: Trainer) -> dict:
     return seen
 
 
+def offload_policy(part) -> str | None:
+    """The class of the data-parallel wrapper's offload policy (FSDP's or replicate's), or None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(part, FSDPModule):
+        return None
+    group = part._get_fsdp_state()._fsdp_param_group
+    return type(group.offload_policy).__name__ if group is not None else None
+
+
 def corrupt_newest(checkpoint_dir: Path) -> str:
     """Flip bytes in the middle of rank 1's model shard of the newest checkpoint (as disk rot would)."""
     step_dir, _ = list_checkpoints(checkpoint_dir)[-1]
@@ -93,9 +103,11 @@ def run_scenario(spec: dict) -> dict:
     optimizer_state = {name: list(state["exp_avg"].to_local().shape if isinstance(state["exp_avg"], DTensor)
                                   else state["exp_avg"].shape)
                        for part, opt in zip(trainer.parts, trainer.optimizers)
-                       for name, p in part.named_parameters() if (state := opt.state.get(p))}
+                       for name, p in part.named_parameters()
+                       if (state := opt.state.get(p)) and isinstance(state.get("exp_avg"), torch.Tensor)}  # not nvme_offload's
     pipeline = trainer.pipeline
     return {
+        "offload_policy": offload_policy(trainer.parts[0]),
         **measured,
         "losses": {str(k): v for k, v in result.losses.items()},
         "start_step": result.start_step,

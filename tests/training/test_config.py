@@ -11,7 +11,6 @@ from pagedllm.training.config import (
     ConfigError,
     TrainingJob,
     apply_overrides,
-    fp8_supported,
     load_job,
     parse_job,
     resolve,
@@ -90,10 +89,10 @@ def test_overrides_parse_json_values():
     ({"parallelism_config": {"context_parallel_size": 3}}, 3, "data_config.sequence_length"),  # 512 % 6
     ({"parallelism_config": {"context_parallel_size": 2, "tensor_parallel_size": 2}}, 4, "parallelism_config.context_parallel_size"),
     ({"model_config": MOE, "parallelism_config": {"context_parallel_size": 2}}, 2, "parallelism_config.context_parallel_size"),
-    ({"memory_config": {"nvme_offload": True}}, 1, "memory_config.nvme_offload"),
-    ({"memory_config": {"precision": "FP8"}}, 1, "memory_config.precision"),
-    ({"memory_config": {"cpu_offload": True, "zero_stage": 0}}, 1, "memory_config.cpu_offload"),
+    ({"memory_config": {"nvme_offload": True, "zero_stage": 0}}, 1, "memory_config.nvme_offload"),
     ({"model_config": {"architecture": "moe"}}, 1, "model_config.num_experts"),
+    ({"model_config": {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 2},
+      "parallelism_config": {"tensor_parallel_size": 2}}, 2, "model_config.architecture"),
     ({"model_config": {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 5}}, 1,
      "model_config.num_experts_per_token"),
     ({"data_config": {"sequence_length": 4096}}, 1, "data_config.sequence_length"),
@@ -115,9 +114,16 @@ def test_expert_and_context_parallel_sizes_are_accepted():
     assert job.parallelism.data_parallel_size == 2
 
 
-def test_fp8_message_says_why():
-    with pytest.raises(ConfigError, match="FP8 needs a GPU" if not fp8_supported() else "not supported yet"):
-        resolve(job_with(memory_config={"precision": "FP8"}), 1)
+def test_fp8_resolves_where_float8_runs():
+    """Emulated on a CPU, native on compute capability >= 8.9; an older GPU is refused naming the field."""
+    import torch
+
+    job = job_with(memory_config={"precision": "FP8", "fp8_recipe": "rowwise"})
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        with pytest.raises(ConfigError, match="compute capability >= 8.9"):
+            resolve(job, 1)
+    else:
+        assert resolve(job, 1).memory.fp8_recipe.value == "rowwise"
 
 
 DATA = {"dataset_path": "corpus", "tokenizer_path": "tok"}
