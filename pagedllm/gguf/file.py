@@ -50,6 +50,12 @@ class GGUFModel:
     metadata: dict[str, Any]
     tensors: dict[str, Any]  # name -> gguf/header.py's TensorInfo
     data_start: int = 0  # where the tensor data begins; each tensor's offset counts from here
+    header: Any = None  # gguf/header.py's Header (its memory map)
+
+    def release_pages(self) -> None:
+        """Let the OS take back the memory-mapped pages that loading read (header.Header.release_pages)."""
+        if self.header is not None:
+            self.header.release_pages()
 
     @property
     def architecture(self) -> str:
@@ -86,7 +92,7 @@ def _open(path: str, size: int, mtime_ns: int) -> GGUFModel:
         header = read_header(path)
     except (HeaderError, ValueError, OverflowError, MemoryError) as exc:
         raise ModelLoadError(f"{path} is truncated or corrupt: {exc}") from exc
-    model = GGUFModel(path, header.metadata, header.tensors, header.data_start)
+    model = GGUFModel(path, header.metadata, header.tensors, header.data_start, header)
     _check(model, size)
     return model
 

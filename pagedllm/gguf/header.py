@@ -82,6 +82,16 @@ class Header:
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
     data_start: int  # where the tensor data begins (aligned)
+    buffer: Any = field(repr=False, default=None)  # the tensors' memory map
+
+    def release_pages(self) -> None:
+        """Drop the map's pages from this process (MADV_DONTNEED): what was read stays in the
+        OS's page cache and is faulted back in if read again, but no longer counts as this
+        process's memory. Called once the weights are loaded: a kept-quantized model's blocks
+        have been copied into the kernels' panels by then."""
+        region = getattr(self.buffer, "_mmap", None)
+        if region is not None and hasattr(mmap, "MADV_DONTNEED"):
+            region.madvise(mmap.MADV_DONTNEED)
 
 
 class _Cursor:
@@ -194,4 +204,4 @@ def read_header(path: str) -> Header:
         if name in tensors:
             raise HeaderError(f"tensor {name!r} appears twice")
         tensors[name] = TensorInfo(name, kind, dims, offset, data_start + offset, buffer)
-    return Header(version, metadata, tensors, data_start)
+    return Header(version, metadata, tensors, data_start, buffer)

@@ -37,7 +37,7 @@ from pagedllm.worker.gpu_memory import MemoryReading, kv_cache_budget
 from pagedllm.worker.input_batch import BatchChunk, BatchLayout, attention_metadata, stage_batch
 from pagedllm.worker.kv_cache import KVCache, bytes_per_block, bytes_per_layer_block
 from pagedllm.worker.kv_offload import LayerwiseKVOffload
-from pagedllm.worker.malloc import keep_freed_memory
+from pagedllm.worker.malloc import keep_freed_memory, release_freed_memory
 from pagedllm.worker.pooler import pool
 from pagedllm.worker.sampling_inputs import SampleRow, sampling_metadata, stage_sampling
 from pagedllm.worker.sequence_state import SequenceStates
@@ -105,6 +105,8 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.allocate(self.num_blocks, self.num_cpu_blocks, self.model.fused)
         self.graphs = self._capture_graphs()
+        if self.device.type == "cpu":
+            release_freed_memory()  # the load's temporaries (malloc.py)
 
     @property
     def attention_backend(self) -> str:
