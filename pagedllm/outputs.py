@@ -78,3 +78,24 @@ class BeamSearchOutput:
     """A prompt's beam search result: `beam_width` hypotheses, best first."""
 
     sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class EmbeddingOutput:
+    """A prompt's pooled hidden state (worker/pooler.py): `embedding` has hidden_size floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's `EmbeddingRequestOutput`: one prompt's embedding (`LLM.embed`, /v1/embeddings)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, str] = {
     "peak": "pagedllm.bench.peak",
     "serve": "pagedllm.bench.serve",
     "spec": "pagedllm.bench.spec",
+    "startup": "pagedllm.bench.startup",
     "train": "pagedllm.bench.train",
 }
 

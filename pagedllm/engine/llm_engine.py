@@ -27,7 +27,7 @@ from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.gguf import is_gguf, open_gguf
 from pagedllm.gguf.tokenizer import gguf_tokenizer
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.speculator import Speculator
 from pagedllm.step.planner import StepPlanner
@@ -191,6 +191,40 @@ class LLMEngine:
         if params.best_of > self.config.max_num_seqs:  # its samples could never run at once
             name = "best_of" if params.best_of != params.n else "n"
             raise ValueError(f"{name}={params.best_of} exceeds max_num_seqs={self.config.max_num_seqs}")
+
+    def embed(self, prompts: list[PromptType], normalize: bool = True,
+              request_ids: list[str] | None = None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (last-token pooling of the final norm's output, L2-normalized
+        unless `normalize` is False; worker/pooler.py), computed now, in forward passes of at most
+        max_num_batched_tokens tokens that leave the KV pool and the running requests as they
+        were. Every prompt is checked before any is run: a bad one is a ValueError naming it."""
+        if self.planner.tensor_parallel_size > 1:
+            raise ValueError("embeddings are not computed under tensor parallelism (tensor_parallel_size > 1)")
+        token_lists = []
+        for index, prompt in enumerate(prompts):
+            try:
+                token_lists.append(self._embedding_tokens(prompt))
+            except ValueError as exc:
+                raise ValueError(f"prompt {index}: {exc}" if len(prompts) > 1 else str(exc)) from exc
+        budget = self.config.resolve_max_num_batched_tokens(self.max_model_len)
+        vectors = self.runner.embed(token_lists, budget, normalize)
+        ids = request_ids or [f"embd-{i}" for i in range(len(prompts))]
+        return [EmbeddingRequestOutput(request_id, EmbeddingOutput(vector), tokens)
+                for request_id, vector, tokens in zip(ids, vectors, token_lists)]
+
+    def _embedding_tokens(self, prompt: PromptType) -> list[int]:
+        """An embedding prompt's token ids: not empty, in the vocabulary, at most max_model_len
+        (no room for a generated token is needed)."""
+        _, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}")
+        return token_ids
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request wherever it is; its KV blocks are freed now. Unknown ids: no-op.

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.beam_search import BeamSearcher
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.entrypoints.chat_template import render_chat
-from pagedllm.outputs import BeamSearchOutput, RequestOutput
+from pagedllm.outputs import BeamSearchOutput, EmbeddingRequestOutput, RequestOutput
 from pagedllm.paths import default_model
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -76,6 +76,16 @@ class LLM:
                                documents=documents, chat_template_kwargs=chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: PromptType | Seq[PromptType], normalize: bool = True) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: each prompt's embedding, in the prompts' order — the last token's
+        hidden state after the final norm, L2-normalized unless `normalize` is False (vLLM's
+        default pooling for a decoder model without a pooler config; docs/serving.md). A prompt
+        is a string, a list of token ids, or {"prompt_token_ids": [...]}; the whole prompt
+        counts, up to max_model_len tokens."""
+        prompt_list = _as_prompt_list(prompts)
+        ids = [f"embd-{next(self._counter)}" for _ in prompt_list]
+        return self.llm_engine.embed(prompt_list, normalize, request_ids=ids)
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search for every prompt (vLLM's `LLM.beam_search`): each prompt's `beam_width`

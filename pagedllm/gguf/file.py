@@ -2,9 +2,9 @@
 before anything is built from it.
 
 A GGUF is one file holding what a Hugging Face folder spreads over several: hyper-parameters,
-tokenizer and chat template as key/value metadata, and the weights as typed tensors. The reader
-memory-maps the file, so opening it reads only the header (tensor data is touched when a weight
-is loaded). Every way a file can be unusable — not GGUF at all, cut short, an architecture or a
+tokenizer and chat template as key/value metadata, and the weights as typed tensors. The header is
+read by gguf/header.py (the `gguf` package's reader took ~5 s over the default model's tokenizer
+arrays); the file is memory-mapped, so tensor data is touched only when a weight is loaded. Every way a file can be unusable — not GGUF at all, cut short, an architecture or a
 tensor type we cannot run — becomes a `ModelLoadError` naming the file and the reason here,
 never a crash later in the middle of loading.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedllm.gguf.header import HeaderError, read_header
 from pagedllm.load_errors import ModelLoadError
 
 MAGIC = b"GGUF"
@@ -43,12 +44,18 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 @dataclass
 class GGUFModel:
-    """An opened GGUF: its metadata as Python values and its tensors (memory-mapped)."""
+    """An opened GGUF: its metadata as Python values and its tensors (memory-mapped, header.TensorInfo)."""
 
     path: str
     metadata: dict[str, Any]
-    tensors: dict[str, Any]  # name -> gguf.ReaderTensor
+    tensors: dict[str, Any]  # name -> gguf/header.py's TensorInfo
     data_start: int = 0  # where the tensor data begins; each tensor's offset counts from here
+    header: Any = None  # gguf/header.py's Header (its memory map)
+
+    def release_pages(self) -> None:
+        """Let the OS take back the memory-mapped pages that loading read (header.Header.release_pages)."""
+        if self.header is not None:
+            self.header.release_pages()
 
     @property
     def architecture(self) -> str:
@@ -81,42 +88,28 @@ def _open(path: str, size: int, mtime_ns: int) -> GGUFModel:
         magic = fh.read(4)
     if magic != MAGIC:
         raise ModelLoadError(f"{path} is not a GGUF file (it starts with {magic!r}, not {MAGIC!r})")
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError, IndexError, struct or numpy errors on a bad file
-        raise ModelLoadError(f"{path} is truncated or corrupt: the GGUF reader failed with "
-                             f"{type(exc).__name__}: {exc}") from exc
-    metadata = {name: _value(field) for name, field in reader.fields.items()}
-    tensors = {t.name: t for t in reader.tensors}
-    model = GGUFModel(path, metadata, tensors, int(reader.data_offset))
+        header = read_header(path)
+    except (HeaderError, ValueError, OverflowError, MemoryError) as exc:
+        raise ModelLoadError(f"{path} is truncated or corrupt: {exc}") from exc
+    model = GGUFModel(path, header.metadata, header.tensors, header.data_start, header)
     _check(model, size)
     return model
 
 
 def _end(model: GGUFModel, tensor) -> int:
-    """Where the tensor's data ends, in Python integers: the reader adds the header's 64-bit offset
-    and multiplies the dimensions in numpy's uint64, where 2^64 - 1 wraps around to a small number
-    and the data would be read from the wrong place of a file that looks whole."""
+    """Where the tensor's data ends, in Python integers (which never wrap): an offset or a size
+    past 64 bits — 2^64 - 1 would wrap to a small number in a reader's uint64 arithmetic and the
+    data be read from the wrong place of a file that looks whole — is refused as corrupt."""
     from gguf import GGML_QUANT_SIZES
 
-    _, _, _, dims, _, offset = tensor.field.parts
-    raw_offset = int(offset[0])
-    elements = math.prod(int(d) for d in dims)
+    elements = math.prod(tensor.shape)
     block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-    start = model.data_start + raw_offset
-    if start != int(tensor.data_offset) or elements != int(tensor.n_elements):
-        raise ModelLoadError(f"{model.path}: tensor {tensor.name!r} has offset {raw_offset} and {elements} elements, "
+    end = tensor.data_offset + elements * type_size // block
+    if end >= 2**64:
+        raise ModelLoadError(f"{model.path}: tensor {tensor.name!r} has offset {tensor.raw_offset} and {elements} elements, "
                              "which overflow 64 bits: the file is corrupt")
-    return start + elements * type_size // block
-
-
-def _value(field) -> Any:
-    try:
-        return field.contents()
-    except (UnicodeDecodeError, ValueError, IndexError) as exc:
-        raise ModelLoadError(f"GGUF metadata {field.name!r} cannot be read: {exc}") from exc
+    return end
 
 
 def _check(model: GGUFModel, size: int) -> None:

@@ -13,7 +13,7 @@ Qwen files are not permuted (llama.cpp runs them with NeoX rope).
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -86,10 +86,13 @@ def _key(model: GGUFModel, name: str) -> str:
     return key
 
 
-def tensors(model: GGUFModel) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor of the file, one at a time."""
+def tensors(model: GGUFModel, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor of the file, one at a time; those
+    whose name `skip` is true for are neither read nor dequantized."""
     for name, tensor in model.tensors.items():
         key = _key(model, name)
+        if skip is not None and skip(key):
+            continue
         values = _hf_rows(model, key, dequantize(tensor))
         if not values.flags.writeable:  # an F32 tensor is a view of the read-only memory map
             values = values.copy()

@@ -278,7 +278,9 @@ class RayCluster:
 
         connect(self.address)
         self.unit = "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
-        log.info("job service on the Ray cluster at %s: %d %s slots on %d nodes", self.address, self.capacity(),
+        # the cluster's own address (GCS), not "auto": which cluster `--cluster ray` found
+        joined = getattr(ray.get_runtime_context(), "gcs_address", None) or self.address
+        log.info("job service on the Ray cluster at %s: %d %s slots on %d nodes", joined, self.capacity(),
                  self.unit, len(self.live_nodes()))
 
     @property

@@ -62,7 +62,9 @@ class DecodeBucket:
 class AttentionMetadata:
     """Everything a forward pass needs about the batch layout; built once per step."""
 
-    slot_mapping: torch.Tensor  # [T] flat slot (block * block_size + offset) of each token
+    # [T] flat slot (block * block_size + offset) of each token; None: nothing is written to the
+    # pool (an embedding's forward, worker/pooler.py: causal chunks that only attend to themselves)
+    slot_mapping: torch.Tensor | None
     decodes: list[DecodeBucket]
     prefills: list[PrefillChunk]
     kernel_attention: bool = False  # the C kernels (layers/paged_decode.py) or SDPA
@@ -99,10 +101,11 @@ class PagedAttention(nn.Module):
         """q: [T, H, D]; k, v: [T, Hkv, D] for the batch's new tokens. Returns [T, H, D]."""
         if meta.triton is not None:
             return self._triton(q, k, v, meta)
-        kv_shape = (-1, self.num_kv_heads, self.head_dim)
-        # a pool of another dtype (kv_cache_dtype) takes the new K/V rounded as torch rounds
-        self.k_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
-        self.v_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
+        if meta.slot_mapping is not None:
+            kv_shape = (-1, self.num_kv_heads, self.head_dim)
+            # a pool of another dtype (kv_cache_dtype) takes the new K/V rounded as torch rounds
+            self.k_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
+            self.v_cache.view(kv_shape).index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
         out = torch.empty_like(q)
         for bucket in meta.decodes:
             end = bucket.start + bucket.count

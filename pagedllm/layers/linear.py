@@ -65,18 +65,18 @@ class Linear(nn.Linear):
         replaced by a new tensor of its dequantized values (so the PyTorch path computes with
         exactly the weights the C kernel reads), which unties a tied LM head from the embedding:
         the embedding lookup keeps the checkpoint's values, as llama.cpp and vLLM keep
-        embeddings. "gguf" keeps the blocks the loader attached (none: the weight stays as it is)."""
+        embeddings. "gguf" keeps the blocks the loader attached, and the loader gives the weight their
+        values where a dense one is needed (models/loader.py `_dense_where_needed`)."""
         if method == "int8":
             q, self.weight_scale = quantize_int8(self.weight)
             self.weight = nn.Parameter(dequantize_int8(q, self.weight_scale).to(self.weight.dtype), requires_grad=False)
             return q
         if method == "q4" and self.in_features % BLOCK == 0:
             self.blocks = quantize_blocks(self.weight, self.q4_kind)
+            self.weight = nn.Parameter(self.blocks.dequantize().to(self.weight.dtype), requires_grad=False)
         elif method not in ("q4", "gguf"):
             raise ValueError(f"quantization must be 'int8', 'q4' or 'gguf', got {method!r}")
-        if self.blocks is not None:
-            self.weight = nn.Parameter(self.blocks.dequantize().to(self.weight.dtype), requires_grad=False)
-        return None
+        return None  # "gguf": the loader gives a dense weight only where one is needed (models/loader.py)
 
     def pack_small(self, width: int, quantized: torch.Tensor | None = None) -> None:
         """Pack the weight, its int8 values `quantized`, or its blocks, into panels `width` channels wide."""
@@ -90,7 +90,7 @@ class Linear(nn.Linear):
         it (tied embeddings), so packing does not double the model's memory. Blocks packed for
         the C kernel are the weight itself: every product (prefills and large batches too) reads
         them, and no dense copy is kept."""
-        if self._blocks_only():
+        if self.blocks_only():
             self.library = kernels.load()
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
             return
@@ -98,7 +98,8 @@ class Linear(nn.Linear):
         if not keep_dense:
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
-    def _blocks_only(self) -> bool:
+    def blocks_only(self) -> bool:
+        """Packing keeps the blocks alone (the C kernel computes every product from them)."""
         return self.blocks is not None and self.small is not None and kernels.load() is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,7 +132,7 @@ class GateUpLinear(Linear):
         self.small = pack_swiglu(weight, width, self.bias, self.weight_scale)
 
     def pack(self, keep_dense: bool) -> None:
-        if self._blocks_only():
+        if self.blocks_only():
             super().pack(keep_dense)
             return
         gate, up = self.weight.detach().chunk(2)

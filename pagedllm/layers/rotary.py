@@ -45,15 +45,19 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None, dtype: torch.dtype):
         super().__init__()
-        inv_freq = _inv_freq(head_dim, theta, scaling)
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # transformers' layout
-        sin = emb.sin()
-        half = head_dim // 2
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        # rotate_half(x) * sin == swap_halves(x) * [-sin, sin]: the sign lives in the table.
-        self.register_buffer("sin", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype), persistent=False)
+        device = torch.empty(0).device  # the ambient device (a `with torch.device(...)` block's)
+        with torch.device("cpu"):  # (on the meta device, these ops imported torch._dynamo: ~1.5 s of start-up)
+            inv_freq = _inv_freq(head_dim, theta, scaling)
+            positions = torch.arange(max_position, dtype=torch.float32)
+            freqs = positions[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)  # transformers' layout
+            sin = emb.sin()
+            half = head_dim // 2
+            cos = emb.cos().to(dtype)
+            # rotate_half(x) * sin == swap_halves(x) * [-sin, sin]: the sign lives in the table.
+            sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> Rope:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

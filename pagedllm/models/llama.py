@@ -94,8 +94,8 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int, dtype: torch.dtype, make_mlp: Callable[[int], nn.Module],
                  group: ParallelGroup | None):
         super().__init__()
-        if group is None:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if group is None:  # (an empty weight: a random init on the meta device imported torch._dynamo, ~1.5 s)
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         else:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, dtype)

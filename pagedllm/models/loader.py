@@ -59,6 +59,12 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     local = cfg.shard(group.size) if group is not None else cfg
     with torch.device("meta"):
         model = model_class(cfg)(local, max_position, dtype, group)
+    lazy: set[str] = set()
+    if quantization == "gguf" and group is None:
+        lazy = _attach_blocks(model, gguf_blocks(open_gguf(cfg.path)))
+        if logit_token_ids is not None:
+            lazy.discard("lm_head.weight")  # restrict_vocab reads its rows
+        _drop_dense(model, lazy)
     if device.type == "cpu":
         _check_fits(model, cfg)
     model.to_empty(device=device)
@@ -69,15 +75,37 @@ def load_model(cfg: ModelConfig, max_position: int, dtype: torch.dtype, device: 
     rotary.cos, rotary.sin = fresh.cos, fresh.sin
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    _load_weights(model, Path(cfg.path), group)
-    if quantization == "gguf" and group is None:
-        _attach_blocks(model, gguf_blocks(open_gguf(cfg.path)))
+    _load_weights(model, Path(cfg.path), group, skip=lazy)
     if logit_token_ids is not None:
         model.restrict_vocab(logit_token_ids)
     model.quantize_and_pack(quantization, panel_width)
-    if packing_available(device, dtype):
+    packing = packing_available(device, dtype)
+    _dense_where_needed(model, packing, device, dtype)
+    if packing:
         model.pack_linears()
+    if is_gguf(cfg.path):
+        open_gguf(cfg.path).release_pages()  # what loading read is in our tensors now
     return model.eval()
+
+
+def _drop_dense(model: CausalLM, names: set[str]) -> None:
+    """The projections a GGUF file's blocks stand for get no dense weight (still on the meta
+    device: nothing is allocated, read or dequantized for them). Where a path does need one — no
+    C kernel, no oneDNN packing — `_dense_where_needed` makes it from the blocks afterwards.
+    Dequantizing every Q4 matrix only for the kernels to drop it took ~3.5 s of the default
+    model's start-up, and the freed floats stayed with the process (worker/malloc.py)."""
+    for name in names:
+        module = model.get_submodule(name.removesuffix(".weight"))
+        module.weight = torch.nn.Parameter(torch.empty(0, device="meta"), requires_grad=False)
+
+
+def _dense_where_needed(model: CausalLM, packing: bool, device: torch.device, dtype: torch.dtype) -> None:
+    """Every projection with blocks that will not run as blocks only (Linear.pack) computes with
+    the blocks' dequantized values — the values the C kernels read, so every path agrees."""
+    for linear in model.linears():
+        if linear.blocks is not None and not (packing and linear.blocks_only()):
+            weight = linear.blocks.dequantize().to(device=device, dtype=dtype)
+            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
 
 
 def _check_fits(model: CausalLM, cfg: ModelConfig) -> None:
@@ -93,10 +121,11 @@ def _check_fits(model: CausalLM, cfg: ModelConfig) -> None:
                              f"{available / 1e9:.1f} GB is available on this machine")
 
 
-def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
-    """(name, tensor, file) for every weight of a model folder or GGUF file, one at a time."""
+def checkpoint_tensors(path: Path, skip=None) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """(name, tensor, file) for every weight of a model folder or GGUF file, one at a time; a
+    GGUF's tensors whose name `skip(name)` is true are not read at all."""
     if is_gguf(path):
-        for key, tensor in gguf_tensors(open_gguf(path)):
+        for key, tensor in gguf_tensors(open_gguf(path), skip):
             yield key, tensor, path
         return
     for file in checkpoint_files(path):
@@ -109,10 +138,11 @@ def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor, Path]]:
             raise ModelLoadError(f"cannot read {file}: {exc}") from exc
 
 
-def _load_weights(model: CausalLM, folder: Path, group: ParallelGroup | None) -> None:
-    params = dict(model.named_parameters())
+def _load_weights(model: CausalLM, folder: Path, group: ParallelGroup | None, skip: set[str] = frozenset()) -> None:
+    """Fill every parameter but those in `skip` (GGUF projections kept as blocks: `_drop_dense`)."""
+    params = {name: p for name, p in model.named_parameters() if name not in skip}
     pending = {name: model.expected_shards(name) for name in params}
-    for key, tensor, file in checkpoint_tensors(folder):
+    for key, tensor, file in checkpoint_tensors(folder, skip=lambda key: model.checkpoint_target(key)[0] in skip):
         _assign(model, params, pending, key, tensor, file, group)
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
@@ -123,10 +153,13 @@ def _load_weights(model: CausalLM, folder: Path, group: ParallelGroup | None) ->
                 param.data.zero_()
 
 
-def _attach_blocks(model: CausalLM, blocks: Iterator[tuple[str, Blocks]]) -> None:
+def _attach_blocks(model: CausalLM, blocks: Iterator[tuple[str, Blocks]]) -> set[str]:
     """Give each projection whose every checkpoint part is block-quantized its blocks (the parts
-    of a fused q|k|v or gate|up concatenated by rows). A tied LM head gets the embedding's."""
+    of a fused q|k|v or gate|up concatenated by rows). A tied LM head gets the embedding's.
+    Returns the names of the weights that got blocks and are parameters of their own (a tied
+    LM head's is the embedding's, which is loaded)."""
     parts: dict[str, dict[int, Blocks]] = {}
+    kept: set[str] = set()
     for key, value in blocks:
         if key == "model.embed_tokens.weight":
             if not model.config.tie_word_embeddings:
@@ -139,6 +172,9 @@ def _attach_blocks(model: CausalLM, blocks: Iterator[tuple[str, Blocks]]) -> Non
         module = model.get_submodule(name.removesuffix(".weight"))
         if isinstance(module, Linear) and set(shards) == model.expected_shards(name):
             module.blocks = concat_rows([shards[i] for i in sorted(shards)])
+            kept.add(name)
+    own = dict(model.named_parameters())
+    return {name for name in kept if name in own}
 
 
 def _assign(model: CausalLM, params: dict, pending: dict, key: str, tensor: torch.Tensor, file: Path,

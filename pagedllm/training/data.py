@@ -34,6 +34,8 @@ from pagedllm.training.tokenizer import special_token_ids, tokenizer_files
 CACHE_VERSION = 2
 # Documents longer than this many characters are encoded in pieces so tokenization stays parallel.
 ENCODE_BATCH = 256
+# Off a terminal (a job's train.log, a CI log) the bar is off: a line with the counts this often instead.
+PROGRESS_EVERY_S = 10.0
 
 
 def default_cache_dir() -> Path:
@@ -82,11 +84,19 @@ def build_cache(data: DataConfig, cache_dir: Path) -> Path:
     started = time.perf_counter()
     print(f"tokenizing {len(docs):,} documents ({sum(len(d.text) for d in docs) / 1e6:,.1f} M characters) of "
           f"{data.dataset_path} into {folder} (once: later runs reuse it)", file=sys.stderr, flush=True)
-    bar = tqdm(total=len(docs), unit="doc", file=sys.stderr, disable=not sys.stderr.isatty(), mininterval=1)
-    for doc, ids in encode_documents(docs, tokenizer):
+    terminal = sys.stderr.isatty()
+    bar = tqdm(total=len(docs), unit="doc", file=sys.stderr, disable=not terminal, mininterval=1)
+    reported, tokens = started, 0
+    for done, (doc, ids) in enumerate(encode_documents(docs, tokenizer), start=1):
         ids = ids + ([eos] if eos is not None else [])
         splits["val" if is_validation(doc, data.validation_split) else "train"].append(np.asarray(ids))
+        tokens += len(ids)
         bar.update()
+        now = time.perf_counter()
+        if not terminal and done < len(docs) and now - reported >= PROGRESS_EVERY_S:
+            print(f"tokenizing: {done:,} of {len(docs):,} documents, {tokens:,} tokens, {now - started:.0f} s",
+                  file=sys.stderr, flush=True)
+            reported = now
     bar.close()
     dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
     streams = {name: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype) for name, parts in splits.items()}

@@ -7,9 +7,26 @@ from the step's staged metadata, so applying the maps adds no transfer of its ow
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from pagedllm.config import ModelConfig
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    """A zeroed pool. In (unpinned) host memory it is an anonymous memory map: the kernel gives
+    zero pages, and only on first write, so the pool takes memory as blocks are used rather than
+    all at start-up (`torch.zeros` writes every byte: the default model's 360 MiB pool was
+    resident before the first request). Same values, same layout; `secure_kv_blocks` still wipes."""
+    if device.type != "cpu" or pin:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+    count = math.prod(shape)
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, count * dtype.itemsize)
+    return torch.frombuffer(region, dtype=dtype, count=count).view(shape)
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -31,12 +48,12 @@ class KVCache:
         # and 0 * NaN from uninitialised memory would poison the output.
         pool_device = torch.device("cpu") if host_pool else device
         pin = host_pool and device.type == "cuda"
-        self.k = torch.zeros(shape, dtype=dtype, device=pool_device, pin_memory=pin)
-        self.v = torch.zeros(shape, dtype=dtype, device=pool_device, pin_memory=pin)
+        self.k = zeros(shape, dtype, pool_device, pin)
+        self.v = zeros(shape, dtype, pool_device, pin)
         cpu_shape = (cfg.num_layers, num_cpu_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         pin = device.type == "cuda"
-        self.k_cpu = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
-        self.v_cpu = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
+        self.k_cpu = zeros(cpu_shape, dtype, torch.device("cpu"), pin)
+        self.v_cpu = zeros(cpu_shape, dtype, torch.device("cpu"), pin)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[index], self.v[index]

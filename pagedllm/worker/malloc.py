@@ -35,3 +35,16 @@ def keep_freed_memory() -> bool:
     if not ok:
         logger.warning("mallopt refused the settings; large activations will be page-faulted in on every step")
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free memory back to the OS (glibc's `malloc_trim`), once loading is done:
+    with TRIM_THRESHOLD at 1 GiB the temporaries of a load (dequantized tensors, copies) would
+    otherwise stay with the process for its whole life. Steps afterwards reuse what they free
+    as before. False where there is no glibc."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    return bool(malloc_trim(0))

@@ -37,7 +37,8 @@ from pagedllm.worker.gpu_memory import MemoryReading, kv_cache_budget
 from pagedllm.worker.input_batch import BatchChunk, BatchLayout, attention_metadata, stage_batch
 from pagedllm.worker.kv_cache import KVCache, bytes_per_block, bytes_per_layer_block
 from pagedllm.worker.kv_offload import LayerwiseKVOffload
-from pagedllm.worker.malloc import keep_freed_memory
+from pagedllm.worker.malloc import keep_freed_memory, release_freed_memory
+from pagedllm.worker.pooler import pool
 from pagedllm.worker.sampling_inputs import SampleRow, sampling_metadata, stage_sampling
 from pagedllm.worker.sequence_state import SequenceStates
 from pagedllm.worker.staging import Staging
@@ -104,6 +105,8 @@ class ModelRunner:
         if self.speculator is not None:
             self.speculator.allocate(self.num_blocks, self.num_cpu_blocks, self.model.fused)
         self.graphs = self._capture_graphs()
+        if self.device.type == "cpu":
+            release_freed_memory()  # the load's temporaries (malloc.py)
 
     @property
     def attention_backend(self) -> str:
@@ -253,6 +256,18 @@ class ModelRunner:
         if self.model.fused is not None:
             self.model.fused.set_int8_activations(on)
         self._int8_now = on
+
+    def embed(self, token_lists: list[list[int]], max_batch_tokens: int, normalize: bool = True) -> list[list[float]]:
+        """Each prompt's pooled embedding (worker/pooler.py), between steps: the modules in fp32
+        activations, as a prompt step runs them, and nothing of the KV pool or of the layer-wise
+        offload touched (their hook is off for the pass)."""
+        self._activations_for(False)
+        inner = self.model.model
+        hook, inner.layer_hook = inner.layer_hook, None
+        try:
+            return pool(self.model, token_lists, self.windows, self.dtype, self.device, max_batch_tokens, normalize)
+        finally:
+            inner.layer_hook = hook
 
     def abandon_steps(self) -> None:
         """A step failed and the engine gave up the steps in flight (LLMEngine.step): no later

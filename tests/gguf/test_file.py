@@ -81,3 +81,24 @@ def _finish(writer) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "Q4_1"])
+def test_header_reads_what_the_gguf_package_reads(tiny_gguf, weight_type):
+    """gguf/header.py against the llama.cpp project's own reader on the same file: every metadata
+    value (type included: a string array stays a list of str, a bool a bool), every tensor's type,
+    shape, offset and bytes."""
+    from gguf import GGUFReader
+
+    from pagedllm.gguf.header import read_header
+
+    path = tiny_gguf("llama", weight_type)
+    ours, reader = read_header(str(path)), GGUFReader(path)
+    theirs = {f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("GGUF.")}
+    assert any(isinstance(v, list) and v and isinstance(v[0], str) for v in theirs.values())  # a vocabulary
+    assert ours.metadata == theirs and [type(v) for v in ours.metadata.values()] == [type(v) for v in theirs.values()]
+    assert ours.data_start == int(reader.data_offset) and list(ours.tensors) == [t.name for t in reader.tensors]
+    for tensor in reader.tensors:
+        mine = ours.tensors[tensor.name]
+        assert (mine.tensor_type, mine.shape, mine.data_offset) == (tensor.tensor_type, tuple(map(int, tensor.shape)), tensor.data_offset)
+        assert mine.data.dtype == tensor.data.dtype and np.array_equal(mine.data, tensor.data)

@@ -26,3 +26,21 @@ def test_cluster_flag():
     for bad in ("ray://", "yarn", "head:6379"):
         with pytest.raises(ValueError, match="--cluster"):
             ray_address(bad)
+
+
+def test_the_one_machine_recipe_is_runnable_as_written():
+    """docs/jobs.md's "Ray on one machine" block, which scripts/ray_one_machine.sh runs (about two
+    minutes: not in `make test`): the block is where the script looks for it, its job file is a
+    valid TrainingJob for 2 ranks, and its commands are the ones the script rewrites (port, stop)."""
+    import re
+    from pathlib import Path
+
+    from pagedllm.training.config import load_job
+
+    root = Path(__file__).resolve().parents[2]
+    block = re.search(r"<!-- ray-one-machine[^>]*-->\n```bash\n(.*?)```", (root / "docs/jobs.md").read_text(), re.S).group(1)
+    assert "--data-binary @configs/ray-one-machine.toml" in block and "--port 8000" in block
+    assert block.rstrip().endswith("kill %1; ray stop")
+    assert (root / "scripts/ray_one_machine.sh").stat().st_mode & 0o111
+    job = load_job(root / "configs/ray-one-machine.toml")
+    assert job.parallelism.data_parallel_size == 2 and job.optimization.total_steps == 20

@@ -52,6 +52,19 @@ def test_tokenizing_says_what_it_does(tiny_paths, capsys):
     assert "tokeniz" not in capsys.readouterr().err  # reused: nothing to say
 
 
+def test_tokenizing_off_a_terminal_logs_counts_as_it_goes(tiny_paths, capsys, monkeypatch):
+    """In a job's train.log (no terminal, no bar) the counts come as lines while it tokenizes."""
+    from pagedllm.training import data
+
+    monkeypatch.setattr(data, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(data, "ENCODE_BATCH", 1)
+    cfg = data_config(tiny_paths, validation_split=0.31)  # a key no other test builds
+    folder = build_cache(cfg, tiny_paths["cache"])
+    documents = json.loads((folder / "meta.json").read_text())["documents"]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tokenizing: ")]
+    assert len(lines) == documents - 1 and lines[0].startswith(f"tokenizing: 1 of {documents:,} documents, ")
+
+
 def test_cache_is_built_once_and_splits_by_document(tiny_paths):
     cfg = data_config(tiny_paths, validation_split=0.3)
     folder = build_cache(cfg, tiny_paths["cache"])

@@ -71,6 +71,15 @@ class _Query:
     answer: asyncio.Future
 
 
+@dataclass
+class _Call:
+    """Runs `fn(engine)` on the engine thread between steps (embeddings: LLMEngine.embed) and
+    answers with its result or its exception."""
+
+    fn: Callable[[LLMEngine], Any]
+    answer: asyncio.Future
+
+
 _STOP = object()
 
 
@@ -226,6 +235,18 @@ class AsyncEngine:
         self._send(_Query(answer))
         return await answer
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) on the engine thread between two steps (the only thread that may touch the
+        engine); its exception is raised here and leaves the engine as it was."""
+        if self._closing:
+            raise EngineStoppedError(f"model {self.name!r} is being unloaded")
+        if self.error is not None:
+            raise EngineDeadError(f"the engine of model {self.name!r} stopped: {self.error!r}")
+        assert self._loop is not None, "AsyncEngine.start() was not called"
+        answer = self._loop.create_future()
+        self._send(_Call(fn, answer))
+        return await answer
+
     async def shutdown(self) -> None:
         """Abort every request (each ends with finish_reason "abort") and stop the thread."""
         self._closing = True
@@ -250,6 +271,8 @@ class AsyncEngine:
             command.group._fail(exc)
         elif isinstance(command, _Query):
             _answer(command.answer, [])
+        elif isinstance(command, _Call):
+            _answer_error(command.answer, exc)
 
     # ---- engine-thread side -------------------------------------------------------------------
     def _run(self) -> None:
@@ -311,6 +334,8 @@ class AsyncEngine:
             self._stopping = True
         elif isinstance(command, _Query):
             self._post(_answer, command.answer, self.engine.request_states())
+        elif isinstance(command, _Call):
+            self._call(command)
         elif isinstance(command, _Abort):
             for request_id in command.request_ids:
                 if request_id in self._groups:
@@ -319,6 +344,17 @@ class AsyncEngine:
             self._post(command.group._fail, EngineStoppedError(f"model {self.name!r} was unloaded"))
         else:
             self._add(command)
+
+    def _call(self, command: _Call) -> None:
+        if self._stopping:
+            self._post(_answer_error, command.answer, EngineStoppedError(f"model {self.name!r} was unloaded"))
+            return
+        try:
+            result = command.fn(self.engine)
+        except Exception as exc:
+            self._post(_answer_error, command.answer, _without_traceback(exc))
+            return
+        self._post(_answer, command.answer, result)
 
     def _add(self, command: _Add) -> None:
         added: list[str] = []
@@ -381,6 +417,8 @@ class AsyncEngine:
                 self._post(command.group._fail, exc)
             elif isinstance(command, _Query):
                 self._post(_answer, command.answer, [])
+            elif isinstance(command, _Call):
+                self._post(_answer_error, command.answer, exc)
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
@@ -409,6 +447,11 @@ def _deliver(deliveries: list[tuple[RequestGroup, RequestOutput]]) -> None:
 def _answer(future: asyncio.Future, value: Any) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _answer_error(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
 
 
 def _deliver_and_fail(deliveries: list[tuple[RequestGroup, RequestOutput]], groups: set[RequestGroup],

@@ -430,6 +430,37 @@ class ModelStatus(BaseModel):
     status: Literal["loading", "ready", "unloaded"]
 
 
+# ---- embeddings ----------------------------------------------------------------------------------
+class EmbeddingRequest(RequestModel):
+    """OpenAI's embeddings request (and vLLM's `add_special_tokens`); unknown top-level fields are
+    logged and ignored, as for completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[Name] = Field(default=None, description="served model name; optional when one model is loaded")
+    input: PromptInput = Field(description="a string, a list of strings, a list of token ids, or a list of such lists")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(default=None, description="only the model's hidden size is supported (no "
+                                                                "Matryoshka truncation): any other value is a 400")
+    user: Optional[Annotated[str, Field(max_length=256)]] = None
+    add_special_tokens: bool = True
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: Union[list[float], str] = Field(description="floats, or base64 of little-endian float32 values")
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+
+
 class TokenizeRequest(RequestModel):
     model: Optional[Name] = None
     prompt: Text

@@ -21,6 +21,8 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     HealthResponse,
     LiveRequest,
     LiveRequestList,
@@ -33,6 +35,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completions import create_completion
+from pagedllm.entrypoints.openai.serving_embedding import create_embedding
 from pagedllm.entrypoints.openai.serving_tokenization import detokenize, tokenize, tokenizer_info
 from pagedllm.http_errors import error_responses
 
@@ -70,6 +73,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @inference_router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=GENERATION_DOC)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return json_response(await create_chat_completion(body, models(request).get(body.model), request))
+
+
+@inference_router.post("/v1/embeddings", response_model=EmbeddingResponse)
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    """Each input's pooled hidden state (last token, after the final norm, L2-normalized)."""
+    return json_response(await create_embedding(body, models(request).get(body.model)))
 
 
 @inference_router.get("/v1/models", response_model=ModelList)

@@ -194,7 +194,7 @@ def test_fuzz_in_range_chats(app_client, body):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=st.binary(max_size=60) | JSON.map(lambda v: json.dumps(v).encode()), path=st.sampled_from(
-    ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models/tiny/load"]))
+    ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/models/tiny/load"]))
 def test_fuzz_raw_bodies(app_client, raw, path):
     response = app_client.post(path, content=raw, headers={"content-type": "application/json"})
     assert response.status_code < 500, response.text

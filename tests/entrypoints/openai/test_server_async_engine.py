@@ -180,3 +180,28 @@ def test_a_dead_engine_finishes_its_requests_with_error_and_lists_none(engine, m
     assert all(f.finished and f.status == "failed" for f in finals)
     assert all(c.finish_reason == "error" and "injected" in c.stop_reason for f in finals for c in f.outputs)
     assert {o.request_id for o in observed if o.finished and o.status == "failed"} == {"a", "b"}
+
+
+def test_call_runs_on_the_engine_thread_between_steps(engine):
+    """AsyncEngine.call (what /v1/embeddings uses): fn(engine) on the engine's thread while a
+    request runs, its result or exception handed back, the request unharmed; after shutdown, a
+    call is refused with EngineStoppedError."""
+    async def main():
+        bridge = await started(engine)
+        async with bridge.submit([("a", [5, 6, 7])], SamplingParams(max_tokens=40, ignore_eos=True)) as group:
+            threads = await bridge.call(lambda e: (threading.current_thread().name, e.has_unfinished_requests()))
+            with pytest.raises(ValueError, match="the prompt is empty"):
+                await bridge.call(lambda e: e.embed([[]]))
+            vectors = await bridge.call(lambda e: e.embed([[5, 6, 7]]))
+            async for _ in group.updates():
+                pass
+        final = group.outputs["a"]
+        await bridge.shutdown()
+        with pytest.raises(EngineStoppedError):
+            await bridge.call(lambda e: None)
+        return threads, vectors, final
+
+    (thread, busy), vectors, final = run(main())
+    assert thread == "engine-tiny" and busy
+    assert len(vectors[0].outputs.embedding) == engine.model_config.hidden_size
+    assert final.finished and len(final.outputs[0].token_ids) == 40

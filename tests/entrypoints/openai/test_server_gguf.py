@@ -105,3 +105,64 @@ def test_streamed_tool_call_deltas_with_the_default_model(smollm2_client):
         (0, "function", c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert deltas[0].id.startswith("call_") and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+EMBED_TEXTS = ["The capital of France is Paris.", "def reverse(s):\n    return s[::-1]", "Bonjour"]
+
+
+@pytest.fixture(scope="module")
+def transformers_smollm2():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.paths import default_model
+
+    path = default_model()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def test_embeddings_equal_transformers_last_hidden_state(smollm2_client, transformers_smollm2):
+    """/v1/embeddings through the openai client (which asks for base64 and decodes it): one
+    576-float unit vector per input, equal to transformers' final-norm state at the last token
+    (normalized) on the same GGUF; token-id input gives the same vector as its text; usage counts
+    the input tokens."""
+    import torch
+
+    reply = smollm2_client.embeddings.create(model=DEFAULT_MODEL_NAME, input=EMBED_TEXTS)
+    import httpx
+
+    tokenize = str(smollm2_client.base_url).removesuffix("v1/") + "tokenize"
+    tokens = [httpx.post(tokenize, json={"prompt": t}).json()["tokens"] for t in EMBED_TEXTS]
+    assert [d.index for d in reply.data] == [0, 1, 2] and reply.model == DEFAULT_MODEL_NAME
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(map(len, tokens))
+    for data, ids in zip(reply.data, tokens):
+        ours = torch.tensor(data.embedding)
+        assert ours.shape == (576,) and torch.linalg.vector_norm(ours).item() == pytest.approx(1.0, abs=1e-5)
+        with torch.no_grad():
+            ref = transformers_smollm2.model(torch.tensor([ids])).last_hidden_state[0, -1]
+        torch.testing.assert_close(ours, torch.nn.functional.normalize(ref, dim=-1), atol=1e-4, rtol=1e-3)
+    by_ids = smollm2_client.embeddings.create(model=DEFAULT_MODEL_NAME, input=tokens[1], encoding_format="float")
+    assert by_ids.data[0].embedding == pytest.approx(reply.data[1].embedding, abs=1e-6)
+
+
+def test_embeddings_bad_input_is_a_400_naming_the_field(smollm2_client):
+    cases = [({"input": "hi", "dimensions": 64}, "dimensions"), ({"input": []}, "input"),
+             ({"input": [[1, 2], [10**7]]}, "input"), ({"input": "hi", "encoding_format": "int8"}, "encoding_format")]
+    for body, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            smollm2_client.post("/embeddings", body={"model": DEFAULT_MODEL_NAME, **body}, cast_to=dict)
+        assert info.value.status_code == 400 and param in str(info.value.body), (body, info.value.body)
+    ok = smollm2_client.embeddings.create(model=DEFAULT_MODEL_NAME, input="hi", dimensions=576, encoding_format="float")
+    assert len(ok.data[0].embedding) == 576
+
+
+def test_embeddings_mid_stream_leave_the_stream_unchanged(smollm2_client):
+    """An embedding computed while a chat streams (between two of its steps): the stream's text
+    is that of the same chat run alone."""
+    whole = smollm2_client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=QUESTION, max_tokens=24, temperature=0)
+    stream = smollm2_client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=QUESTION, max_tokens=24,
+                                                    temperature=0, stream=True)
+    pieces = [next(stream).choices[0].delta.content or ""]
+    smollm2_client.embeddings.create(model=DEFAULT_MODEL_NAME, input=EMBED_TEXTS)
+    pieces += [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(pieces) == whole.choices[0].message.content
