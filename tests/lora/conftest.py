@@ -33,7 +33,7 @@ def make_peft_adapter(base: Path, out: Path, rank: int, alpha: int, targets: lis
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.mul_(4.0)
-    peft_model.save_pretrained(str(out))
+    peft_model.save_pretrained(str(out), save_embedding_layers=False)
     return out
 
 
