@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import make_peft_adapter
+from lora_adapters import make_peft_adapter
 from tiny_models import build_model
 
 from pagedllm.engine.llm_engine import LLMEngine

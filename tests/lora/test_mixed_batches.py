@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lora_adapters import peft_greedy
 from tiny_models import load_reference
 
 from pagedllm.entrypoints.llm import LLM
@@ -24,22 +25,8 @@ MODES = {
 }
 
 
-def reference_tokens(model, prompts=PROMPTS) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 do_sample=False)
-            out.append(ids[0, len(prompt):].tolist())
-    return out
-
-
 def peft_tokens(base_model_factory, adapter) -> list[list[int]]:
-    from peft import PeftModel
-
-    if adapter is None:
-        return reference_tokens(base_model_factory())
-    return reference_tokens(PeftModel.from_pretrained(base_model_factory(), str(adapter)).eval())
+    return peft_greedy(base_model_factory, adapter, PROMPTS, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,15 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     priority: int
+    lora_request: Any = None  # the adapter the requests run with (lora/request.py)
+
+
+@dataclass
+class _Call:
+    """Runs fn(engine) on the engine thread between steps (the engine is not thread-safe): adapter loads."""
+
+    fn: Callable[[Any], Any]
+    answer: asyncio.Future
 
 
 @dataclass
@@ -190,6 +199,7 @@ class AsyncEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestGroup]:
         """Add one request per (request_id, prompt), all or none; yields their RequestGroup.
 
@@ -205,7 +215,7 @@ class AsyncEngine:
         if self.request_timeout_s is not None:
             group.timeout_s = self.request_timeout_s
             group.deadline = time.monotonic() + self.request_timeout_s
-        self._send(_Add(group, prompts, params, arrival_time or time.time(), priority))
+        self._send(_Add(group, prompts, params, arrival_time or time.time(), priority, lora_request))
         try:
             await group.accepted
             yield group
@@ -215,6 +225,15 @@ class AsyncEngine:
 
     def abort(self, request_ids: list[str]) -> None:
         self._send(_Abort(request_ids))
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(engine) run on the engine thread between two steps; its result, or its exception."""
+        if self._ended.is_set() or self._closing:
+            raise self._end_error()
+        assert self._loop is not None, "AsyncEngine.start() was not called"
+        answer = self._loop.create_future()
+        self._send(_Call(fn, answer))
+        return await answer
 
     async def request_states(self) -> list[dict[str, Any]]:
         """Each live request's state, timings and counts (LLMEngine.request_states), read on the
@@ -250,6 +269,8 @@ class AsyncEngine:
             command.group._fail(exc)
         elif isinstance(command, _Query):
             _answer(command.answer, [])
+        elif isinstance(command, _Call):
+            _settle(command.answer, exc)
 
     # ---- engine-thread side -------------------------------------------------------------------
     def _run(self) -> None:
@@ -311,6 +332,12 @@ class AsyncEngine:
             self._stopping = True
         elif isinstance(command, _Query):
             self._post(_answer, command.answer, self.engine.request_states())
+        elif isinstance(command, _Call):
+            try:
+                result, error = command.fn(self.engine), None
+            except Exception as exc:  # (a ValueError: a bad adapter; the engine is untouched)
+                result, error = None, exc
+            self._post(_settle, command.answer, error, result)
         elif isinstance(command, _Abort):
             for request_id in command.request_ids:
                 if request_id in self._groups:
@@ -327,7 +354,8 @@ class AsyncEngine:
                 self._check_queue()
                 try:
                     self.engine.add_request(
-                        request_id, prompt, command.params, arrival_time=command.arrival_time, priority=command.priority
+                        request_id, prompt, command.params, arrival_time=command.arrival_time, priority=command.priority,
+                        lora_request=command.lora_request,
                     )
                 except ValueError as exc:
                     raise ValueError(f"prompt {index}: {exc}" if len(command.prompts) > 1 else str(exc)) from exc
@@ -381,6 +409,8 @@ class AsyncEngine:
                 self._post(command.group._fail, exc)
             elif isinstance(command, _Query):
                 self._post(_answer, command.answer, [])
+            elif isinstance(command, _Call):
+                self._post(_settle, command.answer, exc)
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
@@ -416,3 +446,12 @@ def _deliver_and_fail(deliveries: list[tuple[RequestGroup, RequestOutput]], grou
     _deliver(deliveries)
     for group in groups:
         group._fail(exc)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
