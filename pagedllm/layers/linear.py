@@ -149,10 +149,9 @@ class GateUpLinear(Linear):
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._swiglu(x)
         if self.lora is not None and self.lora.active:  # adapter rows: their gate and up adapted first
-            return self.lora.gate_up(self, x, out)
-        return out
+            return self.lora.gate_up(self, x)
+        return self._swiglu(x)
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         if self.library is not None:  # the swiglu panels give silu(gate) * up

@@ -4,10 +4,12 @@ Each projection a LoRA may target carries a `LoRASite` (`linear.lora`). Before a
 runner tells the sites' shared `LoRAStep` which rows use which adapter (rows grouped by
 adapter); each site then adds, per group, (x[rows] @ A^T) @ B^T to those rows of its output —
 Punica's shrink and expand, one pair of matmuls per adapter group, while base rows cost nothing.
-The gated MLP's fused gate/up projection returns silu(gate) * up, so for adapter rows the site
-recomputes the raw gate and up (the same weights: the GGUF blocks through the C kernel, the
-oneDNN-packed halves, or the dense weight), adds the delta, then applies silu * up; base rows
-keep the fused result bit for bit (their tokens do not depend on what else shares the step).
+The gated MLP's fused gate/up projection returns silu(gate) * up, so in a step with adapter rows
+the site computes the raw gate and up of every row instead (the same weights: the GGUF blocks
+through the C kernel, the oneDNN-packed halves, or the dense weight), adds the deltas, then
+applies silu * up: one product, not the fused one plus a second for the adapter rows. (Base rows
+of such a step may differ from a base-only step's in the last bits, as the torch path and the
+fused C decode step already do.)
 """
 from __future__ import annotations
 
@@ -40,23 +42,26 @@ class LoRASite:
         return bool(self.step.groups)
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`out` (the base projection of `x`) with each adapter group's delta added to its rows."""
-        for weights, rows in self.step.groups:
-            delta = weights.sites.get(self.key)
-            if delta is not None:
-                out[rows] += (x[rows] @ delta.a_t) @ delta.b_t
-        return out
-
-    def gate_up(self, linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`out` = silu(gate) * up of every row; adapter rows recomputed from their adapted gate and up."""
+        """`out` (the base projection of `x`) with each adapter group's delta added to its rows:
+        in place (addmm_ on the rows' view) when they are one slice, index_add_ otherwise."""
         for weights, rows in self.step.groups:
             delta = weights.sites.get(self.key)
             if delta is None:
                 continue
-            xs = x[rows]
-            gate, up = (raw_gate_up(linear, xs) + (xs @ delta.a_t) @ delta.b_t).chunk(2, dim=-1)
-            out[rows] = F.silu(gate) * up
+            if isinstance(rows, slice):
+                out[rows].addmm_(x[rows] @ delta.a_t, delta.b_t)
+            else:
+                out.index_add_(0, rows, (x.index_select(0, rows) @ delta.a_t) @ delta.b_t)
         return out
+
+    def gate_up(self, linear, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of every row, adapter rows' gate and up adapted (module docstring)."""
+        return _silu_mul(self.add_delta(x, raw_gate_up(linear, x)))
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def raw_gate_up(linear, x: torch.Tensor) -> torch.Tensor:
