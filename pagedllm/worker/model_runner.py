@@ -26,6 +26,7 @@ from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
 from pagedllm.distributed.group import ParallelGroup
 from pagedllm.layers import kernels
 from pagedllm.layers.sampler import Sampler
+from pagedllm.lora.fused import fused_lora
 from pagedllm.lora.manager import LoRAManager
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.fused_decode import FusedDecoder
@@ -99,6 +100,7 @@ class ModelRunner:
         self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.device,
                                 self.dtype) if config.enable_lora else None
         self.lora_of: dict[int, LoRARequest] = {}
+        self.fuse_lora = True  # adapter rows in the fused C step (False: always the modules, the reference)
         if self.triton_attention and self.device.type == "cuda":  # (Triton's interpreter would only be slower)
             self.model.use_triton_ops()
         if planner.fused_decode:
@@ -337,9 +339,14 @@ class ModelRunner:
         meta = attention_metadata(layout, views, self.kernel_attention, self.block_size, self.windows, self.dtype,
                                   triton=self.triton_attention)
         ids = views["input_ids"]
-        # Steps with adapter rows run the modules, which add the deltas (the fused C step has none)
-        fused = self.planner.runs_fused(self.model.fused, meta, ids.shape[0]) and not (self.lora and self.lora.step.groups)
-        return self.model.step_logits(ids, views["positions"], meta, views["logit_rows"], fused)
+        fused = self.planner.runs_fused(self.model.fused, meta, ids.shape[0])
+        lora = None
+        if self.lora is not None and self.lora.step.groups:
+            # the fused C step adds the adapter rows' deltas (lora/fused.py), else the modules do
+            described = fused_lora(self.model, self.lora.step.groups, ids.shape[0]) if fused and self.fuse_lora else None
+            fused = described is not None
+            lora = described[0] if fused else None
+        return self.model.step_logits(ids, views["positions"], meta, views["logit_rows"], fused, lora)
 
     def _uses_adapters(self, chunks: list[BatchChunk]) -> bool:
         return bool(self.lora_of) and any(chunk.seq_id in self.lora_of for chunk in chunks)

@@ -98,3 +98,23 @@ def test_gguf_base_with_fp32_adapters(gguf_base, adapters, tmp_path):
     llm = LLM(str(path), enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4, int8_activations=False,
               kv_cache_memory=16 << 20)
     assert mixed_batch(llm, loras, (None, *names)) == expected
+
+
+def test_the_fused_decode_step_adds_the_deltas(lora_base, adapters, references, monkeypatch):
+    """Decode steps with adapter rows run as one fused C call (csrc/decode_step.c adds the
+    deltas, gate/up's before the SiLU) — the same tokens as PEFT; the modules are not asked."""
+    from pagedllm.models.fused_decode import FusedDecoder
+
+    calls = {"lora": 0, "base": 0}
+    original = FusedDecoder.__call__
+
+    def counting(self, *args, **kwargs):
+        calls["lora" if (len(args) > 4 and args[4] is not None) else "base"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedDecoder, "__call__", counting)
+    names = ("attn", "mlp", "all", "finetuned")
+    llm = LLM(str(lora_base), enable_lora=True, max_loras=4, max_lora_rank=8, block_size=4, decode_backend="fused")
+    got = mixed_batch(llm, requests_for(adapters, names), (None, *names))
+    assert got == {name: references[name] for name in (None, *names)}
+    assert calls["lora"] >= NEW_TOKENS - 1, calls

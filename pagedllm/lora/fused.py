@@ -1,0 +1,59 @@
+"""A step's adapters described to the fused C decode step (csrc/decode_step.c, Step.lora).
+
+The C step adds each adapter row's delta after qkv, o and down and before gate/up's SiLU, from
+the same fp32 pairs the modules use (lora/weights.py: a_t [k, R], b_t [R, n], scaled). Each
+adapter's pairs are laid out once as C structs (cached on its weights); a step copies them side
+by side and says which adapter each row uses."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagedllm.layers.kernel_interface import STRUCTS
+from pagedllm.lora.layers import raw_panels
+from pagedllm.lora.weights import AdapterWeights
+
+LoraPair, LoraStruct, Matrix = STRUCTS["LoraPair"], STRUCTS["Lora"], STRUCTS["Matrix"]
+SITES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the C step's order per layer
+MAX_RANK = 256  # csrc/decode_step.c's LORA_MAX_RANK: a site's stacked rank (q + k + v) above it runs the modules
+
+
+def _pairs(weights: AdapterWeights, num_layers: int):
+    """The adapter's [num_layers * 4] LoraPair array, built once per weights object."""
+    cached = getattr(weights, "_c_pairs", None)
+    if cached is None:
+        cached = (LoraPair * (num_layers * len(SITES)))()
+        for (layer, site), delta in weights.sites.items():
+            cached[layer * len(SITES) + SITES.index(site)] = LoraPair(a_t=delta.a_t.data_ptr(), b_t=delta.b_t.data_ptr(),
+                                                                      rank=delta.a_t.shape[1])
+        weights._c_pairs = cached
+    return cached
+
+
+def fusable(weights: AdapterWeights) -> bool:
+    return all(d.a_t.dtype == torch.float32 and d.a_t.device.type == "cpu" and d.a_t.shape[1] <= MAX_RANK
+               for d in weights.sites.values())
+
+
+def fused_lora(model, groups: list, num_rows: int) -> tuple[object, list] | None:
+    """(the Lora struct, what it points into) for a step of `num_rows` rows whose adapter rows are
+    `groups`; None when the C step cannot take them (then the modules run the step)."""
+    layers = model.model.layers
+    num_layers = len(layers)
+    if not all(fusable(weights) for weights, _ in groups):
+        return None
+    raws = None
+    if any(site == "gate_up_proj" for weights, _ in groups for _, site in weights.sites):
+        panels = [raw_panels(layer.mlp.gate_up_proj) for layer in layers]
+        if any(p is None for p in panels):
+            return None
+        raws = (Matrix * num_layers)(*[p.struct() for p in panels])
+    size = num_layers * len(SITES) * ctypes.sizeof(LoraPair)
+    pairs = (LoraPair * (num_layers * len(SITES) * len(groups)))()
+    row_adapter = torch.full((num_rows,), -1, dtype=torch.int64)
+    for index, (weights, rows) in enumerate(groups):
+        ctypes.memmove(ctypes.addressof(pairs) + index * size, _pairs(weights, num_layers), size)
+        row_adapter[rows] = index
+    struct = LoraStruct(num_adapters=len(groups), row_adapter=row_adapter.data_ptr(), pairs=pairs, gate_up_raw=raws)
+    return struct, [row_adapter, pairs, raws, [w for w, _ in groups]]
