@@ -109,6 +109,7 @@ class CatalogEntry:
     status: str
     max_model_len: int | None = None
     error: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelRegistry:
@@ -189,11 +190,13 @@ class ModelRegistry:
 
     def catalog(self) -> list[CatalogEntry]:
         """Every model loaded, loading, failed or loadable (start-up models and --model-dir folders),
-        by name; what the web console lists with load/unload buttons."""
+        by name, then the LoRA adapters served (with their parent); what the web console lists
+        with load/unload buttons."""
         names = set(self._startup_paths) | set(self._ready) | set(self._loading) | set(self._failed)
         if self.settings.model_dir and Path(self.settings.model_dir).is_dir():
             names |= set(loadable_models(self.settings.model_dir))
-        return [self._entry(name) for name in sorted(names)]
+        adapters = [CatalogEntry(a.name, "ready", a.max_model_len, parent=a.parent) for a in self._adapters.values()]
+        return [self._entry(name) for name in sorted(names)] + sorted(adapters, key=lambda e: e.name)
 
     def _entry(self, name: str) -> CatalogEntry:
         if name in self._ready:

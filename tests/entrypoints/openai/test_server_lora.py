@@ -67,6 +67,8 @@ def test_adapters_are_served_like_peft(client, srv, lora_files):
     assert set(cards) == {"tiny", "attn", "mlp"}
     assert cards["attn"].parent == "tiny" and cards["mlp"].parent == "tiny" and getattr(cards["tiny"], "parent", None) is None
     assert client.models.retrieve("mlp").root == str(lora_files["mlp"])
+    console = {m["id"]: m for m in httpx.get(srv.url + "/console/api/models").json()["data"]}  # the console's model picker
+    assert console["mlp"]["status"] == "ready" and console["mlp"]["parent"] == "tiny" and console["tiny"]["parent"] is None
     assert greedy_ids(client, "tiny") == expected[None]  # the base's own prompt blocks were never the adapters'
 
 
