@@ -25,8 +25,9 @@ def _pairs(weights: AdapterWeights, num_layers: int):
     if cached is None:
         cached = (LoraPair * (num_layers * len(SITES)))()
         for (layer, site), delta in weights.sites.items():
-            cached[layer * len(SITES) + SITES.index(site)] = LoraPair(a_t=delta.a_t.data_ptr(), b_t=delta.b_t.data_ptr(),
-                                                                      rank=delta.a_t.shape[1])
+            cached[layer * len(SITES) + SITES.index(site)] = LoraPair(
+                a_t=delta.a_t.data_ptr(), b_t=delta.b_t.data_ptr(), rank=delta.a_t.shape[1], a_capacity=delta.a_t.numel(),
+                b_capacity=delta.b_t.numel())
         weights._c_pairs = cached
     return cached
 

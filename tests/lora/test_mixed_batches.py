@@ -118,3 +118,18 @@ def test_the_fused_decode_step_adds_the_deltas(lora_base, adapters, references, 
     got = mixed_batch(llm, requests_for(adapters, names), (None, *names))
     assert got == {name: references[name] for name in (None, *names)}
     assert calls["lora"] >= NEW_TOKENS - 1, calls
+
+
+def test_samples_and_structured_output_with_an_adapter(lora_base, adapters, references):
+    """n > 1 forks share the adapter (greedy samples all equal PEFT's tokens); a grammar-constrained
+    request with an adapter keeps to its grammar."""
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    loras = requests_for(adapters, ("mlp",))
+    llm = LLM(str(lora_base), enable_lora=True, max_lora_rank=8, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
+    (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False, lora_request=loras["mlp"])
+    assert [c.token_ids for c in out.outputs] == [references["mlp"][0]] * 2
+    choice = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    (out,) = llm.generate(["Answer:"], choice, use_tqdm=False, lora_request=loras["mlp"])
+    assert out.outputs[0].text in ("yes", "no")

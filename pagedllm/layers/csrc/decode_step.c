@@ -423,10 +423,16 @@ static int check_lora(const Model *md, const Step *st) {
         REQUIRE(lora->row_adapter[r] >= -1 && lora->row_adapter[r] < lora->num_adapters,
                 "decode step: row %lld uses LoRA adapter %lld of %lld", (long long)r, (long long)lora->row_adapter[r],
                 (long long)lora->num_adapters);
+    const int64_t H = md->hidden, q_width = md->num_heads * md->head_dim, I = md->intermediate;
+    const int64_t ins[LORA_SITES] = {H, q_width, H, I}, outs[LORA_SITES] = {q_width + 2 * md->num_kv_heads * md->head_dim, H, 2 * I, H};
     for (int64_t i = 0; i < lora->num_adapters * md->num_layers * LORA_SITES; i++) {
         const LoraPair *p = &lora->pairs[i];
         REQUIRE(p->a_t == NULL || (p->b_t != NULL && p->rank >= 1 && p->rank <= LORA_MAX_RANK),
                 "decode step: LoRA pair %lld has rank %lld (at most %d)", (long long)i, (long long)p->rank, LORA_MAX_RANK);
+        REQUIRE(p->a_t == NULL || (ins[i % LORA_SITES] * p->rank <= p->a_capacity && p->rank * outs[i % LORA_SITES] <= p->b_capacity),
+                "decode step: LoRA pair %lld of rank %lld needs [%lld, r] and [r, %lld] floats, it has %lld and %lld",
+                (long long)i, (long long)p->rank, (long long)ins[i % LORA_SITES], (long long)outs[i % LORA_SITES],
+                (long long)p->a_capacity, (long long)p->b_capacity);
         REQUIRE(p->a_t == NULL || i % LORA_SITES != 2 || lora->gate_up_raw != NULL,
                 "decode step: LoRA pair %lld targets gate/up without the raw gate/up panels", (long long)i);
     }

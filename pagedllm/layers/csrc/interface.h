@@ -88,6 +88,7 @@ typedef struct {
 typedef struct {
     const float *a_t, *b_t;
     int64_t rank;
+    int64_t a_capacity, b_capacity; /* floats the caller allocated at a_t and at b_t */
 } LoraPair;
 
 /* The adapters of a fused step's rows (decode_step.c): pairs [num_adapters * num_layers * 4],
