@@ -32,6 +32,18 @@ def _pairs(weights: AdapterWeights, num_layers: int):
     return cached
 
 
+def _raw_matrices(model):
+    """Every layer's raw gate/up panels as C structs, built once per int8-activations setting
+    (decode steps may multiply int8 activations, and the struct carries the flag)."""
+    layers = model.model.layers
+    on = bool(layers[0].mlp.gate_up_proj.small.int8_activations)
+    cache = model.__dict__.setdefault("_lora_raw_matrices", {})
+    if on not in cache:
+        panels = [raw_panels(layer.mlp.gate_up_proj) for layer in layers]
+        cache[on] = None if any(p is None for p in panels) else ((Matrix * len(layers))(*[p.struct() for p in panels]), panels)
+    return cache[on][0] if cache[on] is not None else None
+
+
 def fusable(weights: AdapterWeights) -> bool:
     return all(d.a_t.dtype == torch.float32 and d.a_t.device.type == "cpu" and d.a_t.shape[1] <= MAX_RANK
                for d in weights.sites.values())
@@ -46,10 +58,9 @@ def fused_lora(model, groups: list, num_rows: int) -> tuple[object, list] | None
         return None
     raws = None
     if any(site == "gate_up_proj" for weights, _ in groups for _, site in weights.sites):
-        panels = [raw_panels(layer.mlp.gate_up_proj) for layer in layers]
-        if any(p is None for p in panels):
+        raws = _raw_matrices(model)
+        if raws is None:
             return None
-        raws = (Matrix * num_layers)(*[p.struct() for p in panels])
     size = num_layers * len(SITES) * ctypes.sizeof(LoraPair)
     pairs = (LoraPair * (num_layers * len(SITES) * len(groups)))()
     row_adapter = torch.full((num_rows,), -1, dtype=torch.int64)

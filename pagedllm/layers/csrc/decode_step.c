@@ -286,31 +286,30 @@ static void swiglu_stage(Stage *stage, const Scratch *sc, const Matrix *w, const
     await(stage, ch.n, next);
 }
 
-/* y[r] += (x[r] a_t) b_t for the rows of adapter `site`'s pairs in layer l: items are a row's
- * columns LORA_COLUMNS at a time (the row's shrink recomputed per item: k * rank, a few
- * thousand products, against the expand's rank * columns). */
+/* y[r] += (x[r] a_t) b_t for the rows of adapter `site`'s pairs in layer l, a row an item: its
+ * shrink (k * rank products, once) then its expand over every column (rank * n), both loops
+ * over contiguous floats that vectorise. The work is ~2 % of a row's base products at rank 8. */
 static void lora_stage(Stage *stage, const Lora *lora, int64_t num_layers, int64_t l, int site, const float *x, int64_t ldx,
                        int64_t k, float *y, int64_t ldy, int64_t n, int64_t R, Ahead next) {
-    const int64_t per_row = (n + LORA_COLUMNS - 1) / LORA_COLUMNS, items = R * per_row;
-    for (int64_t i; (i = claim(stage)) < items; finish(stage)) {
-        const int64_t r = i / per_row, c0 = i % per_row * LORA_COLUMNS, c1 = c0 + LORA_COLUMNS < n ? c0 + LORA_COLUMNS : n;
+    for (int64_t r; (r = claim(stage)) < R; finish(stage)) {
         const int64_t adapter = lora->row_adapter[r];
         if (adapter < 0) continue;
         const LoraPair *p = &lora->pairs[(adapter * num_layers + l) * LORA_SITES + site];
         if (p->a_t == NULL) continue;
+        const int64_t rank = p->rank;
         float xa[LORA_MAX_RANK] = {0};
         const float *xr = x + r * ldx;
         for (int64_t j = 0; j < k; j++) {
-            const float v = xr[j], *a = p->a_t + j * p->rank;
-            for (int64_t q = 0; q < p->rank; q++) xa[q] += v * a[q];
+            const float v = xr[j], *restrict a = p->a_t + j * rank;
+            for (int64_t q = 0; q < rank; q++) xa[q] += v * a[q];
         }
-        float *yr = y + r * ldy;
-        for (int64_t q = 0; q < p->rank; q++) {
-            const float s = xa[q], *b = p->b_t + q * n;
-            for (int64_t c = c0; c < c1; c++) yr[c] += s * b[c];
+        float *restrict yr = y + r * ldy;
+        for (int64_t q = 0; q < rank; q++) {
+            const float s = xa[q], *restrict b = p->b_t + q * n;
+            for (int64_t c = 0; c < n; c++) yr[c] += s * b[c];
         }
     }
-    await(stage, items, next);
+    await(stage, R, next);
 }
 
 /* act = silu(gate) * up from the raw gate/up rows (LoRA steps), a row's channels LORA_COLUMNS at a time. */
