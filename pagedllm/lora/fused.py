@@ -1,9 +1,9 @@
 """A step's adapters described to the fused C decode step (csrc/decode_step.c, Step.lora).
 
 The C step adds each adapter row's delta after qkv, o and down and before gate/up's SiLU, from
-the same fp32 pairs the modules use (lora/weights.py: a_t [k, R], b_t [R, n], scaled). Each
-adapter's pairs are laid out once as C structs (cached on its weights); a step copies them side
-by side and says which adapter each row uses."""
+each projection's own fp32 pair (lora/weights.py: a [r, k], b_t [r, n], scaled). Each adapter's
+pairs are laid out once as C structs (cached on its weights); a step copies them side by side
+and says which adapter each row uses."""
 from __future__ import annotations
 
 import ctypes
@@ -15,19 +15,18 @@ from pagedllm.lora.layers import raw_panels
 from pagedllm.lora.weights import AdapterWeights
 
 LoraPair, LoraStruct, Matrix = STRUCTS["LoraPair"], STRUCTS["Lora"], STRUCTS["Matrix"]
-SITES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the C step's order per layer
-MAX_RANK = 256  # csrc/decode_step.c's LORA_MAX_RANK: a site's stacked rank (q + k + v) above it runs the modules
+PROJECTIONS = 7  # q, k, v, o, gate, up, down per layer: lora/weights.TARGETS' order, the C step's
+MAX_RANK = 256  # csrc/decode_step.c's LORA_MAX_RANK: an adapter of a higher rank runs the modules
 
 
 def _pairs(weights: AdapterWeights, num_layers: int):
-    """The adapter's [num_layers * 4] LoraPair array, built once per weights object."""
+    """The adapter's [num_layers * 7] LoraPair array, built once per weights object."""
     cached = getattr(weights, "_c_pairs", None)
     if cached is None:
-        cached = (LoraPair * (num_layers * len(SITES)))()
-        for (layer, site), delta in weights.sites.items():
-            cached[layer * len(SITES) + SITES.index(site)] = LoraPair(
-                a_t=delta.a_t.data_ptr(), b_t=delta.b_t.data_ptr(), rank=delta.a_t.shape[1], a_capacity=delta.a_t.numel(),
-                b_capacity=delta.b_t.numel())
+        cached = (LoraPair * (num_layers * PROJECTIONS))()
+        for (layer, index), (a, b_t) in weights.projections.items():
+            cached[layer * PROJECTIONS + index] = LoraPair(a=a.data_ptr(), b_t=b_t.data_ptr(), rank=a.shape[0],
+                                                           a_capacity=a.numel(), b_capacity=b_t.numel())
         weights._c_pairs = cached
     return cached
 
@@ -45,8 +44,8 @@ def _raw_matrices(model):
 
 
 def fusable(weights: AdapterWeights) -> bool:
-    return all(d.a_t.dtype == torch.float32 and d.a_t.device.type == "cpu" and d.a_t.shape[1] <= MAX_RANK
-               for d in weights.sites.values())
+    return all(a.dtype == b.dtype == torch.float32 and a.device.type == "cpu" and a.shape[0] <= MAX_RANK
+               for a, b in weights.projections.values())
 
 
 def fused_lora(model, groups: list, num_rows: int) -> tuple[object, list] | None:
@@ -61,8 +60,8 @@ def fused_lora(model, groups: list, num_rows: int) -> tuple[object, list] | None
         raws = _raw_matrices(model)
         if raws is None:
             return None
-    size = num_layers * len(SITES) * ctypes.sizeof(LoraPair)
-    pairs = (LoraPair * (num_layers * len(SITES) * len(groups)))()
+    size = num_layers * PROJECTIONS * ctypes.sizeof(LoraPair)
+    pairs = (LoraPair * (num_layers * PROJECTIONS * len(groups)))()
     row_adapter = torch.full((num_rows,), -1, dtype=torch.int64)
     for index, (weights, rows) in enumerate(groups):
         ctypes.memmove(ctypes.addressof(pairs) + index * size, _pairs(weights, num_layers), size)

@@ -58,18 +58,23 @@ class SiteDelta:
 
 @dataclass
 class AdapterWeights:
-    """A loaded adapter: its rank, and a delta for each (layer, site) it targets."""
+    """A loaded adapter: its rank, a delta for each (layer, site) it targets (the modules' form),
+    and each targeted projection's own pair (layer, index in TARGETS) -> (a [r, k], b_t [r, n]
+    scaled): the fused C step's form (lora/fused.py), with no zero blocks to multiply."""
 
     lora_int_id: int
     rank: int
     sites: dict[tuple[int, str], SiteDelta]
+    projections: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "AdapterWeights":
-        return AdapterWeights(self.lora_int_id, self.rank, {k: d.to(device, dtype) for k, d in self.sites.items()})
+        move = lambda t: t.to(device, dtype).contiguous()  # noqa: E731 (on CPU in fp32: the same tensors)
+        return AdapterWeights(self.lora_int_id, self.rank, {k: d.to(device, dtype) for k, d in self.sites.items()},
+                              {k: (move(a), move(b)) for k, (a, b) in self.projections.items()})
 
     @property
     def nbytes(self) -> int:
-        return sum(d.nbytes for d in self.sites.values())
+        return sum(d.nbytes for d in self.sites.values()) + sum(a.nbytes + b.nbytes for a, b in self.projections.values())
 
 
 def load_weights(name: str, lora_int_id: int, path: str, shapes: dict[tuple[int, str], SiteShape],
@@ -82,6 +87,7 @@ def load_weights(name: str, lora_int_id: int, path: str, shapes: dict[tuple[int,
     if settings.rank > max_lora_rank:
         raise LoRAError(f"adapter {name!r}: rank r={settings.rank} exceeds max_lora_rank={max_lora_rank}")
     pairs: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    projections = {}
     for module in sorted({n.rsplit(".", 2)[0] for n in tensors}):
         layer, site, shard = _site_of(name, module, shapes)
         a, b = tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"]
@@ -92,8 +98,10 @@ def load_weights(name: str, lora_int_id: int, path: str, shapes: dict[tuple[int,
             raise LoRAError(f"adapter {name!r}: {module} maps {a.shape[1]} -> {b.shape[0]} features, the base model's "
                             f"{shape.in_features} -> {shape.shard_sizes[shard]}: it was made for another base model")
         pairs.setdefault((layer, site), {})[shard] = (a, b * settings.scaling)
+        projections[(layer, list(TARGETS).index(module.rsplit(".", 1)[-1]))] = (
+            a.contiguous(), (b * settings.scaling).t().contiguous())
     sites = {key: _pack_site(shapes[key], shards) for key, shards in pairs.items()}
-    return AdapterWeights(lora_int_id, settings.rank, sites)
+    return AdapterWeights(lora_int_id, settings.rank, sites, projections)
 
 
 def _site_of(name: str, module: str, shapes: dict[tuple[int, str], SiteShape]) -> tuple[int, str, int]:

@@ -322,9 +322,9 @@ def test_the_fused_step_refuses_lora_indices_and_ranks_it_cannot_take(decoder):
 
     fused, model = decoder
     num_layers = len(model.model.layers)
-    a_t, b_t = torch.zeros(64, 4), torch.zeros(4, 128)  # layer 0's qkv: 64 -> 64 + 2 * 32
+    a, b_t = torch.zeros(4, 64), torch.zeros(4, 64)  # layer 0's q_proj: 64 -> 64
     rows = torch.tensor([0, -1], dtype=torch.int64)
-    pairs = (STRUCTS["LoraPair"] * (num_layers * 4))()
+    pairs = (STRUCTS["LoraPair"] * (num_layers * 7))()
     lora = STRUCTS["Lora"](num_adapters=1, row_adapter=rows.data_ptr(), pairs=pairs, gate_up_raw=None)
 
     def run(**change) -> int:
@@ -336,17 +336,17 @@ def test_the_fused_step_refuses_lora_indices_and_ranks_it_cannot_take(decoder):
                         lora=ctypes.pointer(lora))
         return fused.library.decode_step(ctypes.byref(fused._struct), ctypes.byref(st), 1)
 
-    pair = lambda rank=4, b=b_t.numel(): STRUCTS["LoraPair"](a_t=a_t.data_ptr(), b_t=b_t.data_ptr(), rank=rank,  # noqa: E731
-                                                            a_capacity=a_t.numel(), b_capacity=b)
-    pairs[0] = pair()  # layer 0's qkv
+    pair = lambda rank=4, b=b_t.numel(): STRUCTS["LoraPair"](a=a.data_ptr(), b_t=b_t.data_ptr(), rank=rank,  # noqa: E731
+                                                            a_capacity=a.numel(), b_capacity=b)
+    pairs[0] = pair()  # layer 0's q_proj
     assert run() == kernels.KERNEL_OK
     pairs[0] = pair(b=b_t.numel() - 1)
-    assert run() == kernels.KERNEL_REFUSED and b"needs [64, r] and [r, 128] floats" in fused.library.kernel_last_error()
+    assert run() == kernels.KERNEL_REFUSED and b"needs [r, 64] and [r, 64] floats" in fused.library.kernel_last_error()
     pairs[0] = pair()
     rows[0] = 1
     assert run() == kernels.KERNEL_REFUSED and b"row 0 uses LoRA adapter 1 of 1" in fused.library.kernel_last_error()
     rows[0] = 0
     pairs[0] = pair(rank=300)
     assert run() == kernels.KERNEL_REFUSED and b"has rank 300" in fused.library.kernel_last_error()
-    pairs[0], pairs[2] = STRUCTS["LoraPair"](), pair(b=4 * 256)  # (refused before anything is read)
+    pairs[0], pairs[4] = STRUCTS["LoraPair"](), pair(b=4 * 128)  # gate_proj (refused before anything is read)
     assert run() == kernels.KERNEL_REFUSED and b"without the raw gate/up panels" in fused.library.kernel_last_error()

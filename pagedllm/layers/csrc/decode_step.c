@@ -28,8 +28,8 @@
  * then rmsnorm of the sampled rows and their logits over the (tied or not) LM head's panels.
  *
  * LoRA adapters (Step.lora): after each of qkv, o and down, the rows that use an adapter get
- * its low-rank delta, (x a_t) b_t, added (items of (row, columns): a shrink of the row then
- * its expand over those columns — Punica's two steps, per row); gate/up deltas go before the
+ * its low-rank delta, (x a^T) b_t, added (a row an item: the shrink of the row, then its expand
+ * — Punica's two steps, per row, per projection q/k/v/...); gate/up deltas go before the
  * SiLU, so such a step computes the raw gate and up (the plain panels Lora.gate_up_raw), adds
  * the deltas, then silu(gate) * up, instead of the fused SwiGLU panels.
  *
@@ -129,8 +129,18 @@ typedef struct {
 } Stage;
 
 /* The six of every layer, then LoRA's: the deltas of qkv, o, gate/up and down, and silu * up */
-enum { STAGES_PER_LAYER = 11, LORA_QKV = 6, LORA_O = 7, LORA_GATE_UP = 8, LORA_SILU = 9, LORA_DOWN = 10 };
-enum { LORA_SITES = 4, LORA_COLUMNS = 256, LORA_MAX_RANK = 256 };
+enum { STAGES_PER_LAYER = 11, LORA_QKV = 6, LORA_O_STAGE = 7, LORA_GATE_UP = 8, LORA_SILU = 9, LORA_DOWN_STAGE = 10 };
+enum { LORA_PROJECTIONS = 7, LORA_COLUMNS = 256, LORA_MAX_RANK = 256 };
+enum { LORA_Q = 0, LORA_O = 3, LORA_GATE = 4, LORA_DOWN = 6 };
+
+/* Projection p's (q, k, v, o, gate, up, down) inputs, outputs and first column in its site's
+ * output (q|k|v of qkv, gate|up of the raw gate/up rows). */
+static void lora_shape(const Model *md, int p, int64_t *k, int64_t *n, int64_t *offset) {
+    const int64_t H = md->hidden, q = md->num_heads * md->head_dim, kv = md->num_kv_heads * md->head_dim, I = md->intermediate;
+    const int64_t ks[LORA_PROJECTIONS] = {H, H, H, q, H, H, I}, ns[LORA_PROJECTIONS] = {q, kv, kv, H, I, I, H};
+    const int64_t offsets[LORA_PROJECTIONS] = {0, q, q + kv, 0, 0, I, 0};
+    *k = ks[p], *n = ns[p], *offset = offsets[p];
+}
 /* Sequences per thread from which an attention item takes all of a sequence's KV heads. */
 enum { ATTEND_WHOLE_ROWS = 4 };
 
@@ -286,27 +296,33 @@ static void swiglu_stage(Stage *stage, const Scratch *sc, const Matrix *w, const
     await(stage, ch.n, next);
 }
 
-/* y[r] += (x[r] a_t) b_t for the rows of adapter `site`'s pairs in layer l, a row an item: its
- * shrink (k * rank products, once) then its expand over every column (rank * n), both loops
- * over contiguous floats that vectorise. The work is ~2 % of a row's base products at rank 8. */
-static void lora_stage(Stage *stage, const Lora *lora, int64_t num_layers, int64_t l, int site, const float *x, int64_t ldx,
-                       int64_t k, float *y, int64_t ldy, int64_t n, int64_t R, Ahead next) {
+/* y[r] += (x[r] a^T) b_t for the rows using an adapter, for its pairs first .. first + count - 1
+ * of layer l (one site's projections: q, k, v of qkv; gate, up of gate/up), a row an item: each
+ * pair's shrink (rank dot products of k floats) then its expand over its columns (rank * n),
+ * both over contiguous floats that vectorise — ~2 % of a row's base products at rank 8. */
+static void lora_stage(Stage *stage, const Model *md, const Lora *lora, int64_t l, int first, int count, const float *x,
+                       int64_t ldx, float *y, int64_t ldy, int64_t R, Ahead next) {
     for (int64_t r; (r = claim(stage)) < R; finish(stage)) {
         const int64_t adapter = lora->row_adapter[r];
         if (adapter < 0) continue;
-        const LoraPair *p = &lora->pairs[(adapter * num_layers + l) * LORA_SITES + site];
-        if (p->a_t == NULL) continue;
-        const int64_t rank = p->rank;
-        float xa[LORA_MAX_RANK] = {0};
-        const float *xr = x + r * ldx;
-        for (int64_t j = 0; j < k; j++) {
-            const float v = xr[j], *restrict a = p->a_t + j * rank;
-            for (int64_t q = 0; q < rank; q++) xa[q] += v * a[q];
-        }
-        float *restrict yr = y + r * ldy;
-        for (int64_t q = 0; q < rank; q++) {
-            const float s = xa[q], *restrict b = p->b_t + q * n;
-            for (int64_t c = 0; c < n; c++) yr[c] += s * b[c];
+        for (int proj = first; proj < first + count; proj++) {
+            const LoraPair *p = &lora->pairs[(adapter * md->num_layers + l) * LORA_PROJECTIONS + proj];
+            if (p->a == NULL) continue;
+            int64_t k, n, offset;
+            lora_shape(md, proj, &k, &n, &offset);
+            float xa[LORA_MAX_RANK];
+            const float *restrict xr = x + r * ldx;
+            for (int64_t q = 0; q < p->rank; q++) {
+                const float *restrict a = p->a + q * k;
+                float sum = 0.0f;
+                for (int64_t j = 0; j < k; j++) sum += xr[j] * a[j];
+                xa[q] = sum;
+            }
+            float *restrict yr = y + r * ldy + offset;
+            for (int64_t q = 0; q < p->rank; q++) {
+                const float s = xa[q], *restrict b = p->b_t + q * n;
+                for (int64_t c = 0; c < n; c++) yr[c] += s * b[c];
+            }
         }
     }
     await(stage, R, next);
@@ -337,8 +353,8 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
     const Ahead o_ahead = ahead_of(&ly->o, 0, t, nt);
     matmul_stage(&stages[0], sc, &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, pair, o_ahead, t, nt);
     const Lora *lora = st->lora;
-    const int64_t l = ly - md->layers, L = md->num_layers, I = md->intermediate;
-    if (lora != NULL) lora_stage(&stages[LORA_QKV], lora, L, l, 0, norm, H, H, sc->qkv, sc->qkv_ld, sc->qkv_ld, R, o_ahead);
+    const int64_t l = ly - md->layers, I = md->intermediate;
+    if (lora != NULL) lora_stage(&stages[LORA_QKV], md, lora, l, LORA_Q, 3, norm, H, sc->qkv, sc->qkv_ld, R, o_ahead);
     for (int64_t i; (i = claim(&stages[1])) < R * Hkv; finish(&stages[1]))
         prepare_head(md, ly, st, sc->qkv, sc->qkv_ld, i / Hkv, i % Hkv);
     await(&stages[1], R * Hkv, o_ahead);
@@ -356,17 +372,17 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
     }
     await(&stages[2], items, o_ahead);
     matmul_stage(&stages[3], sc, &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, pair, ahead_of(&ly->gate_up, 1, t, nt), t, nt);
-    if (lora != NULL) lora_stage(&stages[LORA_O], lora, L, l, 1, sc->attn, q_width, q_width, sc->x, H, H, R, NOTHING_AHEAD);
+    if (lora != NULL) lora_stage(&stages[LORA_O_STAGE], md, lora, l, LORA_O, 1, sc->attn, q_width, sc->x, H, R, NOTHING_AHEAD);
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->post_norm, H, md->eps, norm + r * H);
     if (lora != NULL && lora->gate_up_raw != NULL) {
         matmul_stage(&stages[4], sc, &lora->gate_up_raw[l], norm, R, H, sc->raw, 2 * I, STORE, pair, NOTHING_AHEAD, t, nt);
-        lora_stage(&stages[LORA_GATE_UP], lora, L, l, 2, norm, H, H, sc->raw, 2 * I, 2 * I, R, NOTHING_AHEAD);
+        lora_stage(&stages[LORA_GATE_UP], md, lora, l, LORA_GATE, 2, norm, H, sc->raw, 2 * I, R, NOTHING_AHEAD);
         silu_stage(&stages[LORA_SILU], sc->raw, I, sc->act, R, ahead_of(&ly->down, 0, t, nt));
     } else {
         swiglu_stage(&stages[4], sc, &ly->gate_up, norm, R, H, sc->act, I, pair, ahead_of(&ly->down, 0, t, nt), t, nt);
     }
     matmul_stage(&stages[5], sc, &ly->down, sc->act, R, I, sc->x, H, ACCUMULATE, pair, ahead_of(next, 0, t, nt), t, nt);
-    if (lora != NULL) lora_stage(&stages[LORA_DOWN], lora, L, l, 3, sc->act, I, I, sc->x, H, H, R, ahead_of(next, 0, t, nt));
+    if (lora != NULL) lora_stage(&stages[LORA_DOWN_STAGE], md, lora, l, LORA_DOWN, 1, sc->act, I, sc->x, H, R, ahead_of(next, 0, t, nt));
     return failed;
 }
 
@@ -422,17 +438,17 @@ static int check_lora(const Model *md, const Step *st) {
         REQUIRE(lora->row_adapter[r] >= -1 && lora->row_adapter[r] < lora->num_adapters,
                 "decode step: row %lld uses LoRA adapter %lld of %lld", (long long)r, (long long)lora->row_adapter[r],
                 (long long)lora->num_adapters);
-    const int64_t H = md->hidden, q_width = md->num_heads * md->head_dim, I = md->intermediate;
-    const int64_t ins[LORA_SITES] = {H, q_width, H, I}, outs[LORA_SITES] = {q_width + 2 * md->num_kv_heads * md->head_dim, H, 2 * I, H};
-    for (int64_t i = 0; i < lora->num_adapters * md->num_layers * LORA_SITES; i++) {
+    for (int64_t i = 0; i < lora->num_adapters * md->num_layers * LORA_PROJECTIONS; i++) {
         const LoraPair *p = &lora->pairs[i];
-        REQUIRE(p->a_t == NULL || (p->b_t != NULL && p->rank >= 1 && p->rank <= LORA_MAX_RANK),
+        const int proj = (int)(i % LORA_PROJECTIONS);
+        int64_t k, n, offset;
+        lora_shape(md, proj, &k, &n, &offset);
+        REQUIRE(p->a == NULL || (p->b_t != NULL && p->rank >= 1 && p->rank <= LORA_MAX_RANK),
                 "decode step: LoRA pair %lld has rank %lld (at most %d)", (long long)i, (long long)p->rank, LORA_MAX_RANK);
-        REQUIRE(p->a_t == NULL || (ins[i % LORA_SITES] * p->rank <= p->a_capacity && p->rank * outs[i % LORA_SITES] <= p->b_capacity),
-                "decode step: LoRA pair %lld of rank %lld needs [%lld, r] and [r, %lld] floats, it has %lld and %lld",
-                (long long)i, (long long)p->rank, (long long)ins[i % LORA_SITES], (long long)outs[i % LORA_SITES],
-                (long long)p->a_capacity, (long long)p->b_capacity);
-        REQUIRE(p->a_t == NULL || i % LORA_SITES != 2 || lora->gate_up_raw != NULL,
+        REQUIRE(p->a == NULL || (k * p->rank <= p->a_capacity && p->rank * n <= p->b_capacity),
+                "decode step: LoRA pair %lld of rank %lld needs [r, %lld] and [r, %lld] floats, it has %lld and %lld",
+                (long long)i, (long long)p->rank, (long long)k, (long long)n, (long long)p->a_capacity, (long long)p->b_capacity);
+        REQUIRE(p->a == NULL || (proj != LORA_GATE && proj != LORA_GATE + 1) || lora->gate_up_raw != NULL,
                 "decode step: LoRA pair %lld targets gate/up without the raw gate/up panels", (long long)i);
     }
     for (int64_t l = 0; lora->gate_up_raw != NULL && l < md->num_layers; l++) {

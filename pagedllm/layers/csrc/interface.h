@@ -82,17 +82,17 @@ typedef struct {
 } Model;
 
 /* A LoRA adapter's low-rank pair at one projection of one layer (lora/weights.py): the rows that
- * use the adapter get (x a_t) b_t added to the projection's output, a_t [k, rank] and b_t
- * [rank, n] fp32 (n the projection's outputs, the scaling folded into b_t). a_t NULL: the
- * adapter does not target the projection. */
+ * use the adapter get (x a^T) b_t added to the projection's output columns, a [rank, k] and b_t
+ * [rank, n] fp32 (k, n: the projection's inputs and outputs, the scaling folded into b_t).
+ * a NULL: the adapter does not target the projection. */
 typedef struct {
-    const float *a_t, *b_t;
+    const float *a, *b_t;
     int64_t rank;
-    int64_t a_capacity, b_capacity; /* floats the caller allocated at a_t and at b_t */
+    int64_t a_capacity, b_capacity; /* floats the caller allocated at a and at b_t */
 } LoraPair;
 
-/* The adapters of a fused step's rows (decode_step.c): pairs [num_adapters * num_layers * 4],
- * each layer's qkv, o, gate_up and down pairs in that order; row_adapter [rows], an index into
+/* The adapters of a fused step's rows (decode_step.c): pairs [num_adapters * num_layers * 7],
+ * each layer's q, k, v, o, gate, up and down pairs in that order; row_adapter [rows], an index into
  * the adapters or -1 (the base model); gate_up_raw [num_layers]: each layer's gate/up panels as
  * a plain matrix (gate channels, then up), which the rows' gate/up deltas need before the SiLU;
  * NULL when no adapter of the step targets gate/up. */
