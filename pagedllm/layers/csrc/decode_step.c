@@ -318,8 +318,15 @@ static void lora_stage(Stage *stage, const Model *md, const Lora *lora, int64_t 
                 for (int64_t j = 0; j < k; j++) sum += xr[j] * a[j];
                 xa[q] = sum;
             }
+            /* four rank rows a pass: the output row is read and written a quarter as often */
             float *restrict yr = y + r * ldy + offset;
-            for (int64_t q = 0; q < p->rank; q++) {
+            int64_t q = 0;
+            for (; q + 4 <= p->rank; q += 4) {
+                const float s0 = xa[q], s1 = xa[q + 1], s2 = xa[q + 2], s3 = xa[q + 3];
+                const float *restrict b0 = p->b_t + q * n, *restrict b1 = b0 + n, *restrict b2 = b1 + n, *restrict b3 = b2 + n;
+                for (int64_t c = 0; c < n; c++) yr[c] += s0 * b0[c] + s1 * b1[c] + s2 * b2[c] + s3 * b3[c];
+            }
+            for (; q < p->rank; q++) {
                 const float s = xa[q], *restrict b = p->b_t + q * n;
                 for (int64_t c = 0; c < n; c++) yr[c] += s * b[c];
             }
@@ -371,15 +378,19 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
         failed = worse_status(failed, status);
     }
     await(&stages[2], items, o_ahead);
-    matmul_stage(&stages[3], sc, &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, pair, ahead_of(&ly->gate_up, 1, t, nt), t, nt);
-    if (lora != NULL) lora_stage(&stages[LORA_O_STAGE], md, lora, l, LORA_O, 1, sc->attn, q_width, sc->x, H, R, NOTHING_AHEAD);
+    /* a LoRA step with gate/up deltas reads the raw gate/up panels: those are what to read ahead */
+    const int raw = lora != NULL && lora->gate_up_raw != NULL;
+    const Ahead up_ahead = raw ? ahead_of(&lora->gate_up_raw[l], 0, t, nt) : ahead_of(&ly->gate_up, 1, t, nt);
+    const Ahead down_ahead = ahead_of(&ly->down, 0, t, nt);
+    matmul_stage(&stages[3], sc, &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, pair, up_ahead, t, nt);
+    if (lora != NULL) lora_stage(&stages[LORA_O_STAGE], md, lora, l, LORA_O, 1, sc->attn, q_width, sc->x, H, R, up_ahead);
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->post_norm, H, md->eps, norm + r * H);
-    if (lora != NULL && lora->gate_up_raw != NULL) {
-        matmul_stage(&stages[4], sc, &lora->gate_up_raw[l], norm, R, H, sc->raw, 2 * I, STORE, pair, NOTHING_AHEAD, t, nt);
-        lora_stage(&stages[LORA_GATE_UP], md, lora, l, LORA_GATE, 2, norm, H, sc->raw, 2 * I, R, NOTHING_AHEAD);
-        silu_stage(&stages[LORA_SILU], sc->raw, I, sc->act, R, ahead_of(&ly->down, 0, t, nt));
+    if (raw) {
+        matmul_stage(&stages[4], sc, &lora->gate_up_raw[l], norm, R, H, sc->raw, 2 * I, STORE, pair, down_ahead, t, nt);
+        lora_stage(&stages[LORA_GATE_UP], md, lora, l, LORA_GATE, 2, norm, H, sc->raw, 2 * I, R, down_ahead);
+        silu_stage(&stages[LORA_SILU], sc->raw, I, sc->act, R, down_ahead);
     } else {
-        swiglu_stage(&stages[4], sc, &ly->gate_up, norm, R, H, sc->act, I, pair, ahead_of(&ly->down, 0, t, nt), t, nt);
+        swiglu_stage(&stages[4], sc, &ly->gate_up, norm, R, H, sc->act, I, pair, down_ahead, t, nt);
     }
     matmul_stage(&stages[5], sc, &ly->down, sc->act, R, I, sc->x, H, ACCUMULATE, pair, ahead_of(next, 0, t, nt), t, nt);
     if (lora != NULL) lora_stage(&stages[LORA_DOWN_STAGE], md, lora, l, LORA_DOWN, 1, sc->act, I, sc->x, H, R, ahead_of(next, 0, t, nt));
