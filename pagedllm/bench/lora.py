@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64, help="tokens generated per request (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="turns of each, the best reported (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
 
 
 def write_adapters(model_config, count: int, rank: int, folder: Path) -> list[Path]:
