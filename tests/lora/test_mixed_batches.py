@@ -133,3 +133,16 @@ def test_samples_and_structured_output_with_an_adapter(lora_base, adapters, refe
     choice = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     (out,) = llm.generate(["Answer:"], choice, use_tqdm=False, lora_request=loras["mlp"])
     assert out.outputs[0].text in ("yes", "no")
+
+
+def test_the_triton_path_with_adapters(lora_base, adapters, references):
+    """The Triton path (attention, RMSNorm, rotary and SiLU-up kernels, here through Triton's
+    interpreter): adapter rows get their deltas from the projections around the kernels (no CUDA
+    graph replays a step with adapter rows); tokens stay PEFT's."""
+    lora = requests_for(adapters, ("mlp",))["mlp"]
+    llm = LLM(str(lora_base), enable_lora=True, max_lora_rank=8, block_size=4, attention_backend="triton")
+    llm.llm_engine.runner.model.use_triton_ops()
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)  # (the interpreter is slow: a greedy prefix)
+    outputs = llm.generate([{"prompt_token_ids": PROMPTS[1]}] * 2, params, use_tqdm=False, lora_request=[None, lora])
+    assert references[None][1][:3] != references["mlp"][1][:3]  # (the prefix compared tells them apart)
+    assert [o.outputs[0].token_ids for o in outputs] == [references[None][1][:3], references["mlp"][1][:3]]
