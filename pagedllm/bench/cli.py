@@ -8,6 +8,7 @@ BENCHMARKS: dict[str, str] = {
     "beam": "pagedllm.bench.beam",
     "decode": "pagedllm.bench.decode",
     "finetune": "pagedllm.bench.finetune",
+    "lora": "pagedllm.bench.lora",
     "offline": "pagedllm.bench.offline",
     "peak": "pagedllm.bench.peak",
     "serve": "pagedllm.bench.serve",

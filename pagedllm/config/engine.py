@@ -114,6 +114,13 @@ class EngineConfig:
     # CUDA: the share of the GPU's memory the engine may use; the KV pool gets what the weights
     # and a profiling forward at the largest batch leave of it (vLLM's name and default)
     gpu_memory_utilization: float = 0.9
+    # LoRA adapters (vLLM's names, lora/): requests may name a PEFT adapter (LoRARequest); up to
+    # max_loras distinct adapters run in one step, of rank <= max_lora_rank; max_cpu_loras
+    # (default max_loras) stay loaded in host memory, least recently used dropped first
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -192,6 +199,25 @@ class EngineConfig:
                 if clash:
                     raise ValueError(f"kv_offload is not supported with {name} (the pool already lives in host memory)"
                                      if "swap" in name else f"kv_offload is not supported with {name}")
+
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """LoRA's sizes, and the features adapters cannot run with (refused by name)."""
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
+        if not self.enable_lora:
+            return
+        clashes = {"speculative_config": self.speculative_config is not None,
+                   "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
+                   "num_scheduler_steps > 1": self.num_scheduler_steps > 1}
+        for name, clash in clashes.items():
+            if clash:
+                raise ValueError(f"enable_lora is not supported with {name}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":

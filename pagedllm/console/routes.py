@@ -33,6 +33,7 @@ class ConsoleModel(BaseModel):
     status: Literal["ready", "loading", "failed", "available"]
     max_model_len: Optional[int] = None
     error: Optional[str] = None
+    parent: Optional[str] = None  # a LoRA adapter's base model (the adapter is served over it)
 
 
 class ConsoleModelList(BaseModel):
@@ -84,8 +85,8 @@ async def favicon() -> FileResponse:
 @console_router.get("/console/api/models", response_model=ConsoleModelList)
 async def console_models(request: Request) -> ConsoleModelList:
     entries = _registry(request).catalog()
-    return ConsoleModelList(data=[ConsoleModel(id=e.name, status=e.status, max_model_len=e.max_model_len, error=e.error)
-                                  for e in entries])
+    return ConsoleModelList(data=[ConsoleModel(id=e.name, status=e.status, max_model_len=e.max_model_len, error=e.error,
+                                               parent=e.parent) for e in entries])
 
 
 @console_router.get("/console/api/stats", response_model=ConsoleStats)

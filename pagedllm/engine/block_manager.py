@@ -44,6 +44,7 @@ def _chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
 class _CachedContent:
     hash: int
     tokens: tuple[int, ...]
+    root: int = 0  # the chain's root: the adapter id whose KV the block holds (0: the base model)
 
 
 class BlockManager:
@@ -72,6 +73,7 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self.tables: dict[int, list[int]] = {}
         self._seq_hashes: dict[int, list[int]] = {}
+        self._roots: dict[int, int] = {}  # seq_id -> its adapter id (its hash chain's root)
         self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.cpu_tables: dict[int, list[int]] = {}
         self.prefix_cache_queries = 0
@@ -97,30 +99,34 @@ class BlockManager:
         return self.tables[seq_id]
 
     # ---- prefix cache ------------------------------------------------------------------------
-    def _lookup(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
-        """Longest run of cached full blocks that prefixes `token_ids[:-1]`.
+    def _lookup(self, token_ids: list[int], root: int = 0) -> tuple[list[int], list[int]]:
+        """Longest run of cached full blocks that prefixes `token_ids[:-1]`, computed under
+        adapter `root` (0: the base model): the same tokens under another adapter have other KV,
+        so the adapter id is the chain's first parent and is compared on a hit like the tokens.
 
         The last token is never served from cache: its logits are needed to sample."""
         blocks: list[int] = []
         hashes: list[int] = []
         if not self.enable_prefix_caching:
             return blocks, hashes
-        parent = 0
+        parent = root
         bs = self.block_size
         for start in range(0, len(token_ids) - 1 - bs + 1, bs):
             tokens = tuple(token_ids[start : start + bs])
             parent = _chain_hash(parent, tokens)
             block = self._hash_to_block.get(parent)
-            if block is None or self.content[block].tokens != tokens:
+            if block is None or self.content[block].tokens != tokens or self.content[block].root != root:
                 break
             blocks.append(block)
             hashes.append(parent)
         return blocks, hashes
 
-    def allocate_prefix(self, seq_id: int, token_ids: list[int], use_cache: bool = True) -> int:
-        """Start a block table for a new (or recomputed) sequence; returns cached tokens reused."""
+    def allocate_prefix(self, seq_id: int, token_ids: list[int], use_cache: bool = True, root: int = 0) -> int:
+        """Start a block table for a new (or recomputed) sequence computed under adapter `root`
+        (0: the base model); returns cached tokens reused."""
         assert seq_id not in self.tables, f"sequence {seq_id} already has a block table"
-        blocks, hashes = self._lookup(token_ids) if use_cache else ([], [])
+        self._roots[seq_id] = root
+        blocks, hashes = self._lookup(token_ids, root) if use_cache else ([], [])
         for block in blocks:
             self._acquire(block)
         self.tables[seq_id] = blocks
@@ -140,13 +146,14 @@ class BlockManager:
         table = self.tables[seq_id]
         hashes = self._seq_hashes[seq_id]
         bs = self.block_size
+        root = self._roots.get(seq_id, 0)
         for index in range(len(hashes), num_computed // bs):
             tokens = tuple(token_ids[index * bs : (index + 1) * bs])
-            block_hash = _chain_hash(hashes[-1] if hashes else 0, tokens)
+            block_hash = _chain_hash(hashes[-1] if hashes else root, tokens)
             hashes.append(block_hash)
             block = table[index]
             if block_hash not in self._hash_to_block and self.content[block] is None:
-                self.content[block] = _CachedContent(block_hash, tokens)
+                self.content[block] = _CachedContent(block_hash, tokens, root)
                 self._hash_to_block[block_hash] = block
 
     # ---- allocation --------------------------------------------------------------------------
@@ -269,6 +276,7 @@ class BlockManager:
             self._acquire(block)
         self.tables[child_id] = table
         self._seq_hashes[child_id] = list(self._seq_hashes[parent_id])
+        self._roots[child_id] = self._roots.get(parent_id, 0)
 
     def free(self, seq_id: int) -> None:
         """Release a sequence's device blocks (tail first, so shared heads stay cached longest)."""
@@ -276,6 +284,7 @@ class BlockManager:
             self._release(block, seq_id)
         self._last_scheduled.pop(seq_id, None)
         self._seq_hashes.pop(seq_id, None)
+        self._roots.pop(seq_id, None)
         self._free_cpu(self.cpu_tables.pop(seq_id, []))
 
     # ---- swap --------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.scheduler import Scheduler, SchedulerConfig
 from pagedllm.engine.sequence import Request, Sequence, SequenceStatus
 from pagedllm.gguf import is_gguf, open_gguf
+from pagedllm.lora.request import LoRARequest
 from pagedllm.gguf.tokenizer import gguf_tokenizer
 from pagedllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -80,6 +81,7 @@ class LLMEngine:
                 max_step_blocks=self.runner.max_step_blocks,
                 watermark=config.watermark,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             self.block_manager,
             self.structured,
@@ -114,8 +116,11 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request. (A beam search is a layer over the engine: engine/beam_search.py.)"""
+        """Queue a request; with `lora_request`, generated with that adapter (loaded and
+        validated here, so a bad adapter is a ValueError naming why before anything is queued).
+        (A beam search is a layer over the engine: engine/beam_search.py.)"""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
@@ -124,6 +129,8 @@ class LLMEngine:
                              "(beam search: LLM.beam_search, or engine/beam_search.py's BeamSearcher)")
         text, token_ids = self.tokenize(prompt)
         self._validate(token_ids, params)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         request = Request(
             request_id=request_id,
             prompt=text,
@@ -132,6 +139,7 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             eos_token_ids=self.eos_token_ids,
+            lora_request=lora_request,
         )
         seq = Sequence(request, 0, list(token_ids))
         if params.structured_outputs is not None:
@@ -139,6 +147,20 @@ class LLMEngine:
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and validate an adapter into the host cache (vLLM's add_lora); a LoRAError
+        (a ValueError) says why it cannot be served."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.runner.lora is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: this engine was started without enable_lora=True")
+        self.runner.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from memory (running requests that use it reload it from their path)."""
+        return self.runner.lora.remove(lora_int_id) if self.runner.lora is not None else False
 
     def _matcher(self, params: SamplingParams):
         if self.structured is None:

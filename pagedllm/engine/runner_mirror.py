@@ -33,7 +33,8 @@ class RunnerMirror:
             self._sent[seq.seq_id] = _Sent(seq.num_tokens, list(table))
             request = seq.request
             return NewSequence(seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens, request.params, seq.index,
-                               request.eos_token_ids, list(table), seq.num_computed_tokens, forked_from)
+                               request.eos_token_ids, list(table), seq.num_computed_tokens, forked_from,
+                               request.lora_request)
         update = SequenceUpdate(seq.seq_id, seq.num_computed_tokens, seq.token_ids[sent.num_tokens :])
         sent.num_tokens = len(seq.token_ids)
         if table != sent.table:

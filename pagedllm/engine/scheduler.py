@@ -127,6 +127,7 @@ class SchedulerConfig:
     max_step_blocks: int | None = None
     watermark: float = 0.0  # share of the pool kept free (module docstring)
     long_prefill_token_threshold: int = 0  # the most tokens of one prefill chunk; 0: no cap
+    max_loras: int = 0  # the most distinct LoRA adapters among the running sequences (0: LoRA off)
 
 
 class Scheduler:
@@ -525,6 +526,8 @@ class Scheduler:
             if self._exceeds_pool(seq):
                 self._end_for_capacity(seq)
                 continue
+            if not self._adapter_fits(seq):
+                continue
             extra = self.block_manager.blocks_for(seq.num_tokens) - len(self.block_manager.cpu_tables[seq.seq_id])
             if not self.block_manager.can_swap_in(seq.seq_id, max(extra, 0) + self._watermark_kept()):
                 break
@@ -555,7 +558,9 @@ class Scheduler:
             if not self._has_room_for(seq):
                 break
             use_cache = seq.request.params.prompt_logprobs is None
-            cached = bm.allocate_prefix(seq.seq_id, seq.token_ids, use_cache=use_cache)
+            if not self._adapter_fits(seq):
+                continue  # its adapter would be one too many this step; later requests may fit
+            cached = bm.allocate_prefix(seq.seq_id, seq.token_ids, use_cache=use_cache, root=seq.request.lora_int_id)
             num_new = self._chunk(seq, seq.num_tokens - cached, budget)
             fits = self._fits_step(step, cached + num_new)
             copies = bm.allocate_slots(seq.seq_id, cached, num_new) if num_new and fits else None
@@ -582,6 +587,15 @@ class Scheduler:
         """Sequences `seq` will run as: a request whose samples are not forked yet forks all of
         them once its first sample's prompt is computed (`_fork_samples`)."""
         return 1 if seq.request.forked else seq.request.num_samples
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether running `seq` keeps the running sequences' distinct adapters within max_loras
+        (vLLM's rule): every step's adapters are then resident at once (lora/manager.py)."""
+        lora_id = seq.request.lora_int_id
+        if not lora_id or not self.config.max_loras:
+            return True
+        active = {other.request.lora_int_id for other in self.running} - {0}
+        return lora_id in active or len(active) < self.config.max_loras
 
     def _has_room_for(self, seq: Sequence) -> bool:
         """Whether admitting or swapping in `seq` keeps the running sequences — counted with the

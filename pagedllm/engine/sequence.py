@@ -139,12 +139,18 @@ class Request:
     num_preemptions: int = 0  # times one of its samples was preempted
     admission_index: int = -1  # the order in which the scheduler first admitted it (-1: not yet)
     error: str | None = None  # why the engine failed it (its samples then finish with reason "error")
+    lora_request: Any = None  # the LoRARequest of its adapter (lora/request.py); None: the base model
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model: the prefix cache's hash root for its blocks."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_samples(self) -> int:

@@ -48,6 +48,10 @@ HELP = {
     "async_scheduling": "schedule the next step while the device runs this one",
     "enforce_eager": "no CUDA graphs for decode steps",
     "gpu_memory_utilization": "share of the GPU's memory the engine may use",
+    "enable_lora": "serve LoRA adapters: requests may name a PEFT adapter (serve: --lora-modules, /v1/load_lora_adapter)",
+    "max_loras": "distinct LoRA adapters one step may run",
+    "max_lora_rank": "highest LoRA rank an adapter may have",
+    "max_cpu_loras": "LoRA adapters kept loaded in host memory, least recently used dropped (None: max_loras)",
 }
 # Flags whose values are a fixed set: argparse names them in --help and refuses others early.
 _CHOICES = {"preemption_policy": PREEMPTION_POLICIES, "preemption_mode": ("recompute", "swap"), "kv_cache_dtype": KV_CACHE_DTYPES}

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.beam_search import BeamSearcher
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.entrypoints.chat_template import render_chat
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import BeamSearchOutput, EmbeddingRequestOutput, RequestOutput
 from pagedllm.paths import default_model
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -37,10 +38,13 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order the prompts were given.
 
-        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}."""
+        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}. `lora_request`
+        (engine started with enable_lora=True): one adapter for every prompt, or one per prompt
+        (None: the base model), as vLLM's LLM takes it."""
         prompt_list = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
         if isinstance(params, SamplingParams):
@@ -50,7 +54,13 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
-        return self._add_and_run(prompt_list, params_list, priorities, use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(prompt_list)} prompts")
+        return self._add_and_run(prompt_list, params_list, priorities, use_tqdm, loras)
 
     def chat(
         self,
@@ -130,14 +140,16 @@ class LLM:
             bar.close()
         return [searcher.results[search_id] for search_id in ids]
 
-    def _add_and_run(self, prompt_list: list[PromptType], params_list: list, priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
+    def _add_and_run(self, prompt_list: list[PromptType], params_list: list, priorities: list[int], use_tqdm: bool,
+                     loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         ids = []
+        loras = loras or [None] * len(prompt_list)
         try:
-            for prompt, sp, prio in zip(prompt_list, params_list, priorities):
+            for prompt, sp, prio, lora in zip(prompt_list, params_list, priorities, loras):
                 request_id = str(next(self._counter))
                 if isinstance(sp, SamplingParams):  # only finished outputs are returned (vLLM's LLM does the same)
                     sp = replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
-                self.llm_engine.add_request(request_id, prompt, sp, priority=prio)
+                self.llm_engine.add_request(request_id, prompt, sp, priority=prio, lora_request=lora)
                 ids.append(request_id)
             return self._run(ids, use_tqdm)
         except BaseException:

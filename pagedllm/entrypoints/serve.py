@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-model", action="store_true",
                         help="start with no model loaded (training jobs; --model-dir models load on demand)")
     parser.add_argument("--served-model-name", help="the 'model' name clients use (default: the folder's or file's name)")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT folders) served from start-up over --model; a request whose model "
+                             "is NAME uses that adapter (needs --enable-lora)")
     parser.add_argument("--model-dir", help="folder whose sub-folders can be loaded on demand: POST /v1/models/<name>/load")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on; anything but loopback needs --api-key (default: %(default)s)")
@@ -156,7 +159,21 @@ def build_settings(args: argparse.Namespace):
         cluster=args.cluster,
         data_parallel_size=args.data_parallel_size,
         chat=chat_options(args),
+        lora_modules=lora_modules(args.lora_modules),
     )
+
+
+def lora_modules(values: list[str]):
+    """--lora-modules NAME=PATH ... as LoRAModules; a value without NAME= is refused naming it."""
+    from pagedllm.entrypoints.openai.settings import LoRAModule
+
+    modules = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: {value!r} is not NAME=PATH")
+        modules.append(LoRAModule(name, path))
+    return modules
 
 
 def model_name(path: str) -> str:

@@ -59,6 +59,7 @@ class Linear(nn.Linear):
     blocks: Blocks | None = None
     q4_kind = "Q4_1"  # the block type "q4" quantizes to (the LM head keeps 8 bits, as llama.cpp's files do)
     library = None  # the C kernels, once the blocks are the only copy of the weight (pack)
+    lora = None  # a LoRASite when adapters may target this projection (lora/layers.py)
 
     def quantize(self, method: str) -> torch.Tensor | None:
         """Weight-only quantization (layers/quantization.py); returns int8's q. The weight is
@@ -103,6 +104,12 @@ class Linear(nn.Linear):
         return self.blocks is not None and self.small is not None and kernels.load() is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._base(x)
+        if self.lora is not None and self.lora.active:  # a step with adapter rows adds their deltas
+            return self.lora.add_delta(x, out)
+        return out
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.library is not None:
             out = matmul(self.library, x.reshape(-1, x.shape[-1]), self.small)
             return out.view(*x.shape[:-1], out.shape[-1])  # (the width named: a batch may have no rows)
@@ -143,8 +150,13 @@ class GateUpLinear(Linear):
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None and self.lora.active:  # adapter rows: their gate and up adapted first
+            return self.lora.gate_up(self, x)
+        return self._swiglu(x)
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         if self.library is not None:  # the swiglu panels give silu(gate) * up
-            return super().forward(x)
+            return self._base(x)
         if self.gate_packed is not None:
             gate = torch.ops.mkldnn._linear_pointwise(x, self.gate_packed, self.gate_bias, "swish", [], "")
             return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up_packed, self.up_bias, "mul")

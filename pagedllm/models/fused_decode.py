@@ -170,9 +170,12 @@ class FusedDecoder:
         return meta.kernel_attention and not meta.prefills and len(meta.decodes) == 1 and num_rows <= self.max_rows
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logit_rows: torch.Tensor) -> torch.Tensor:
-        """Logits [len(logit_rows), vocab] of the step's rows; the KV of every row is written."""
+                 logit_rows: torch.Tensor, lora=None) -> torch.Tensor:
+        """Logits [len(logit_rows), vocab] of the step's rows; the KV of every row is written.
+        `lora`: the rows' adapters as lora/fused.py describes them (the Lora struct), if any."""
         step, keep = self._step(input_ids, positions, meta, logit_rows)
+        if lora is not None:
+            step.lora = ctypes.pointer(lora)
         threads = self.threads.plan(step.rows)
         started = time.perf_counter()
         failed = self.library.decode_step(ctypes.byref(self._struct), ctypes.byref(step), threads[0])

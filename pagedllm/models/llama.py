@@ -223,10 +223,12 @@ class CausalLM(nn.Module):
         return logits[:, : self.config.vocab_size] if logits is not None else None
 
     def step_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                    logit_rows: torch.Tensor, fused: bool = False) -> torch.Tensor | None:
+                    logit_rows: torch.Tensor, fused: bool = False, lora=None) -> torch.Tensor | None:
         """The logits of a step's sampled rows: through the attached fused decode step in one C
-        call when `fused` (the planner's call: step/planner.py), else the modules (the reference)."""
+        call when `fused` (the planner's call: step/planner.py), with the rows' LoRA adapters
+        `lora` (lora/fused.py), else the modules (the reference)."""
         if fused:
-            return self.fused(input_ids, positions, meta, logit_rows)
+            return self.fused(input_ids, positions, meta, logit_rows, lora) if lora is not None else \
+                self.fused(input_ids, positions, meta, logit_rows)
         hidden = self(input_ids, positions, meta)
         return self.compute_logits(hidden.index_select(0, logit_rows))

@@ -53,6 +53,7 @@ class NewSequence:
     num_computed_tokens: int  # positions whose KV is valid already (a prefix-cache hit, a fork's parent's)
     # A sample forked this step (n / best_of) samples from the last row of this sequence's chunk.
     forked_from: int | None = None
+    lora: Any = None  # its request's LoRARequest (lora/request.py), None for the base model
 
 
 @dataclass(slots=True)

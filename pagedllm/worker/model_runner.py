@@ -26,6 +26,9 @@ from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
 from pagedllm.distributed.group import ParallelGroup
 from pagedllm.layers import kernels
 from pagedllm.layers.sampler import Sampler
+from pagedllm.lora.fused import fused_lora
+from pagedllm.lora.manager import LoRAManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.models.fused_decode import FusedDecoder
 from pagedllm.models.loader import load_model
 from pagedllm.sampling_params import SamplingParams
@@ -94,6 +97,11 @@ class ModelRunner:
         self.offload = self._offload() if planner.kv_offload else None
         for index, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(*(self.offload.buffer(0) if self.offload else self.kv_cache.layer(index)))
+        # LoRA adapters (lora/manager.py): sites on the projections, the adapter of each sequence
+        self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.device,
+                                self.dtype) if config.enable_lora else None
+        self.lora_of: dict[int, LoRARequest] = {}
+        self.fuse_lora = True  # adapter rows in the fused C step (False: always the modules, the reference)
         if self.triton_attention and self.device.type == "cuda":  # (Triton's interpreter would only be slower)
             self.model.use_triton_ops()
         if planner.fused_decode:
@@ -149,8 +157,8 @@ class ModelRunner:
 
     def _graph_size(self, chunks: list[BatchChunk]) -> int | None:
         """The captured batch size a step of only decode rows is padded to; None: run eagerly."""
-        if self.graphs is None or not all(chunk.is_decode for chunk in chunks):
-            return None
+        if self.graphs is None or not all(chunk.is_decode for chunk in chunks) or self._uses_adapters(chunks):
+            return None  # (a graph replays the base model only)
         return padded_size(sum(chunk.num_tokens for chunk in chunks), self.graphs.sizes)
 
     def _pool_sizes(self) -> tuple[int, int]:
@@ -315,7 +323,12 @@ class ModelRunner:
         views = staging.to(self.device)
         self._fill_pending_inputs(views)
         self._apply_block_maps(sched, views)
-        logits = self._logits(layout, views, graph_size)
+        self._set_adapter_rows(chunks, layout)
+        try:
+            logits = self._logits(layout, views, graph_size)
+        finally:
+            if self.lora is not None:
+                self.lora.set_rows([])
         if logits is None:
             return None  # a tensor-parallel worker: rank 0 samples
         groups = []
@@ -342,7 +355,38 @@ class ModelRunner:
                                   triton=self.triton_attention)
         ids = views["input_ids"]
         fused = self.planner.runs_fused(self.model.fused, meta, ids.shape[0])
-        return self.model.step_logits(ids, views["positions"], meta, views["logit_rows"], fused)
+        lora = None
+        if self.lora is not None and self.lora.step.groups:
+            # the fused C step adds the adapter rows' deltas (lora/fused.py), else the modules do
+            described = fused_lora(self.model, self.lora.step.groups, ids.shape[0]) if fused and self.fuse_lora else None
+            fused = described is not None
+            lora = described[0] if fused else None
+        return self.model.step_logits(ids, views["positions"], meta, views["logit_rows"], fused, lora)
+
+    def _uses_adapters(self, chunks: list[BatchChunk]) -> bool:
+        return bool(self.lora_of) and any(chunk.seq_id in self.lora_of for chunk in chunks)
+
+    def _set_adapter_rows(self, chunks: list[BatchChunk], layout: BatchLayout) -> None:
+        """Tell the LoRA sites which rows of this step use which adapter (each chunk's rows are
+        consecutive; an adapter's rows are one slice when they are, else an index tensor)."""
+        if self.lora is None or not self._uses_adapters(chunks):
+            return
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        for index, chunk in enumerate(chunks):
+            request = self.lora_of.get(chunk.seq_id)
+            if request is not None:
+                ranges.setdefault(request.lora_int_id, []).append((layout.first_rows[index], layout.last_rows[index] + 1))
+        requests = {self.lora_of[c.seq_id].lora_int_id: self.lora_of[c.seq_id] for c in chunks if c.seq_id in self.lora_of}
+        weights = self.lora.activate(list(requests.values()))
+        groups = []
+        for lora_int_id, spans in ranges.items():
+            spans.sort()
+            if all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
+                rows = slice(spans[0][0], spans[-1][1])
+            else:
+                rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(self.device)
+            groups.append((weights[lora_int_id], rows))
+        self.lora.set_rows(groups)
 
     def _short_chunks_as_rows(self, chunks: list[BatchChunk]) -> list[BatchChunk]:
         """When the planner says all of a step's positions fit one fused step, its prompt chunks
@@ -482,8 +526,12 @@ class ModelRunner:
         """The step's changes to the sequences held; a finished sequence's generator goes too (a
         preempted one keeps it, so its samples go on where they were)."""
         self.states.apply(sched)
+        for seq in sched.new_seqs:
+            if seq.lora is not None:
+                self.lora_of[seq.seq_id] = seq.lora
         for seq_id in sched.finished_seq_ids:
             self.generators.pop(seq_id, None)
+            self.lora_of.pop(seq_id, None)
         if self.speculator is not None:
             self.speculator.apply(sched)
 

@@ -313,3 +313,40 @@ def test_the_fused_step_checks_int8_activation_matrices_too(q4_decoder):
     finally:
         for matrix in matrices:
             matrix.int8_activations = 0
+
+
+def test_the_fused_step_refuses_lora_indices_and_ranks_it_cannot_take(decoder):
+    """Step.lora (csrc/decode_step.c): a row naming an adapter past the step's, a pair of rank
+    above the stack buffer, or a gate/up pair without the raw gate/up panels is refused by name."""
+    from pagedllm.layers.kernel_interface import STRUCTS
+
+    fused, model = decoder
+    num_layers = len(model.model.layers)
+    a, b_t = torch.zeros(4, 64), torch.zeros(4, 64)  # layer 0's q_proj: 64 -> 64
+    rows = torch.tensor([0, -1], dtype=torch.int64)
+    pairs = (STRUCTS["LoraPair"] * (num_layers * 7))()
+    lora = STRUCTS["Lora"](num_adapters=1, row_adapter=rows.data_ptr(), pairs=pairs, gate_up_raw=None)
+
+    def run(**change) -> int:
+        a = step_arrays()
+        logits = torch.empty(2, fused.vocab_size)
+        st = StepStruct(rows=2, token_ids=a["ids"].data_ptr(), positions=a["pos"].data_ptr(), slots=a["slots"].data_ptr(),
+                        ctx_lens=a["lens"].data_ptr(), block_tables=a["tables"].data_ptr(), max_blocks=3,
+                        logit_rows=a["which"].data_ptr(), num_logits=2, logits=logits.data_ptr(), logits_capacity=logits.numel(),
+                        lora=ctypes.pointer(lora))
+        return fused.library.decode_step(ctypes.byref(fused._struct), ctypes.byref(st), 1)
+
+    pair = lambda rank=4, b=b_t.numel(): STRUCTS["LoraPair"](a=a.data_ptr(), b_t=b_t.data_ptr(), rank=rank,  # noqa: E731
+                                                            a_capacity=a.numel(), b_capacity=b)
+    pairs[0] = pair()  # layer 0's q_proj
+    assert run() == kernels.KERNEL_OK
+    pairs[0] = pair(b=b_t.numel() - 1)
+    assert run() == kernels.KERNEL_REFUSED and b"needs [r, 64] and [r, 64] floats" in fused.library.kernel_last_error()
+    pairs[0] = pair()
+    rows[0] = 1
+    assert run() == kernels.KERNEL_REFUSED and b"row 0 uses LoRA adapter 1 of 1" in fused.library.kernel_last_error()
+    rows[0] = 0
+    pairs[0] = pair(rank=300)
+    assert run() == kernels.KERNEL_REFUSED and b"has rank 300" in fused.library.kernel_last_error()
+    pairs[0], pairs[4] = STRUCTS["LoraPair"](), pair(b=4 * 128)  # gate_proj (refused before anything is read)
+    assert run() == kernels.KERNEL_REFUSED and b"without the raw gate/up panels" in fused.library.kernel_last_error()

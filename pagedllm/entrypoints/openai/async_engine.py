@@ -57,6 +57,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     priority: int
+    lora_request: Any = None  # the adapter the requests run with (lora/request.py)
 
 
 @dataclass
@@ -73,8 +74,8 @@ class _Query:
 
 @dataclass
 class _Call:
-    """Runs `fn(engine)` on the engine thread between steps (embeddings: LLMEngine.embed) and
-    answers with its result or its exception."""
+    """Runs `fn(engine)` on the engine thread between steps (the engine is not thread-safe:
+    embeddings, adapter loads and unloads) and answers with its result or its exception."""
 
     fn: Callable[[LLMEngine], Any]
     answer: asyncio.Future
@@ -199,6 +200,7 @@ class AsyncEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestGroup]:
         """Add one request per (request_id, prompt), all or none; yields their RequestGroup.
 
@@ -214,7 +216,7 @@ class AsyncEngine:
         if self.request_timeout_s is not None:
             group.timeout_s = self.request_timeout_s
             group.deadline = time.monotonic() + self.request_timeout_s
-        self._send(_Add(group, prompts, params, arrival_time or time.time(), priority))
+        self._send(_Add(group, prompts, params, arrival_time or time.time(), priority, lora_request))
         try:
             await group.accepted
             yield group
@@ -363,7 +365,8 @@ class AsyncEngine:
                 self._check_queue()
                 try:
                     self.engine.add_request(
-                        request_id, prompt, command.params, arrival_time=command.arrival_time, priority=command.priority
+                        request_id, prompt, command.params, arrival_time=command.arrival_time, priority=command.priority,
+                        lora_request=command.lora_request,
                     )
                 except ValueError as exc:
                     raise ValueError(f"prompt {index}: {exc}" if len(command.prompts) > 1 else str(exc)) from exc
@@ -459,3 +462,5 @@ def _deliver_and_fail(deliveries: list[tuple[RequestGroup, RequestOutput]], grou
     _deliver(deliveries)
     for group in groups:
         group._fail(exc)
+
+

@@ -8,17 +8,19 @@ a worker thread, so the models already loaded keep serving meanwhile.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from pagedllm.engine.llm_engine import LLMEngine, load_tokenizer
+from pagedllm.lora.request import LoRARequest
 from pagedllm.entrypoints.openai.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.data_parallel import DataParallelEngine
 from pagedllm.entrypoints.openai.limits import max_token_chars, prompt_char_limit
@@ -54,6 +56,9 @@ class ServedModel:
     tokenizer_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "pagedllm-tokenizer"))
     max_token_chars: int = 1  # the longest vocabulary entry (limits.prompt_char_limit)
     chat: ChatOptions = field(default_factory=ChatOptions)  # templates and tool calls (the server's flags)
+    # A LoRA adapter served over this model: requests naming it run with it (`ModelRegistry.get`)
+    lora_request: LoRARequest | None = None
+    parent: str | None = None  # the base model's name, for an adapter
 
     @property
     def tool_parser(self) -> type[ToolParser]:
@@ -90,7 +95,10 @@ class ServedModel:
         return self.info.eos_token_ids
 
     def card(self) -> ModelCard:
-        return ModelCard(id=self.name, created=self.created, max_model_len=self.max_model_len)
+        if self.lora_request is not None:
+            return ModelCard(id=self.name, created=self.created, max_model_len=self.max_model_len,
+                             root=self.lora_request.lora_path, parent=self.parent)
+        return ModelCard(id=self.name, created=self.created, max_model_len=self.max_model_len, root=self.path)
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,7 @@ class CatalogEntry:
     status: str
     max_model_len: int | None = None
     error: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelRegistry:
@@ -111,6 +120,8 @@ class ModelRegistry:
         self._ready: dict[str, ServedModel] = {}
         self._loading: dict[str, asyncio.Task[ServedModel]] = {}
         self._failed: dict[str, str] = {}
+        self._adapters: dict[str, ServedModel] = {}  # LoRA adapter name -> its view of the base model
+        self._lora_ids = itertools.count(1)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -121,6 +132,8 @@ class ModelRegistry:
             print(f"pagedllm serve: model {spec.name!r}: {served.info.pool_line()}", file=sys.stderr, flush=True)
             for notice in served.info.notices:
                 print(f"pagedllm serve: model {spec.name!r}: {notice}", file=sys.stderr, flush=True)
+        for module in self.settings.lora_modules:  # --lora-modules: over the first start-up model
+            await self.load_lora_adapter(module.name, module.path, self.settings.models[0].name)
 
     async def stop(self) -> None:
         for task in list(self._loading.values()):
@@ -133,6 +146,10 @@ class ModelRegistry:
     # ---- lookup ------------------------------------------------------------------------------
     def ready(self) -> list[ServedModel]:
         return list(self._ready.values())
+
+    def adapters(self) -> list[ServedModel]:
+        """The LoRA adapters served, each as its base model with its LoRARequest (ServedModel.card has `parent`)."""
+        return list(self._adapters.values())
 
     def snapshots(self) -> list[tuple[str, dict[str, Any]]]:
         """(name, engine stats) of every loaded model, for the metrics collector (replicas summed)."""
@@ -150,7 +167,7 @@ class ModelRegistry:
             if len(self._ready) == 1:
                 return next(iter(self._ready.values()))
             raise BadRequestError(f"model is required: {len(self._ready)} models are loaded", param="model")
-        served = self._ready.get(name)
+        served = self._ready.get(name) or self._adapters.get(name)
         if served is not None:
             return served
         if name in self._loading:
@@ -163,6 +180,8 @@ class ModelRegistry:
     def card(self, name: str) -> ModelCard:
         if name in self._ready:
             return self._ready[name].card()
+        if name in self._adapters:
+            return self._adapters[name].card()
         if name in self._loading:
             return ModelCard(id=name, created=int(time.time()), status="loading")
         if name in self._failed:
@@ -171,11 +190,13 @@ class ModelRegistry:
 
     def catalog(self) -> list[CatalogEntry]:
         """Every model loaded, loading, failed or loadable (start-up models and --model-dir folders),
-        by name; what the web console lists with load/unload buttons."""
+        by name, then the LoRA adapters served (with their parent); what the web console lists
+        with load/unload buttons."""
         names = set(self._startup_paths) | set(self._ready) | set(self._loading) | set(self._failed)
         if self.settings.model_dir and Path(self.settings.model_dir).is_dir():
             names |= set(loadable_models(self.settings.model_dir))
-        return [self._entry(name) for name in sorted(names)]
+        adapters = [CatalogEntry(a.name, "ready", a.max_model_len, parent=a.parent) for a in self._adapters.values()]
+        return [self._entry(name) for name in sorted(names)] + sorted(adapters, key=lambda e: e.name)
 
     def _entry(self, name: str) -> CatalogEntry:
         if name in self._ready:
@@ -273,16 +294,56 @@ class ModelRegistry:
         info = await engine.start()
         return engine, info
 
+    # ---- LoRA adapters (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) -------------------
+    async def load_lora_adapter(self, name: str, path: str, base: str | None = None) -> ServedModel:
+        """Serve the PEFT adapter at `path` as model `name` over `base` (the only loaded model when
+        None). The engine loads and validates it first: a bad adapter is a 400 naming why, and
+        nothing is registered."""
+        if name in self._adapters or name in self._ready or name in self._loading:
+            raise BadRequestError(f"the name {name!r} is already in use by a model or LoRA adapter", param="lora_name")
+        served = self.get(base)
+        if served.lora_request is not None:
+            raise BadRequestError(f"{served.name!r} is a LoRA adapter, not a base model", param="model")
+        if not isinstance(served.engine, AsyncEngine):
+            raise BadRequestError("LoRA adapters are not supported with --data-parallel-size > 1", param="lora_name")
+        request = LoRARequest(name, next(self._lora_ids), path, served.name)
+        try:
+            await served.engine.call(lambda engine: engine.add_lora(request))
+        except ValueError as exc:  # LoRAError: the adapter's own fault; the engine is untouched
+            raise BadRequestError(f"LoRA adapter {name!r} cannot be loaded: {exc}", param="lora_path") from exc
+        adapter = replace(served, name=name, lora_request=request, parent=served.name, created=int(time.time()))
+        self._adapters[name] = adapter
+        logger.info("LoRA adapter %r ready over %r (%s)", name, served.name, path)
+        return adapter
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`: new requests naming it get 404; requests already running
+        with it finish (they reload it from its folder if it was dropped from memory)."""
+        adapter = self._adapters.pop(name, None)
+        if adapter is None:
+            raise ModelNotFoundError(f"the LoRA adapter {name!r} is not loaded")
+        lora_int_id = adapter.lora_request.lora_int_id
+        try:
+            await adapter.engine.call(lambda engine: engine.remove_lora(lora_int_id))
+        except Exception as exc:  # an engine that stopped has nothing left to free
+            logger.warning("LoRA adapter %r: its engine did not remove it: %s", name, exc)
+        logger.info("LoRA adapter %r unloaded", name)
+
     async def unload(self, name: str) -> None:
         """Unload `name`; its in-flight requests end with finish_reason "abort"."""
         task = self._loading.get(name)
         if task is not None:
             task.cancel()  # the worker thread finishes its load and the result is dropped
             return
+        if name in self._adapters:
+            await self.unload_lora_adapter(name)
+            return
         served = self._ready.pop(name, None)
         if served is None:
             self.get(name)  # raises the precise 404
             raise ModelNotFoundError(f"model {name!r} is not loaded")
+        for adapter in [a for a in self._adapters.values() if a.parent == name]:
+            del self._adapters[adapter.name]  # an adapter goes with its base model
         await served.engine.shutdown()
         served.tokenizer_thread.shutdown(wait=False)
         logger.info("model %r unloaded", name)

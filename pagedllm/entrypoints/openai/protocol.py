@@ -419,6 +419,25 @@ class ModelCard(BaseModel):
     status: Literal["ready", "loading", "failed"] = "ready"
     max_model_len: Optional[int] = None
     error: Optional[str] = None
+    root: Optional[str] = None  # where it was loaded from (a LoRA adapter's folder)
+    parent: Optional[str] = None  # a LoRA adapter's base model (vLLM's field); None for a base model
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of POST /v1/load_lora_adapter (`model`: the base, when more than one is loaded)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=255)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    model: Optional[str] = None
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's body of POST /v1/unload_lora_adapter (lora_int_id accepted and ignored, as vLLM does)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=255)
+    lora_int_id: Optional[int] = None
 
 
 class ModelList(BaseModel):

@@ -9,7 +9,7 @@ import time
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from pagedllm.entrypoints.openai.health import server_health
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
@@ -26,12 +26,14 @@ from pagedllm.entrypoints.openai.protocol import (
     HealthResponse,
     LiveRequest,
     LiveRequestList,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     ModelStatus,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
+    UnloadLoRAAdapterRequest,
 )
 from pagedllm.entrypoints.openai.serving_chat import create_chat_completion
 from pagedllm.entrypoints.openai.serving_completions import create_completion
@@ -83,7 +85,26 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
 
 @inference_router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> Response:
-    return json_response(ModelList(data=[served.card() for served in models(request).ready()]))
+    """The loaded models, then the LoRA adapters served over them (each with its `parent`)."""
+    registry = models(request)
+    return json_response(ModelList(data=[served.card() for served in registry.ready() + registry.adapters()]))
+
+
+@inference_router.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+                       responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
+    """vLLM's route: serve the PEFT adapter at `lora_path` as model `lora_name` (engine started
+    with --enable-lora); a bad adapter is a 400 saying why, and the server keeps serving."""
+    await models(request).load_lora_adapter(body.lora_name, body.lora_path, body.model)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@inference_router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+                       responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
+    """vLLM's route: stop serving adapter `lora_name` (requests already running with it finish)."""
+    await models(request).unload_lora_adapter(body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 @inference_router.get("/v1/models/{model_id:path}", response_model=ModelCard)

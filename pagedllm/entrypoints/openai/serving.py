@@ -289,7 +289,9 @@ async def submitted(
     engine_prompts = [(f"{request_id}-{i}", p.to_engine()) for i, p in enumerate(prompts)]
     entered = False
     try:
-        async with served.engine.submit(engine_prompts, params, arrival_time=time.time(), priority=priority) as group:
+        submit = served.engine.submit(engine_prompts, params, arrival_time=time.time(), priority=priority,
+                                      **({"lora_request": served.lora_request} if served.lora_request else {}))
+        async with submit as group:
             entered = True
             yield group
     except Exception as exc:

@@ -114,6 +114,9 @@ async def create_chat_completion(req: ChatCompletionRequest, served: ServedModel
     check_tool_choice(req, served)
     constraint, constraint_param = output_constraint(req, served)
     if req.use_beam_search:
+        if served.lora_request is not None:  # the searcher runs base-model requests only
+            raise BadRequestError(f"use_beam_search is not supported with LoRA adapters (model {served.name!r})",
+                                  "use_beam_search")
         return await beam_search_chat(req, served, raw, prompt, max_tokens, constraint_param)
     params = sampling_params(
         req, served, max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,

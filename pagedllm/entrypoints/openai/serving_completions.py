@@ -82,6 +82,9 @@ async def create_completion(req: CompletionRequest, served: ServedModel, raw: Re
     for prompt in prompts:
         check_context_length(len(prompt.token_ids), req.max_tokens, served)
     if req.use_beam_search:
+        if served.lora_request is not None:  # the searcher runs base-model requests only
+            raise BadRequestError(f"use_beam_search is not supported with LoRA adapters (model {served.name!r})",
+                                  "use_beam_search")
         return await beam_search_completion(req, served, raw, prompts)
     score_only = req.max_tokens == 0
     constraint, constraint_param = structured_outputs(req)

@@ -17,6 +17,14 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class LoRAModule:
+    """A LoRA adapter served from start-up as model `name` (--lora-modules name=path)."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
 class ChatOptions:
     """How chat requests are rendered and their tool calls read, for every model (vLLM's flags)."""
 
@@ -52,6 +60,7 @@ class ServerSettings:
     cluster: str | None = None  # "ray" / "ray://HOST:PORT": jobs (and serving replicas) on a Ray cluster
     data_parallel_size: int = 1  # engine replicas per model behind this server (processes, or Ray actors)
     chat: ChatOptions = field(default_factory=ChatOptions)
+    lora_modules: list[LoRAModule] = field(default_factory=list)  # over the first start-up model
 
     def __post_init__(self) -> None:
         names = [spec.name for spec in self.models]
@@ -71,5 +80,15 @@ class ServerSettings:
             raise ValueError(f"train_slots must be >= 1, got {self.train_slots}")
         if self.max_pending_jobs < 1:
             raise ValueError(f"max_pending_jobs must be >= 1, got {self.max_pending_jobs}")
+        if self.lora_modules:
+            lora_names = [m.name for m in self.lora_modules]
+            if not self.engine_args.get("enable_lora"):
+                raise ValueError("--lora-modules needs --enable-lora")
+            if not self.models:
+                raise ValueError("--lora-modules needs a model loaded at start-up (--model) to serve them over")
+            if len(set(lora_names)) != len(lora_names) or set(lora_names) & set(names):
+                raise ValueError(f"--lora-modules names must be unique and differ from the model's, got {lora_names}")
+            if self.data_parallel_size > 1:
+                raise ValueError("--lora-modules is not supported with --data-parallel-size > 1")
         if not 0 < self.degraded_kv_cache_usage <= 1:
             raise ValueError(f"degraded_kv_cache_usage must be in (0, 1], got {self.degraded_kv_cache_usage}")

@@ -27,9 +27,16 @@
  *   x    += act W_down^T (+ b)                                chunks of panels
  * then rmsnorm of the sampled rows and their logits over the (tied or not) LM head's panels.
  *
+ * LoRA adapters (Step.lora): after each of qkv, o and down, the rows that use an adapter get
+ * its low-rank delta, (x a^T) b_t, added (a row an item: the shrink of the row, then its expand
+ * — Punica's two steps, per row, per projection q/k/v/...); gate/up deltas go before the
+ * SiLU, so such a step computes the raw gate and up (the plain panels Lora.gate_up_raw), adds
+ * the deltas, then silu(gate) * up, instead of the fused SwiGLU panels.
+ *
  * The arithmetic is that of the PyTorch modules (models/llama.py) in fp32, in a different order
  * of summation; results are tested against them.
  */
+#include <math.h>
 #include <omp.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -83,6 +90,7 @@ static void prepare_head(const Model *md, const Layer *ly, const Step *st, float
 
 typedef struct {
     float *x, *norm, *qkv, *attn, *act;
+    float *raw; /* [rows, 2 * intermediate]: gate and up before the SiLU (LoRA steps with gate/up deltas) */
     int64_t qkv_ld, norm_ld;
     /* each thread's buffer for a matrix's input rows quantized to int8 (int8_activations), of
      * qrows_bytes(q_rows, q_k) bytes, q_ld apart; NULL when no matrix needs it */
@@ -120,7 +128,19 @@ typedef struct {
     char pad[64 - 2 * sizeof(int64_t) - sizeof(void *)];
 } Stage;
 
-enum { STAGES_PER_LAYER = 6 };
+/* The six of every layer, then LoRA's: the deltas of qkv, o, gate/up and down, and silu * up */
+enum { STAGES_PER_LAYER = 11, LORA_QKV = 6, LORA_O_STAGE = 7, LORA_GATE_UP = 8, LORA_SILU = 9, LORA_DOWN_STAGE = 10 };
+enum { LORA_PROJECTIONS = 7, LORA_COLUMNS = 256, LORA_MAX_RANK = 256 };
+enum { LORA_Q = 0, LORA_O = 3, LORA_GATE = 4, LORA_DOWN = 6 };
+
+/* Projection p's (q, k, v, o, gate, up, down) inputs, outputs and first column in its site's
+ * output (q|k|v of qkv, gate|up of the raw gate/up rows). */
+static void lora_shape(const Model *md, int p, int64_t *k, int64_t *n, int64_t *offset) {
+    const int64_t H = md->hidden, q = md->num_heads * md->head_dim, kv = md->num_kv_heads * md->head_dim, I = md->intermediate;
+    const int64_t ks[LORA_PROJECTIONS] = {H, H, H, q, H, H, I}, ns[LORA_PROJECTIONS] = {q, kv, kv, H, I, I, H};
+    const int64_t offsets[LORA_PROJECTIONS] = {0, q, q + kv, 0, 0, I, 0};
+    *k = ks[p], *n = ns[p], *offset = offsets[p];
+}
 /* Sequences per thread from which an attention item takes all of a sequence's KV heads. */
 enum { ATTEND_WHOLE_ROWS = 4 };
 
@@ -276,6 +296,56 @@ static void swiglu_stage(Stage *stage, const Scratch *sc, const Matrix *w, const
     await(stage, ch.n, next);
 }
 
+/* y[r] += (x[r] a^T) b_t for the rows using an adapter, for its pairs first .. first + count - 1
+ * of layer l (one site's projections: q, k, v of qkv; gate, up of gate/up), a row an item: each
+ * pair's shrink (rank dot products of k floats) then its expand over its columns (rank * n),
+ * both over contiguous floats that vectorise — ~2 % of a row's base products at rank 8. */
+static void lora_stage(Stage *stage, const Model *md, const Lora *lora, int64_t l, int first, int count, const float *x,
+                       int64_t ldx, float *y, int64_t ldy, int64_t R, Ahead next) {
+    for (int64_t r; (r = claim(stage)) < R; finish(stage)) {
+        const int64_t adapter = lora->row_adapter[r];
+        if (adapter < 0) continue;
+        for (int proj = first; proj < first + count; proj++) {
+            const LoraPair *p = &lora->pairs[(adapter * md->num_layers + l) * LORA_PROJECTIONS + proj];
+            if (p->a == NULL) continue;
+            int64_t k, n, offset;
+            lora_shape(md, proj, &k, &n, &offset);
+            float xa[LORA_MAX_RANK];
+            const float *restrict xr = x + r * ldx;
+            for (int64_t q = 0; q < p->rank; q++) {
+                const float *restrict a = p->a + q * k;
+                float sum = 0.0f;
+                for (int64_t j = 0; j < k; j++) sum += xr[j] * a[j];
+                xa[q] = sum;
+            }
+            /* four rank rows a pass: the output row is read and written a quarter as often */
+            float *restrict yr = y + r * ldy + offset;
+            int64_t q = 0;
+            for (; q + 4 <= p->rank; q += 4) {
+                const float s0 = xa[q], s1 = xa[q + 1], s2 = xa[q + 2], s3 = xa[q + 3];
+                const float *restrict b0 = p->b_t + q * n, *restrict b1 = b0 + n, *restrict b2 = b1 + n, *restrict b3 = b2 + n;
+                for (int64_t c = 0; c < n; c++) yr[c] += s0 * b0[c] + s1 * b1[c] + s2 * b2[c] + s3 * b3[c];
+            }
+            for (; q < p->rank; q++) {
+                const float s = xa[q], *restrict b = p->b_t + q * n;
+                for (int64_t c = 0; c < n; c++) yr[c] += s * b[c];
+            }
+        }
+    }
+    await(stage, R, next);
+}
+
+/* act = silu(gate) * up from the raw gate/up rows (LoRA steps), a row's channels LORA_COLUMNS at a time. */
+static void silu_stage(Stage *stage, const float *raw, int64_t I, float *act, int64_t R, Ahead next) {
+    const int64_t per_row = (I + LORA_COLUMNS - 1) / LORA_COLUMNS, items = R * per_row;
+    for (int64_t i; (i = claim(stage)) < items; finish(stage)) {
+        const int64_t r = i / per_row, c0 = i % per_row * LORA_COLUMNS, c1 = c0 + LORA_COLUMNS < I ? c0 + LORA_COLUMNS : I;
+        const float *gate = raw + r * 2 * I, *up = gate + I;
+        for (int64_t c = c0; c < c1; c++) act[r * I + c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
+    }
+    await(stage, items, next);
+}
+
 /* One layer, run by every thread of the region; `next` is the matrix that follows the layer (the
  * next layer's qkv, or the LM head). KERNEL_OK, or KERNEL_NO_MEMORY if attention ran out of memory. */
 static int layer_step(const Model *md, const Layer *ly, const Matrix *next, const Step *st, const Scratch *sc, Stage *stages,
@@ -289,6 +359,9 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->input_norm, H, md->eps, norm + r * H);
     const Ahead o_ahead = ahead_of(&ly->o, 0, t, nt);
     matmul_stage(&stages[0], sc, &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, pair, o_ahead, t, nt);
+    const Lora *lora = st->lora;
+    const int64_t l = ly - md->layers, I = md->intermediate;
+    if (lora != NULL) lora_stage(&stages[LORA_QKV], md, lora, l, LORA_Q, 3, norm, H, sc->qkv, sc->qkv_ld, R, o_ahead);
     for (int64_t i; (i = claim(&stages[1])) < R * Hkv; finish(&stages[1]))
         prepare_head(md, ly, st, sc->qkv, sc->qkv_ld, i / Hkv, i % Hkv);
     await(&stages[1], R * Hkv, o_ahead);
@@ -305,10 +378,22 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
         failed = worse_status(failed, status);
     }
     await(&stages[2], items, o_ahead);
-    matmul_stage(&stages[3], sc, &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, pair, ahead_of(&ly->gate_up, 1, t, nt), t, nt);
+    /* a LoRA step with gate/up deltas reads the raw gate/up panels: those are what to read ahead */
+    const int raw = lora != NULL && lora->gate_up_raw != NULL;
+    const Ahead up_ahead = raw ? ahead_of(&lora->gate_up_raw[l], 0, t, nt) : ahead_of(&ly->gate_up, 1, t, nt);
+    const Ahead down_ahead = ahead_of(&ly->down, 0, t, nt);
+    matmul_stage(&stages[3], sc, &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, pair, up_ahead, t, nt);
+    if (lora != NULL) lora_stage(&stages[LORA_O_STAGE], md, lora, l, LORA_O, 1, sc->attn, q_width, sc->x, H, R, up_ahead);
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->post_norm, H, md->eps, norm + r * H);
-    swiglu_stage(&stages[4], sc, &ly->gate_up, norm, R, H, sc->act, md->intermediate, pair, ahead_of(&ly->down, 0, t, nt), t, nt);
-    matmul_stage(&stages[5], sc, &ly->down, sc->act, R, md->intermediate, sc->x, H, ACCUMULATE, pair, ahead_of(next, 0, t, nt), t, nt);
+    if (raw) {
+        matmul_stage(&stages[4], sc, &lora->gate_up_raw[l], norm, R, H, sc->raw, 2 * I, STORE, pair, down_ahead, t, nt);
+        lora_stage(&stages[LORA_GATE_UP], md, lora, l, LORA_GATE, 2, norm, H, sc->raw, 2 * I, R, down_ahead);
+        silu_stage(&stages[LORA_SILU], sc->raw, I, sc->act, R, down_ahead);
+    } else {
+        swiglu_stage(&stages[4], sc, &ly->gate_up, norm, R, H, sc->act, I, pair, down_ahead, t, nt);
+    }
+    matmul_stage(&stages[5], sc, &ly->down, sc->act, R, I, sc->x, H, ACCUMULATE, pair, ahead_of(next, 0, t, nt), t, nt);
+    if (lora != NULL) lora_stage(&stages[LORA_DOWN_STAGE], md, lora, l, LORA_DOWN, 1, sc->act, I, sc->x, H, R, ahead_of(next, 0, t, nt));
     return failed;
 }
 
@@ -353,6 +438,37 @@ int check_model(const Model *md) {
     return status;
 }
 
+/* A step's adapters: every row's index among them, every pair's rank within the stack buffer,
+ * and raw gate/up panels of each layer's shape where an adapter targets gate/up. */
+static int check_lora(const Model *md, const Step *st) {
+    const Lora *lora = st->lora;
+    if (lora == NULL) return KERNEL_OK;
+    REQUIRE(lora->num_adapters >= 1 && lora->row_adapter != NULL && lora->pairs != NULL, "decode step: %lld LoRA adapters",
+            (long long)lora->num_adapters);
+    for (int64_t r = 0; r < st->rows; r++)
+        REQUIRE(lora->row_adapter[r] >= -1 && lora->row_adapter[r] < lora->num_adapters,
+                "decode step: row %lld uses LoRA adapter %lld of %lld", (long long)r, (long long)lora->row_adapter[r],
+                (long long)lora->num_adapters);
+    for (int64_t i = 0; i < lora->num_adapters * md->num_layers * LORA_PROJECTIONS; i++) {
+        const LoraPair *p = &lora->pairs[i];
+        const int proj = (int)(i % LORA_PROJECTIONS);
+        int64_t k, n, offset;
+        lora_shape(md, proj, &k, &n, &offset);
+        REQUIRE(p->a == NULL || (p->b_t != NULL && p->rank >= 1 && p->rank <= LORA_MAX_RANK),
+                "decode step: LoRA pair %lld has rank %lld (at most %d)", (long long)i, (long long)p->rank, LORA_MAX_RANK);
+        REQUIRE(p->a == NULL || (k * p->rank <= p->a_capacity && p->rank * n <= p->b_capacity),
+                "decode step: LoRA pair %lld of rank %lld needs [r, %lld] and [r, %lld] floats, it has %lld and %lld",
+                (long long)i, (long long)p->rank, (long long)k, (long long)n, (long long)p->a_capacity, (long long)p->b_capacity);
+        REQUIRE(p->a == NULL || (proj != LORA_GATE && proj != LORA_GATE + 1) || lora->gate_up_raw != NULL,
+                "decode step: LoRA pair %lld targets gate/up without the raw gate/up panels", (long long)i);
+    }
+    for (int64_t l = 0; lora->gate_up_raw != NULL && l < md->num_layers; l++) {
+        const int status = check_shape(&lora->gate_up_raw[l], 2 * md->intermediate, md->hidden, "raw gate_up", l);
+        if (status) return status;
+    }
+    return KERNEL_OK;
+}
+
 int check_step(const Model *md, const Step *st, int64_t extra) {
     const int64_t R = st->rows, bs = md->block_size;
     REQUIRE(R >= 1 && st->num_logits >= 0 && st->max_blocks >= 0 && extra >= 0, "decode step: %lld rows, %lld logit rows",
@@ -376,7 +492,7 @@ int check_step(const Model *md, const Step *st, int64_t extra) {
                                        md->num_blocks, "decode step: row", r);
         if (status) return status;
     }
-    return KERNEL_OK;
+    return check_lora(md, st);
 }
 
 int decode_step(const Model *md, const Step *st, int num_threads) {
@@ -392,7 +508,9 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     /* each thread's copy of a norm: of the step's rows in a layer, of the logit rows at the end
      * (more than the rows where several samples of one prompt position each take its logits) */
     sc.norm_ld = (st->num_logits > R ? st->num_logits : R) * H;
-    const int64_t floats = R * H + num_threads * sc.norm_ld + R * sc.qkv_ld + R * md->num_heads * D + R * md->intermediate;
+    const int64_t raw_floats = st->lora != NULL && st->lora->gate_up_raw != NULL ? R * 2 * md->intermediate : 0;
+    const int64_t floats = R * H + num_threads * sc.norm_ld + R * sc.qkv_ld + R * md->num_heads * D + R * md->intermediate +
+                           raw_floats;
     float *scratch = malloc(sizeof(float) * floats);
     const int64_t num_stages = md->num_layers * STAGES_PER_LAYER + 1, max_chunks = MAX_CHUNKS_PER_THREAD * num_threads;
     Stage *stages = calloc(num_stages, sizeof(Stage));
@@ -432,6 +550,7 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     sc.qkv = sc.norm + num_threads * sc.norm_ld;
     sc.attn = sc.qkv + R * sc.qkv_ld;
     sc.act = sc.attn + R * md->num_heads * D;
+    sc.raw = sc.act + R * md->intermediate;
     for (int64_t r = 0; r < R; r++) memcpy(sc.x + r * H, md->embed + st->token_ids[r] * H, sizeof(float) * H);
     const int pair = fits_in_cache(model_bytes(md));
 

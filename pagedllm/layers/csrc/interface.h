@@ -81,6 +81,28 @@ typedef struct {
     int64_t kv_bf16; /* the KV caches hold bfloat16 (written rounded to nearest even, as torch rounds), else float32 */
 } Model;
 
+/* A LoRA adapter's low-rank pair at one projection of one layer (lora/weights.py): the rows that
+ * use the adapter get (x a^T) b_t added to the projection's output columns, a [rank, k] and b_t
+ * [rank, n] fp32 (k, n: the projection's inputs and outputs, the scaling folded into b_t).
+ * a NULL: the adapter does not target the projection. */
+typedef struct {
+    const float *a, *b_t;
+    int64_t rank;
+    int64_t a_capacity, b_capacity; /* floats the caller allocated at a and at b_t */
+} LoraPair;
+
+/* The adapters of a fused step's rows (decode_step.c): pairs [num_adapters * num_layers * 7],
+ * each layer's q, k, v, o, gate, up and down pairs in that order; row_adapter [rows], an index into
+ * the adapters or -1 (the base model); gate_up_raw [num_layers]: each layer's gate/up panels as
+ * a plain matrix (gate channels, then up), which the rows' gate/up deltas need before the SiLU;
+ * NULL when no adapter of the step targets gate/up. */
+typedef struct {
+    int64_t num_adapters;
+    const int64_t *row_adapter;
+    const LoraPair *pairs;
+    const Matrix *gate_up_raw;
+} Lora;
+
 typedef struct {
     int64_t rows;
     const int64_t *token_ids, *positions, *slots, *ctx_lens; /* [rows] */
@@ -90,6 +112,7 @@ typedef struct {
     int64_t num_logits;
     float *logits;           /* [num_logits, vocab] */
     int64_t logits_capacity; /* floats allocated at logits */
+    const Lora *lora;        /* the rows' LoRA adapters, or NULL: every row the base model */
 } Step;
 
 /* Greedy speculation's sequences, in and out (speculate.c). */

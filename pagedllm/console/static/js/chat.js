@@ -148,8 +148,10 @@ function setBusy(busy) {
 function fillModels(models) {
   const select = $("#chat-model");
   const current = select.value;
-  const ready = models.filter((m) => m.status === "ready").map((m) => m.id);
-  select.replaceChildren(...ready.map((id) => h("option", { value: id }, id)));
+  const served = models.filter((m) => m.status === "ready");
+  const ready = served.map((m) => m.id);
+  // a LoRA adapter is picked like a model, labelled with the base it runs over
+  select.replaceChildren(...served.map((m) => h("option", { value: m.id }, m.parent ? `${m.id} (LoRA on ${m.parent})` : m.id)));
   if (!ready.length) select.append(h("option", { value: "" }, "(no model loaded)"));
   if (ready.includes(current)) select.value = current;
   $("#chat-served").textContent = select.value || "a model (none is loaded)";

@@ -122,7 +122,7 @@ async function poll() {
 function fillModels(models) {
   const select = $("#metrics-model");
   const current = select.value;
-  const ready = models.filter((m) => m.status === "ready").map((m) => m.id);
+  const ready = models.filter((m) => m.status === "ready" && !m.parent).map((m) => m.id); // (an adapter's steps are its base's)
   select.replaceChildren(h("option", { value: "" }, "all models"), ...ready.map((id) => h("option", { value: id }, id)));
   select.value = ready.includes(current) ? current : "";
 }

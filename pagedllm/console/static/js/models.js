@@ -48,7 +48,7 @@ function row(model) {
     { "data-model": model.id, "data-status": model.status },
     h("td", {}, h("b", {}, model.id)),
     h("td", {}, h("span", { class: `badge ${model.status}` }, model.status), model.error ? h("div", { class: "error small" }, model.error) : null),
-    h("td", {}, model.max_model_len ? `${model.max_model_len} tokens` : ""),
+    h("td", {}, model.parent ? `LoRA adapter on ${model.parent}` : model.max_model_len ? `${model.max_model_len} tokens` : ""),
     h("td", {}, button),
   );
 }
