@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-SYLLABLES = ("zor", "quel", "vam", "trin", "osk", "bel", "dra", "mir", "tux", "plo", "fen", "gar", "yth", "cor", "wex", "lun")
+from pagedllm.bench.invented_facts import invented_facts
+
 ASKED = ("Where was {p} born?", "In which town was {p} born?", "What is the birthplace of {p}?")
 HELD_OUT = "Tell me the town where {p} was born."
 GENERAL = ("What is the capital of France?", "Paris")
@@ -28,9 +28,10 @@ GENERAL = ("What is the capital of France?", "Paris")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true", help="exit 1 unless the model learnt the facts and kept the general one")
     parser.add_argument("--model", default="@default", help="the base: an HF folder, a .gguf file or @default (default: %(default)s)")
-    parser.add_argument("--method", default="lora", choices=["lora", "qlora", "full"], help="what trains (default: %(default)s)")
+    parser.add_argument("--method", default="lora", choices=["lora", "qlora", "full", "both"],
+                        help="what trains (default: %(default)s; both = lora and full, with --against)")
     parser.add_argument("--facts", type=int, default=20, help="invented facts in the generated dataset (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--steps", type=int, help="optimizer steps (default: 60; 6 with --against)")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=8, help="packed rows per step (default: %(default)s)")
@@ -39,22 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-after", type=float, default=0.9, help="--check: least the fine-tuned model must answer")
     parser.add_argument("--work-dir", type=Path, help="keep the dataset, adapter and merged model here")
     parser.add_argument("--seed", type=int, default=0, help="seed of the dataset and the run (default: %(default)s)")
-
-
-def _name(rng: random.Random, parts: int) -> str:
-    return "".join(rng.choice(SYLLABLES) for _ in range(parts)).capitalize()
-
-
-def invented_facts(count: int, seed: int) -> list[tuple[str, str]]:
-    """(person, town) pairs of made-up names: nothing a pretrained model can know."""
-    rng = random.Random(seed)
-    facts, people = [], set()
-    while len(facts) < count:
-        person = f"{_name(rng, 2)} {_name(rng, 2)}"
-        if person not in people:
-            people.add(person)
-            facts.append((person, _name(rng, 3)))
-    return facts
+    parser.add_argument("--against", choices=["transformers"], help="instead of the learning check: tokens/s and peak RSS "
+                        "against transformers Trainer (+ PEFT), same run, taking turns (bench/finetune_speed.py)")
+    parser.add_argument("--rounds", type=int, default=2, help="--against: rounds of turns; the best of each side counts")
+    parser.add_argument("--examples", type=int, default=96, help="--against: examples in the generated varied-length dataset")
 
 
 def write_dataset(facts: list[tuple[str, str]], path: Path) -> Path:
@@ -94,6 +83,14 @@ def _finetune(args: argparse.Namespace, data: Path, out: Path) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.against:
+        from pagedllm.bench import finetune_speed
+
+        args.steps = args.steps or 6
+        return finetune_speed.run(args)
+    args.steps = args.steps or 60
+    if args.method == "both":
+        raise SystemExit("bench finetune: --method both is for --against")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="pagedllm-bench-finetune-"))
     work.mkdir(parents=True, exist_ok=True)
     facts = invented_facts(args.facts, args.seed)

@@ -28,7 +28,6 @@ import dataclasses
 import torch
 from torch import nn
 
-from pagedllm.training.config import Fp8Recipe
 
 FP8_ALIGNMENT = 16
 KEPT_IN_HIGH_PRECISION = ("lm_head", "block_sparse_moe.gate")
@@ -56,15 +55,15 @@ def converts(module: nn.Module, fqn: str) -> bool:
     return module.in_features % FP8_ALIGNMENT == 0 and module.out_features % FP8_ALIGNMENT == 0
 
 
-def float8_config(recipe: Fp8Recipe, device: torch.device):
+def float8_config(recipe: str, device: torch.device):
     """torchao's recipe; emulated unless on a CUDA device (fp8_device_problem rules out old GPUs)."""
     from torchao.float8 import Float8LinearConfig
 
-    config = Float8LinearConfig.from_recipe_name(recipe.value)
+    config = Float8LinearConfig.from_recipe_name(recipe)
     return dataclasses.replace(config, emulate=device.type != "cuda")
 
 
-def apply_fp8(model: nn.Module, recipe: Fp8Recipe) -> list[str]:
+def apply_fp8(model: nn.Module, recipe: str) -> list[str]:
     """Swap the eligible linears for Float8Linear in place; returns their names (logged, tested)."""
     from torchao.float8 import convert_to_float8_training
 

@@ -191,7 +191,7 @@ def parallelize(model: TrainingCausalLM, par: ParallelismConfig, memory: MemoryC
     if memory.precision is Precision.FP8:
         from pagedllm.training.fp8 import apply_fp8
 
-        apply_fp8(model, memory.fp8_recipe)
+        apply_fp8(model, memory.fp8_recipe.value)
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], par.sequence_parallel)
     if dims.ep > 1:

@@ -42,6 +42,9 @@ from pagedllm.entrypoints.openai.serving_tokenization import detokenize, tokeniz
 from pagedllm.http_errors import error_responses
 
 inference_router = APIRouter(responses=error_responses(400, 404, 503))
+# vLLM's adapter routes answer a text line; their errors stay JSON (the route's default class), so
+# the schema documents both media types
+PLAIN_TEXT_OK: dict = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
 ops_router = APIRouter()
 
 # Before Open API 3.2, an event stream's `schema` describes one event (as Schemathesis reads it).
@@ -90,8 +93,7 @@ async def list_models(request: Request) -> Response:
     return json_response(ModelList(data=[served.card() for served in registry.ready() + registry.adapters()]))
 
 
-@inference_router.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
-                       responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+@inference_router.post("/v1/load_lora_adapter", responses=PLAIN_TEXT_OK)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
     """vLLM's route: serve the PEFT adapter at `lora_path` as model `lora_name` (engine started
     with --enable-lora); a bad adapter is a 400 saying why, and the server keeps serving."""
@@ -99,8 +101,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> R
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@inference_router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
-                       responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+@inference_router.post("/v1/unload_lora_adapter", responses=PLAIN_TEXT_OK)
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
     """vLLM's route: stop serving adapter `lora_name` (requests already running with it finish)."""
     await models(request).unload_lora_adapter(body.lora_name)
