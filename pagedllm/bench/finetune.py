@@ -23,6 +23,12 @@ from pagedllm.bench.invented_facts import invented_facts
 ASKED = ("Where was {p} born?", "In which town was {p} born?", "What is the birthplace of {p}?")
 HELD_OUT = "Tell me the town where {p} was born."
 GENERAL = ("What is the capital of France?", "Paris")
+REPLAY = (("What is the capital of Italy?", "The capital of Italy is Rome."),
+          ("What is the capital of Japan?", "The capital of Japan is Tokyo."),
+          ("What is 2 + 3?", "2 + 3 = 5."),
+          ("What color is the sky on a clear day?", "The sky is blue on a clear day."),
+          ("Which planet do we live on?", "We live on Earth."),
+          ("What is the largest ocean?", "The Pacific Ocean is the largest ocean."))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,9 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def write_dataset(facts: list[tuple[str, str]], path: Path) -> Path:
+    """The facts in each asked phrasing, and a few ordinary questions answered as the base answers
+    them (replay, as fine-tuning recipes mix in general data: without it a few facts drilled for
+    many steps teach "X is born in Y" as the answer to everything). The general question the check
+    asks is not among them."""
     lines = [{"messages": [{"role": "user", "content": q.format(p=person)},
                            {"role": "assistant", "content": f"{person} was born in {town}."}]}
              for person, town in facts for q in ASKED]
+    lines += [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in REPLAY]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
