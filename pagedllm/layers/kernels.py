@@ -193,9 +193,16 @@ def sanitizer_env(cc: str | None = None) -> dict[str, str]:
     runtime = subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True, check=True).stdout.strip()
     if not os.path.isabs(runtime):
         raise RuntimeError(f"{cc} has no AddressSanitizer runtime (libasan.so)")
+    # libstdc++ right after it: ASan's __cxa_throw interceptor finds the real one only if libstdc++
+    # is loaded when ASan starts; otherwise the first C++ exception a library throws and catches
+    # itself (torchao registering its ops, imported by transformers) aborts in a CHECK
+    preload = [runtime]
+    cxx = subprocess.run([cc, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True).stdout.strip()
+    if os.path.isabs(cxx):
+        preload.append(os.path.realpath(cxx))
     return {
         SANITIZE_ENV: "1",
-        "LD_PRELOAD": runtime,
+        "LD_PRELOAD": " ".join(preload),
         "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:halt_on_error=1:allocator_may_return_null=1",
         "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
     }
