@@ -182,13 +182,18 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, _token_list(prompt)
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _check_prompt_ids(self, token_ids: list[int]) -> None:
+        """Every prompt's rule (generating or embedding): not empty, every id in the vocabulary."""
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        self._check_prompt_ids(token_ids)
+        vocab = self.model_config.vocab_size
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
@@ -238,12 +243,7 @@ class LLMEngine:
         """An embedding prompt's token ids: not empty, in the vocabulary, at most max_model_len
         (no room for a generated token is needed)."""
         _, token_ids = self.tokenize(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        self._check_prompt_ids(token_ids)
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}")
         return token_ids
