@@ -363,3 +363,51 @@ def test_the_kernel_probe_is_made_on_the_engines_device(model_dir):
     with pytest.raises(ValueError, match=r"^attention_backend='kernel' needs float32 KV caches on the CPU"):
         decide(model_dir, device="meta", dtype="float32", attention_backend="kernel", decode_backend="torch")
     assert decide(model_dir, device="meta", dtype="float32", decode_backend="torch").attention_backend == "sdpa"
+
+
+def test_async_scheduling_names_tensor_parallelism(model_dir):
+    from pagedllm.step.planner import _async_scheduling
+
+    config = EngineConfig.from_kwargs(str(model_dir("llama")), async_scheduling=True, tensor_parallel_size=2)
+    assert _async_scheduling(config, fused=False) == (
+        False, ("async_scheduling is off: it does not run with tensor_parallel_size > 1",))
+
+
+def test_the_fused_step_refused_with_sdpa_or_two_ranks_names_why(model_dir):
+    # SDPA rules the fused step out (the config refuses 'fused' with 'sdpa' by name before the planner)
+    sdpa = decide(model_dir, attention_backend="sdpa", quantization="q4")
+    assert (sdpa.fused_decode, sdpa.small_matmul_panels) == (False, False)
+    with pytest.raises(ValueError, match=r"^decode_backend='fused' cannot be used: it runs the whole model over KV pools "
+                                         r"bound once \(no tensor parallelism, no KV offload\)$"):
+        decide(model_dir, decode_backend="fused", tensor_parallel_size=2)
+
+
+def test_the_planner_keeps_what_the_runner_asks_it(model_dir):
+    planner = decide(model_dir, tensor_parallel_size=2, decode_backend="torch")
+    assert (planner.max_model_len, planner.tensor_parallel_size, planner.kv_offload) == (512, 2, False)
+    assert decide(model_dir, kv_offload=True, decode_backend="torch").kv_offload is True
+
+
+@needs_kernels
+def test_two_scheduler_steps_need_a_backend_and_the_fused_step_is_one(model_dir, caplog):
+    with caplog.at_level("WARNING", logger="pagedllm.engine"):
+        assert decide(model_dir, num_scheduler_steps=2, attention_backend="sdpa").num_scheduler_steps == 1
+    assert len(caplog.messages) == 1 and caplog.messages[0].startswith("num_scheduler_steps=2 needs")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pagedllm.engine"):
+        fused = decide(model_dir, num_scheduler_steps=2)
+    assert fused.fused_decode and fused.num_scheduler_steps == 2 and caplog.messages == []
+
+
+@needs_kernels
+def test_block_quantized_weights_live_in_panels_off_the_fused_step_too(model_dir, monkeypatch):
+    """Where the fused step could run but attention is Triton's (here under its interpreter), a q4 or
+    GGUF model keeps its blocks only as panels; a float model keeps its own weights."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    folder = str(model_dir("llama"))
+    for quantization, panels in (("q4", True), ("gguf", True), (None, False), ("int8", False)):
+        config = EngineConfig.from_kwargs(folder, attention_backend="triton")
+        config.quantization = quantization  # 'gguf' is set by a GGUF path; the planner reads only the name
+        planner = StepPlanner.decide(config, ModelConfig.from_pretrained(folder), 512)
+        assert (planner.attention_backend, planner.fused_decode, planner.small_matmul_panels) == ("triton", False, panels)
