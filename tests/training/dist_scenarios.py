@@ -30,7 +30,7 @@ def watch_resharding(trainer: Trainer) -> dict:
 
     def hook(module, args, output):
         if torch.is_grad_enabled():
-            seen["resharded_after_forward"].append(isinstance(layer.self_attn.q_proj.weight, DTensor))
+            seen["resharded_after_forward"].append(isinstance(getattr(layer.self_attn.q_proj, "weight", None), DTensor))  # QLoRA keeps blocks
 
     part.register_forward_hook(hook)
     return seen
