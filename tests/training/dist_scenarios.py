@@ -110,6 +110,7 @@ def run_scenario(spec: dict) -> dict:
         "offload_policy": offload_policy(trainer.parts[0]),
         **measured,
         "losses": {str(k): v for k, v in result.losses.items()},
+        "val_loss": result.val_loss,
         "start_step": result.start_step,
         "reason": result.reason,
         "sharding": {k: v for part in trainer.parts for k, v in describe_sharding(part).items()},
