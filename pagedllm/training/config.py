@@ -386,10 +386,10 @@ def _check_finetune(job: TrainingJob) -> None:
     par = job.parallelism
     if job.data.tokenizer_path is not None:
         raise ConfigError("data_config.tokenizer_path", "a fine-tune uses its base model's tokenizer; leave tokenizer_path out")
-    if par.tensor_parallel_size > 1 and job.finetune.adapter:
+    if par.tensor_parallel_size > 1 and job.finetune.method is FinetuneMethod.QLORA:
         raise ConfigError("parallelism_config.tensor_parallel_size",
-                          f"{job.finetune.method.value} with tensor parallelism is not supported: the LoRA pairs beside the "
-                          "sharded projections are not sharded; use method full, or data/pipeline parallelism")
+                          "qlora with tensor parallelism is not supported: the base's quantized blocks are not sharded; "
+                          "use lora, or data/pipeline parallelism")
     if par.tensor_parallel_size > 1 and par.sequence_parallel:
         raise ConfigError("parallelism_config.sequence_parallel",
                           "fine-tuning with sequence parallelism is not supported: the packed examples' segment ids and "

@@ -127,11 +127,15 @@ def test_full_finetune_resolves_under_tensor_and_pipeline_parallelism(parallelis
 
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_adapters_run_under_pipeline_but_not_tensor_parallelism(method):
-    """LoRA pairs beside tensor-parallel shards would need their own sharding (docs/training.md)."""
+def test_adapters_run_under_pipeline_parallelism(method):
     assert resolve(finetune_with(method, pipeline_parallel_size=2), 2).parallelism.pipeline_parallel_size == 2
-    with pytest.raises(ConfigError, match=f"{method} with tensor parallelism is not supported") as info:
-        resolve(finetune_with(method, tensor_parallel_size=2), 2)
+
+
+def test_lora_but_not_qlora_runs_under_tensor_parallelism():
+    """QLoRA's quantized blocks are not sharded (docs/training.md)."""
+    assert resolve(finetune_with("lora", tensor_parallel_size=2), 2).parallelism.tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="qlora with tensor parallelism is not supported") as info:
+        resolve(finetune_with("qlora", tensor_parallel_size=2), 2)
     assert info.value.field == "parallelism_config.tensor_parallel_size"
 
 

@@ -126,6 +126,8 @@ def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
          "options": EXPORT},
         {"name": "ft_full_pp", "job": finetune_job(root, "ft-full-pp", 3, "full", parallelism_config=pp), "options": EXPORT},
         {"name": "ft_lora_pp", "job": finetune_job(root, "ft-lora-pp", 3, "lora", parallelism_config=pp), "options": EXPORT},
+        {"name": "ft_lora_tp", "job": finetune_job(root, "ft-lora-tp", 3, "lora", parallelism_config={"tensor_parallel_size": 2}),
+         "options": EXPORT},
     ]
     return launch_scenarios(2, scenarios, tiny_paths, root / "out"), root
 
@@ -298,6 +300,14 @@ def test_finetune_shards_and_stages_the_pretrained_model(two_ranks):
     for rank in results:
         dims, places, local, full = placements(rank["ft_full_tp"], "model.layers.0.self_attn.q_proj.weight")
         assert dims == ["tp"] and places == ["Shard(dim=0)"] and local == [full[0] // 2, full[1]]
+        lora = rank["ft_lora_tp"]  # (dp, tp) mesh under ZeRO 3 on one dp rank: the tp placement is the second
+        column, row = "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"
+        assert placements(lora, f"{column}.weight")[1][1] == placements(lora, f"{column}.adapter.lora_B.weight")[1][1] == "Shard(dim=0)"
+        assert placements(lora, f"{column}.adapter.lora_A.weight")[1][1] == "Replicate()"
+        assert placements(lora, f"{row}.weight")[1][1] == placements(lora, f"{row}.adapter.lora_A.weight")[1][1] == "Shard(dim=1)"
+        assert placements(lora, f"{row}.adapter.lora_B.weight")[1][1] == "Replicate()"
+        trained = lora["exp_avg_local_shapes"]  # optimizer state: the base stays frozen through the distribution
+        assert trained and all(".adapter.lora_" in name for name in trained)
     for kind in ("ft_full_pp", "ft_lora_pp"):
         first, last = (set(rank[kind]["sharding"]) for rank in results)
         assert "model.embed_tokens.weight" in first and "lm_head.weight" in last
@@ -305,14 +315,18 @@ def test_finetune_shards_and_stages_the_pretrained_model(two_ranks):
         assert not any(name.startswith("model.layers.0.") for name in last)
 
 
-def test_lora_finetune_under_pp_equals_single_process(two_ranks, finetune_references):
-    """LoRA with pipeline_parallel_size 2: the frozen tied embedding has no gradient to share between
-    the stages; the adapter-final folder, written from the stages' checkpoint, equals one process's."""
+@pytest.mark.parametrize("kind", ["ft_lora_pp", "ft_lora_tp"])
+def test_lora_finetune_under_pp_and_tp_equals_single_process(two_ranks, finetune_references, kind):
+    """LoRA with pipeline_parallel_size 2 (the frozen tied embedding has no gradient to share between
+    the stages; adapter-final written from the stages' checkpoint) and with tensor_parallel_size 2 under
+    ZeRO 3 (the pairs sharded beside their projections, lora_parallel.py): losses, grad norms (A's
+    gradient is a sum over the TP ranks) and the adapter equal one process's."""
     results, root = two_ranks
     for rank in results:
-        assert_finetune_matches(rank["ft_lora_pp"], finetune_references["lora"])
+        assert_finetune_matches(rank[kind], finetune_references["lora"])
+    assert grad_norms(root / kind.replace("_", "-")) == pytest.approx(grad_norms(root / "ft-lora-reference"), rel=1e-4)
     expected = load_adapter(root / "ft-lora-reference" / "adapter-final")[2]
-    got = load_adapter(root / "ft-lora-pp" / "adapter-final")[2]
+    got = load_adapter(root / kind.replace("_", "-") / "adapter-final")[2]
     assert got.keys() == expected.keys() and len(got) == 28  # 7 projections x 2 layers x (A, B)
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-6)
