@@ -378,11 +378,10 @@ def resolve(job: TrainingJob, world_size: int) -> TrainingJob:
 
 def _check_finetune(job: TrainingJob) -> None:
     """What a fine-tune does not combine with (docs/training.md, "What composes with fine-tuning").
-    Full fine-tuning runs under tensor and pipeline parallelism like pretraining (the pipeline passes
-    the packed rows' segment ids to every stage). A LoRA pair beside a tensor-parallel projection
-    would need its own sharding (A or B split like the projection, the other replicated), which is
-    not built; and sequence parallelism's sequence shards do not carry the segment ids into attention
-    nor let the output layer pick the trained positions."""
+    Full fine-tuning and LoRA run under tensor and pipeline parallelism (the pipeline passes the
+    packed rows' segment ids to every stage; lora_parallel.py shards the pairs). QLoRA's quantized
+    blocks are not sharded for tensor parallelism; sequence parallelism's sequence shards do not carry
+    the segment ids into attention nor let the output layer pick the trained positions."""
     par = job.parallelism
     if job.data.tokenizer_path is not None:
         raise ConfigError("data_config.tokenizer_path", "a fine-tune uses its base model's tokenizer; leave tokenizer_path out")
