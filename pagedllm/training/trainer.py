@@ -295,12 +295,15 @@ class Trainer:
         with self.autocast():
             fn(*args, target=target, losses=losses, **kwargs)
 
-    def _from_last_stage(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The mean microbatch loss, computed on the last stage, broadcast to every pipeline rank."""
+    def _from_last_stage(self, losses: list[torch.Tensor], reduce: str = "mean") -> torch.Tensor:
+        """The mean (or sum) of the microbatch losses, computed on the last stage, broadcast to every pipeline rank."""
         pipe = self.pipeline
-        loss = torch.stack([l.detach().float() for l in losses]).mean() if pipe.has_last_stage else torch.zeros((), device=self.device)
-        if self.scaler is not None and pipe.has_last_stage:
-            loss = loss / self.scaler.get_scale()  # _pipeline_loss scaled each microbatch's loss
+        loss = torch.zeros((), device=self.device)
+        if pipe.has_last_stage:
+            stacked = torch.stack([l.detach().float() for l in losses])
+            loss = stacked.sum() if reduce == "sum" else stacked.mean()
+            if self.scaler is not None and reduce == "mean":
+                loss = loss / self.scaler.get_scale()  # _pipeline_loss scaled each microbatch's loss
         last_rank = (pipe.num_stages - 1) % self.dims.pp
         dist.broadcast(loss, group=self.mesh["pp"].get_group(), group_src=last_rank)
         return loss
@@ -380,10 +383,7 @@ class Trainer:
             self._run_schedule(self.pipeline.schedule.eval, inputs, labels, losses, segments)
         finally:
             self._pipeline_sums = False
-        pipe = self.pipeline
-        total = torch.stack([l.detach().float() for l in losses]).sum() if pipe.has_last_stage else torch.zeros((), device=self.device)
-        dist.broadcast(total, group=self.mesh["pp"].get_group(), group_src=(pipe.num_stages - 1) % self.dims.pp)
-        return total
+        return self._from_last_stage(losses, reduce="sum")
 
     def _eval_chunk(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         micro = self.job.data.micro_batch_size
