@@ -30,7 +30,8 @@ def watch_resharding(trainer: Trainer) -> dict:
 
     def hook(module, args, output):
         if torch.is_grad_enabled():
-            seen["resharded_after_forward"].append(isinstance(getattr(layer.self_attn.q_proj, "weight", None), DTensor))  # QLoRA keeps blocks
+            weight = getattr(layer.self_attn.q_proj, "weight", None)  # QLoRA's projection keeps blocks instead
+            seen["resharded_after_forward"].append(isinstance(weight, DTensor))
 
     part.register_forward_hook(hook)
     return seen

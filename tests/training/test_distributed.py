@@ -302,10 +302,10 @@ def test_finetune_shards_and_stages_the_pretrained_model(two_ranks):
         assert dims == ["tp"] and places == ["Shard(dim=0)"] and local == [full[0] // 2, full[1]]
         lora = rank["ft_lora_tp"]  # (dp, tp) mesh under ZeRO 3 on one dp rank: the tp placement is the second
         column, row = "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"
-        assert placements(lora, f"{column}.weight")[1][1] == placements(lora, f"{column}.adapter.lora_B.weight")[1][1] == "Shard(dim=0)"
-        assert placements(lora, f"{column}.adapter.lora_A.weight")[1][1] == "Replicate()"
-        assert placements(lora, f"{row}.weight")[1][1] == placements(lora, f"{row}.adapter.lora_A.weight")[1][1] == "Shard(dim=1)"
-        assert placements(lora, f"{row}.adapter.lora_B.weight")[1][1] == "Replicate()"
+        tp = {name: placements(lora, f"{name}.weight")[1][1] for name in
+              (column, f"{column}.adapter.lora_A", f"{column}.adapter.lora_B", row, f"{row}.adapter.lora_A", f"{row}.adapter.lora_B")}
+        assert tp == {column: "Shard(dim=0)", f"{column}.adapter.lora_A": "Replicate()", f"{column}.adapter.lora_B": "Shard(dim=0)",
+                      row: "Shard(dim=1)", f"{row}.adapter.lora_A": "Shard(dim=1)", f"{row}.adapter.lora_B": "Replicate()"}
         trained = lora["exp_avg_local_shapes"]  # optimizer state: the base stays frozen through the distribution
         assert trained and all(".adapter.lora_" in name for name in trained)
     for kind in ("ft_full_pp", "ft_lora_pp"):
