@@ -351,12 +351,15 @@ class Trainer:
         return self._global_mean(total / chunks)
 
     def _evaluate_chat(self, indices) -> float | None:
-        """Mean loss per assistant token over every validation row (a fine-tune's split may be smaller than a batch)."""
+        """Mean loss per assistant token over every validation row (a fine-tune's split may be smaller than
+        a batch). Every data-parallel rank runs as many batches (FSDP's forwards are collective), the
+        largest share's; shorter shares and batches are filled with rows that train no token."""
         micro = self.job.data.micro_batch_size
         if self.pipeline is not None:  # the schedule takes whole batches of its microbatch count
             micro *= self.pipeline.microbatches
+        largest_share = -(-self.data.val_rows() // self.dims.dp)
         total, count = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
-        for start in range(0, len(indices), micro):
+        for start in range(0, largest_share, micro):
             inputs, labels, segments = (t.to(self.device) for t in self.data.val.batch(indices[start:start + micro]))
             total += self._chat_loss_sum(inputs, labels, segments, micro)
             count += (labels != IGNORE).sum()
@@ -367,16 +370,16 @@ class Trainer:
         return float(total / count) if count > 0 else None
 
     def _chat_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor, rows: int) -> torch.Tensor:
-        """Summed loss over the assistant tokens of these rows. The pipeline runs a full batch of `rows`:
-        a short last batch is filled with rows that have no trained token (padding, its own segment)."""
-        if self.pipeline is None:
-            with self.autocast():
-                logits = self.parts[0](inputs, segments)
-            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+        """Summed loss over the assistant tokens of these rows, run as a batch of `rows` (the pipeline
+        needs whole batches): a short one is filled with rows that have no trained token (padding, its own segment)."""
         missing = rows - inputs.shape[0]
         if missing:
             inputs, labels, segments = (torch.cat([t, t.new_full((missing, t.shape[1]), fill)])
                                         for t, fill in ((inputs, 0), (labels, IGNORE), (segments, -1)))
+        if self.pipeline is None:
+            with self.autocast():
+                logits = self.parts[0](inputs, segments)
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
         losses: list[torch.Tensor] = []
         self._pipeline_sums = True
         try:

@@ -125,6 +125,7 @@ def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
         {"name": "ft_full_tp", "job": finetune_job(root, "ft-full-tp", 0, "full", parallelism_config={"tensor_parallel_size": 2}),
          "options": EXPORT},
         {"name": "ft_full_pp", "job": finetune_job(root, "ft-full-pp", 3, "full", parallelism_config=pp), "options": EXPORT},
+        {"name": "ft_full_zero3", "job": finetune_job(root, "ft-full-zero3", 3, "full"), "options": EXPORT},  # dp 2
         {"name": "ft_lora_pp", "job": finetune_job(root, "ft-lora-pp", 3, "lora", parallelism_config=pp), "options": EXPORT},
         {"name": "ft_lora_tp", "job": finetune_job(root, "ft-lora-tp", 3, "lora", parallelism_config={"tensor_parallel_size": 2}),
          "options": EXPORT},
@@ -277,10 +278,11 @@ def test_lora_finetune_under_fsdp_on_two_ranks_equals_single_process(two_ranks, 
         assert_losses_match(rank["lora_zero3"]["losses"], {str(k): v for k, v in finetune_references["lora"].losses.items()})
 
 
-@pytest.mark.parametrize("kind", ["ft_full_tp", "ft_full_pp"])
-def test_full_finetune_under_tp_and_pp_equals_single_process(two_ranks, finetune_references, kind):
-    """Full fine-tuning of a tied-embedding base with tensor_parallel_size 2 (ZeRO 0) and
-    pipeline_parallel_size 2 (ZeRO 3): the packed examples' boundaries reach every stage, the loss is
+@pytest.mark.parametrize("kind", ["ft_full_tp", "ft_full_pp", "ft_full_zero3"])
+def test_full_finetune_under_tp_pp_and_fsdp_equals_single_process(two_ranks, finetune_references, kind):
+    """Full fine-tuning of a tied-embedding base with tensor_parallel_size 2 (ZeRO 0),
+    pipeline_parallel_size 2 (ZeRO 3) and FSDP2 over two data-parallel ranks (ZeRO 3): the packed
+    examples' boundaries reach every stage, the loss is
     on the assistant tokens; the hf-final folder, loaded by transformers, holds the single process's
     weights (within 1 % of what training changed: Adam divides by the gradients' own size)."""
     results, root = two_ranks
