@@ -239,3 +239,12 @@ class ChatData(RankSplits):
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.eval_sequences = data.eval_sequences
 
+    def val_indices(self) -> np.ndarray:
+        """This rank's rows of the first eval_sequences validation rows, every one of them on some rank
+        (rank r takes r, r + dp, ...): a fine-tune's split is a handful of rows and its eval loss is per
+        assistant token, so shares may differ by one row (the trainer pads them to equal batches)."""
+        return np.arange(self.dp_rank, self.val_rows(), self.dp_size)
+
+    def val_rows(self) -> int:
+        return min(self.eval_sequences, self.val.num_sequences)
+

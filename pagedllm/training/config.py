@@ -377,15 +377,22 @@ def resolve(job: TrainingJob, world_size: int) -> TrainingJob:
 
 
 def _check_finetune(job: TrainingJob) -> None:
-    """What a fine-tune does not combine with (yet): the packed chat batches carry example
-    boundaries that the pipeline schedule and tensor-parallel sharding do not pass on."""
+    """What a fine-tune does not combine with (docs/training.md, "What composes with fine-tuning").
+    Full fine-tuning and LoRA run under tensor and pipeline parallelism (the pipeline passes the
+    packed rows' segment ids to every stage; lora_parallel.py shards the pairs). QLoRA's quantized
+    blocks are not sharded for tensor parallelism; sequence parallelism's sequence shards do not carry
+    the segment ids into attention nor let the output layer pick the trained positions."""
     par = job.parallelism
     if job.data.tokenizer_path is not None:
         raise ConfigError("data_config.tokenizer_path", "a fine-tune uses its base model's tokenizer; leave tokenizer_path out")
-    if par.pipeline_parallel_size > 1:
-        raise ConfigError("parallelism_config.pipeline_parallel_size", "fine-tuning with pipeline parallelism is not supported yet (use 1)")
-    if par.tensor_parallel_size > 1:
-        raise ConfigError("parallelism_config.tensor_parallel_size", "fine-tuning with tensor parallelism is not supported yet (use 1)")
+    if par.tensor_parallel_size > 1 and job.finetune.method is FinetuneMethod.QLORA:
+        raise ConfigError("parallelism_config.tensor_parallel_size",
+                          "qlora with tensor parallelism is not supported: the base's quantized blocks are not sharded; "
+                          "use lora, or data/pipeline parallelism")
+    if par.tensor_parallel_size > 1 and par.sequence_parallel:
+        raise ConfigError("parallelism_config.sequence_parallel",
+                          "fine-tuning with sequence parallelism is not supported: the packed examples' segment ids and "
+                          "the trained positions are not passed through sequence shards (use false)")
     if job.finetune.method is FinetuneMethod.QLORA and job.memory.precision is not Precision.FP32:
         raise ConfigError("memory_config.precision", "qlora dequantizes its base to float32; use FP32")
 

@@ -31,6 +31,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from pagedllm.training.config import MemoryConfig, ParallelismConfig, Precision
+from pagedllm.training.lora import LoraLinear
+from pagedllm.training.lora_parallel import lora_aware
 from pagedllm.training.model import TrainingCausalLM, DecoderLayer
 from pagedllm.training.tied import retie
 
@@ -131,6 +133,9 @@ def _layer_plan(layer: DecoderLayer, sequence_parallel: bool) -> dict[str, Paral
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         plan["self_attn"] = gather
         plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if any(isinstance(module, LoraLinear) for module in layer.modules()):  # a LoRA fine-tune: the pairs sharded too
+        plan = {name: lora_aware(style, layer.get_submodule(name)) if name.endswith("_proj") else style
+                for name, style in plan.items()}
     if layer.self_attn.q_norm is not None:
         # qwen3's per-head norms see this rank's heads: a shard along the head dim (2) of (b, s, h, d).
         plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)

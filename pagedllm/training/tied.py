@@ -62,7 +62,8 @@ class TiedStageGradients:
             if index == num_stages - 1:
                 setattr(part.lm_head.weight, DUPLICATE_FLAG, True)
                 params.append(part.lm_head.weight)
-        return cls(params, _first_last_group(mesh))
+        # a LoRA fine-tune freezes the embedding: no gradient to sum (the group is still made: collective)
+        return cls([p for p in params if p.requires_grad], _first_last_group(mesh))
 
     def all_reduce(self) -> None:
         """Sum the two copies' gradients (each already reduced over data parallelism by FSDP): the

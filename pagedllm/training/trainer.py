@@ -98,6 +98,7 @@ class Trainer:
         torch.manual_seed(self.job.seed)
         self.data = self._prepare_data()
         self.scaler = self._grad_scaler()  # before the model: a pipeline's loss function scales by it
+        self._pipeline_sums = False  # _pipeline_loss: a fine-tune's evaluation sums over tokens
         self._build_model()
         self.ckpt = CheckpointManager(self.job.checkpoint, self.job.job_id, self.job.model_dump_json(indent=2), self.parts,
                                       self.optimizers, self._scaler_state, self._load_scaler_state, on_event=self.events.emit)
@@ -182,7 +183,11 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype else nullcontext
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss; FP16 scales it there, since the schedule runs the backward itself."""
+        """The last stage's loss; FP16 scales it there, since the schedule runs the backward itself.
+        A fine-tune's labels are IGNORE off the assistant's tokens: the mean is over the trained tokens,
+        as one process's. While a fine-tune evaluates (`_pipeline_sums`), the unscaled sum instead."""
+        if self._pipeline_sums:
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
         loss = cross_entropy(logits, labels)
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
@@ -215,10 +220,11 @@ class Trainer:
     def train_step(self, step: int) -> tuple[float, float]:
         """Forward/backward/optimizer for global step `step`; returns (mean loss, grad norm)."""
         inputs, labels, *segments = (self._local_sequence(t.to(self.device)) for t in self.data.step_batch(step))
+        packed = segments[0] if segments else None  # a fine-tune's example boundaries
         if self.pipeline is not None:
-            loss = self._pipeline_forward_backward(inputs, labels)
+            loss = self._pipeline_forward_backward(inputs, labels, packed)
         else:
-            loss = self._accumulate(inputs, labels, segments[0] if segments else None)
+            loss = self._accumulate(inputs, labels, packed)
         if self.scaler is not None:
             for optimizer in self.optimizers:
                 self.scaler.unscale_(optimizer)
@@ -270,26 +276,34 @@ class Trainer:
             total += loss.detach()
         return total / count
 
-    def _pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
+                                   segments: torch.Tensor | None = None) -> torch.Tensor:
         losses: list[torch.Tensor] = []
-        self._run_schedule(self.pipeline.schedule.step, inputs, labels, losses)
+        self._run_schedule(self.pipeline.schedule.step, inputs, labels, losses, segments)
         if self.pipeline.tied is not None:
             self.pipeline.tied.all_reduce()
         return self._from_last_stage(losses)
 
-    def _run_schedule(self, fn, inputs: torch.Tensor, labels: torch.Tensor, losses: list) -> None:
+    def _run_schedule(self, fn, inputs: torch.Tensor, labels: torch.Tensor, losses: list,
+                      segments: torch.Tensor | None = None) -> None:
+        """`segments` (packed fine-tuning rows) go to every stage as a keyword argument, which the
+        schedule cuts into microbatches like the inputs: each stage's attention needs the boundaries."""
         pipe = self.pipeline
         target = labels if pipe.has_last_stage else None
         args = (inputs,) if pipe.has_first_stage else ()
+        kwargs = {"segments": segments} if segments is not None else {}
         with self.autocast():
-            fn(*args, target=target, losses=losses)
+            fn(*args, target=target, losses=losses, **kwargs)
 
-    def _from_last_stage(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The mean microbatch loss, computed on the last stage, broadcast to every pipeline rank."""
+    def _from_last_stage(self, losses: list[torch.Tensor], reduce: str = "mean") -> torch.Tensor:
+        """The mean (or sum) of the microbatch losses, computed on the last stage, broadcast to every pipeline rank."""
         pipe = self.pipeline
-        loss = torch.stack([l.detach().float() for l in losses]).mean() if pipe.has_last_stage else torch.zeros((), device=self.device)
-        if self.scaler is not None and pipe.has_last_stage:
-            loss = loss / self.scaler.get_scale()  # _pipeline_loss scaled each microbatch's loss
+        loss = torch.zeros((), device=self.device)
+        if pipe.has_last_stage:
+            stacked = torch.stack([l.detach().float() for l in losses])
+            loss = stacked.sum() if reduce == "sum" else stacked.mean()
+            if self.scaler is not None and reduce == "mean":
+                loss = loss / self.scaler.get_scale()  # _pipeline_loss scaled each microbatch's loss
         last_rank = (pipe.num_stages - 1) % self.dims.pp
         dist.broadcast(loss, group=self.mesh["pp"].get_group(), group_src=last_rank)
         return loss
@@ -337,20 +351,42 @@ class Trainer:
         return self._global_mean(total / chunks)
 
     def _evaluate_chat(self, indices) -> float | None:
-        """Mean loss per assistant token over every validation row (a fine-tune's split may be smaller than a batch)."""
+        """Mean loss per assistant token over every validation row (a fine-tune's split may be smaller than
+        a batch). Every data-parallel rank runs as many batches (FSDP's forwards are collective), the
+        largest share's; shorter shares and batches are filled with rows that train no token."""
         micro = self.job.data.micro_batch_size
+        if self.pipeline is not None:  # the schedule takes whole batches of its microbatch count
+            micro *= self.pipeline.microbatches
+        largest_share = -(-self.data.val_rows() // self.dims.dp)
         total, count = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
-        for start in range(0, len(indices), micro):
+        for start in range(0, largest_share, micro):
             inputs, labels, segments = (t.to(self.device) for t in self.data.val.batch(indices[start:start + micro]))
-            with self.autocast():
-                logits = self.parts[0](inputs, segments)
-            total += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
-            count += (labels != -100).sum()
+            total += self._chat_loss_sum(inputs, labels, segments, micro)
+            count += (labels != IGNORE).sum()
         reshard(self.parts)
         if self.dims.dp > 1:
             dist.all_reduce(total, group=self.mesh["dp"].get_group())
             dist.all_reduce(count, group=self.mesh["dp"].get_group())
         return float(total / count) if count > 0 else None
+
+    def _chat_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor, rows: int) -> torch.Tensor:
+        """Summed loss over the assistant tokens of these rows, run as a batch of `rows` (the pipeline
+        needs whole batches): a short one is filled with rows that have no trained token (padding, its own segment)."""
+        missing = rows - inputs.shape[0]
+        if missing:
+            inputs, labels, segments = (torch.cat([t, t.new_full((missing, t.shape[1]), fill)])
+                                        for t, fill in ((inputs, 0), (labels, IGNORE), (segments, -1)))
+        if self.pipeline is None:
+            with self.autocast():
+                logits = self.parts[0](inputs, segments)
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+        losses: list[torch.Tensor] = []
+        self._pipeline_sums = True
+        try:
+            self._run_schedule(self.pipeline.schedule.eval, inputs, labels, losses, segments)
+        finally:
+            self._pipeline_sums = False
+        return self._from_last_stage(losses, reduce="sum")
 
     def _eval_chunk(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         micro = self.job.data.micro_batch_size
@@ -450,7 +486,7 @@ class Trainer:
         self._save(step, metadata, blocking=True)
         self.ckpt.wait()
         if self.job.finetune is not None:
-            self._export_finetune(reporter)
+            self._export_finetune(step, reporter)
         elif self.rank == 0:
             if self.options.export_hf:
                 out = export_checkpoint(self.dir / step_dir_name(step), self.dir / "hf-final")
@@ -461,21 +497,29 @@ class Trainer:
             plot_loss_curve(self.dir / "metrics.jsonl", self.dir / "loss_curve.png", self.job.job_name)
         dist.barrier()
 
-    def _export_finetune(self, reporter: ProgressReporter) -> None:
-        """A LoRA / QLoRA job's PEFT adapter folder (adapter-final), a full fine-tune's Hugging Face folder (hf-final)."""
+    def _export_finetune(self, step: int, reporter: ProgressReporter) -> None:
+        """A LoRA / QLoRA job's PEFT adapter folder (adapter-final), a full fine-tune's Hugging Face folder
+        (hf-final). Without pipeline stages every rank gathers the whole model (tensor-parallel shards
+        are DTensors); with them the stages live on different ranks, and the final checkpoint, which
+        holds them all, is exported by rank 0 as `pagedllm export` would."""
         from pagedllm.training.export import write_hf_folder
         from pagedllm.training.finetune import write_adapter
         from pagedllm.training.lora import adapter_state, merged_state
 
         ft = self.job.finetune
-        state = adapter_state(self.parts[0]) if ft.adapter else merged_state(self.parts[0])  # every rank gathers
+        state = None
+        if self.pipeline is None:
+            state = adapter_state(self.parts[0]) if ft.adapter else merged_state(self.parts[0])  # every rank gathers
         if self.rank != 0:
             return
         if self.options.export_hf:
-            if ft.adapter:
-                out = write_adapter(state, ft, self.dir / "adapter-final")
+            folder = self.dir / ("adapter-final" if ft.adapter else "hf-final")
+            if state is None:
+                out = export_checkpoint(self.dir / step_dir_name(step), folder)
+            elif ft.adapter:
+                out = write_adapter(state, ft, folder)
             else:
-                out = write_hf_folder(state, self.job.model, self.dir / "tokenizer", self.dir / "hf-final")
+                out = write_hf_folder(state, self.job.model, self.dir / "tokenizer", folder)
             reporter.info(f"exported {'PEFT adapter' if ft.adapter else 'Hugging Face'} folder {out}")
             self.events.emit("exported", path=str(out))
         plot_loss_curve(self.dir / "metrics.jsonl", self.dir / "loss_curve.png", self.job.job_name)

@@ -30,7 +30,8 @@ def watch_resharding(trainer: Trainer) -> dict:
 
     def hook(module, args, output):
         if torch.is_grad_enabled():
-            seen["resharded_after_forward"].append(isinstance(layer.self_attn.q_proj.weight, DTensor))
+            weight = getattr(layer.self_attn.q_proj, "weight", None)  # QLoRA's projection keeps blocks instead
+            seen["resharded_after_forward"].append(isinstance(weight, DTensor))
 
     part.register_forward_hook(hook)
     return seen
@@ -110,6 +111,7 @@ def run_scenario(spec: dict) -> dict:
         "offload_policy": offload_policy(trainer.parts[0]),
         **measured,
         "losses": {str(k): v for k, v in result.losses.items()},
+        "val_loss": result.val_loss,
         "start_step": result.start_step,
         "reason": result.reason,
         "sharding": {k: v for part in trainer.parts for k, v in describe_sharding(part).items()},

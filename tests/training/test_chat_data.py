@@ -101,3 +101,6 @@ def test_validation_split_holds_out_examples(smollm2_tokenizer, tmp_path):
     inputs, labels, segments = chat.step_batch(1)
     assert inputs.shape == labels.shape == segments.shape == (2, 64)
     assert np.array_equal(chat.val_indices(), np.arange(min(cfg.eval_sequences, chat.val.num_sequences)))
+    # over 3 data-parallel ranks every validation row is evaluated once (pretraining's windows drop a remainder)
+    shares = [ChatData(cfg, smollm2_tokenizer, r, 3, seed=0).val_indices() for r in range(3)]
+    assert chat.val_rows() % 3 and sorted(np.concatenate(shares).tolist()) == list(range(chat.val_rows()))

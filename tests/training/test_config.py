@@ -114,6 +114,37 @@ def test_expert_and_context_parallel_sizes_are_accepted():
     assert job.parallelism.data_parallel_size == 2
 
 
+FINETUNE = {"data_config": {"dataset_path": "chat.jsonl"}}
+
+
+def finetune_with(method: str, **parallelism) -> TrainingJob:
+    return parse_job({**FINETUNE, "finetune_config": {"method": method}, "parallelism_config": parallelism})
+
+
+@pytest.mark.parametrize("parallelism", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_full_finetune_resolves_under_tensor_and_pipeline_parallelism(parallelism):
+    assert resolve(finetune_with("full", **parallelism), 2).parallelism.data_parallel_size == 1
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_adapters_run_under_pipeline_parallelism(method):
+    assert resolve(finetune_with(method, pipeline_parallel_size=2), 2).parallelism.pipeline_parallel_size == 2
+
+
+def test_lora_but_not_qlora_runs_under_tensor_parallelism():
+    """QLoRA's quantized blocks are not sharded (docs/training.md)."""
+    assert resolve(finetune_with("lora", tensor_parallel_size=2), 2).parallelism.tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="qlora with tensor parallelism is not supported") as info:
+        resolve(finetune_with("qlora", tensor_parallel_size=2), 2)
+    assert info.value.field == "parallelism_config.tensor_parallel_size"
+
+
+def test_finetune_refuses_sequence_parallelism_by_name():
+    with pytest.raises(ConfigError) as info:
+        resolve(finetune_with("full", tensor_parallel_size=2, sequence_parallel=True), 2)
+    assert info.value.field == "parallelism_config.sequence_parallel"
+
+
 def test_fp8_resolves_where_float8_runs():
     """Emulated on a CPU, native on compute capability >= 8.9; an older GPU is refused naming the field."""
     import torch

@@ -14,17 +14,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from pagedllm.adapters.peft_format import load_adapter
 from pagedllm.training.config import parse_job
 from pagedllm.training.progress import read_metrics
 from pagedllm.training.trainer import RunOptions, run_training
 
-from tiny_models import build_model
+from tiny_models import build_model, load_reference
 
 from .helpers import lora_job, tiny_job, write_chat
 
 HERE = Path(__file__).parent
 FAST = {"peak_flops": 1e10, "export_hf": False}
+EXPORT = {"peak_flops": 1e10}  # and the final Hugging Face / PEFT folder
 QWEN3 = {"architecture": "qwen3", "head_dim": 16}
 MOE = {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 2}
 TIED = {"tie_word_embeddings": True}  # as SmolLM2, the default served model
@@ -68,14 +71,17 @@ def grad_norms(checkpoint_dir: Path) -> list[float]:
     return [record["grad_norm"] for record in read_metrics(checkpoint_dir / "metrics.jsonl")]
 
 
-def finetune_job(root: Path, name: str, zero_stage: int) -> dict:
-    """A LoRA fine-tune of a tiny pretrained (tied-embedding) base on chat data, without dropout (each
-    rank draws its own dropout masks, so only the deterministic update can equal one process's)."""
+def finetune_job(root: Path, name: str, zero_stage: int, method: str = "lora", **sections) -> dict:
+    """A LoRA (or full) fine-tune of a tiny pretrained (tied-embedding) base on chat data, without dropout
+    (each rank draws its own dropout masks, so only the deterministic update can equal one process's)."""
     if not (root / "ft-base").is_dir():
         build_model(root / "ft-base", "llama", tie_word_embeddings=True)
         write_chat(root / "chat.jsonl")
-    job = lora_job(root / "ft-base", root / "chat.jsonl", root / name, steps=4, memory_config={"zero_stage": zero_stage})
-    job["finetune_config"]["lora_dropout"] = 0.0
+    job = lora_job(root / "ft-base", root / "chat.jsonl", root / name, steps=4, memory_config={"zero_stage": zero_stage},
+                   **sections)
+    job["finetune_config"].update(lora_dropout=0.0, method=method)
+    if method == "full":
+        job["optimization_config"]["learning_rate"] = 1e-3
     return job
 
 
@@ -115,6 +121,14 @@ def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
         case("pp_moe", parallelism_config=pp, model_config=MOE_BALANCED),
         case("zero3_nvme", memory_config={"zero_stage": 3, "nvme_offload": True}),
         {"name": "lora_zero3", "job": finetune_job(root, "lora-zero3", zero_stage=3), "options": FAST},
+        # fine-tunes under TP and PP; exported (hf-final / adapter-final) to compare with one process's
+        {"name": "ft_full_tp", "job": finetune_job(root, "ft-full-tp", 0, "full", parallelism_config={"tensor_parallel_size": 2}),
+         "options": EXPORT},
+        {"name": "ft_full_pp", "job": finetune_job(root, "ft-full-pp", 3, "full", parallelism_config=pp), "options": EXPORT},
+        {"name": "ft_full_zero3", "job": finetune_job(root, "ft-full-zero3", 3, "full"), "options": EXPORT},  # dp 2
+        {"name": "ft_lora_pp", "job": finetune_job(root, "ft-lora-pp", 3, "lora", parallelism_config=pp), "options": EXPORT},
+        {"name": "ft_lora_tp", "job": finetune_job(root, "ft-lora-tp", 3, "lora", parallelism_config={"tensor_parallel_size": 2}),
+         "options": EXPORT},
     ]
     return launch_scenarios(2, scenarios, tiny_paths, root / "out"), root
 
@@ -239,14 +253,85 @@ def test_fsdp_times_tp_losses_equal_single_process(four_ranks, references):
         assert_losses_match(rank["fsdp_tp_qwen3_sp"]["losses"], references["qwen3"])
 
 
-def test_lora_finetune_under_fsdp_on_two_ranks_equals_single_process(two_ranks):
+# ---- fine-tuning a pretrained model: FSDP2, TP, PP ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def finetune_references(two_ranks) -> dict:
+    """One process, no parallelism wrappers: the full and the LoRA fine-tune each distributed case must equal."""
+    _, root = two_ranks
+    return {method: run_training(parse_job(finetune_job(root, f"ft-{method}-reference", 0, method)), RunOptions(**EXPORT))
+            for method in ("full", "lora")}
+
+
+def assert_finetune_matches(rank_result: dict, reference) -> None:
+    """Losses of every step (step 1's is the pretrained base's: the weights reached every shard and stage)
+    and the eval loss per assistant token."""
+    assert_losses_match(rank_result["losses"], {str(k): v for k, v in reference.losses.items()})
+    assert reference.val_loss is not None and rank_result["val_loss"] == pytest.approx(reference.val_loss, rel=1e-5)
+
+
+def test_lora_finetune_under_fsdp_on_two_ranks_equals_single_process(two_ranks, finetune_references):
     """LoRA under FSDP2 over two data-parallel ranks: the frozen base sharded like any module, the
     adapter's gradients reduced across ranks; the losses equal one process on the same batches."""
-    results, root = two_ranks
-    reference = run_training(parse_job(finetune_job(root, "lora-reference", zero_stage=0)), RunOptions(**FAST))
-    expected = {str(k): v for k, v in reference.losses.items()}
+    results, _ = two_ranks
     for rank in results:
-        assert_losses_match(rank["lora_zero3"]["losses"], expected)
+        assert_losses_match(rank["lora_zero3"]["losses"], {str(k): v for k, v in finetune_references["lora"].losses.items()})
+
+
+@pytest.mark.parametrize("kind", ["ft_full_tp", "ft_full_pp", "ft_full_zero3"])
+def test_full_finetune_under_tp_pp_and_fsdp_equals_single_process(two_ranks, finetune_references, kind):
+    """Full fine-tuning of a tied-embedding base with tensor_parallel_size 2 (ZeRO 0),
+    pipeline_parallel_size 2 (ZeRO 3) and FSDP2 over two data-parallel ranks (ZeRO 3): the packed
+    examples' boundaries reach every stage, the loss is
+    on the assistant tokens; the hf-final folder, loaded by transformers, holds the single process's
+    weights (within 1 % of what training changed: Adam divides by the gradients' own size)."""
+    results, root = two_ranks
+    for rank in results:
+        assert_finetune_matches(rank[kind], finetune_references["full"])
+    base = load_reference(root / "ft-base").state_dict()
+    expected = load_reference(root / "ft-full-reference" / "hf-final").state_dict()
+    got = load_reference(root / kind.replace("_", "-") / "hf-final").state_dict()
+    assert got.keys() == expected.keys()
+    update = max(float((expected[k] - base[k]).abs().max()) for k in expected)
+    error = max(float((got[k] - expected[k]).abs().max()) for k in expected)
+    assert update > 1e-4 and error < 1e-2 * update, (error, update)
+
+
+def test_finetune_shards_and_stages_the_pretrained_model(two_ranks):
+    results, _ = two_ranks
+    for rank in results:
+        dims, places, local, full = placements(rank["ft_full_tp"], "model.layers.0.self_attn.q_proj.weight")
+        assert dims == ["tp"] and places == ["Shard(dim=0)"] and local == [full[0] // 2, full[1]]
+        lora = rank["ft_lora_tp"]  # (dp, tp) mesh under ZeRO 3 on one dp rank: the tp placement is the second
+        column, row = "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"
+        tp = {name: placements(lora, f"{name}.weight")[1][1] for name in
+              (column, f"{column}.adapter.lora_A", f"{column}.adapter.lora_B", row, f"{row}.adapter.lora_A", f"{row}.adapter.lora_B")}
+        assert tp == {column: "Shard(dim=0)", f"{column}.adapter.lora_A": "Replicate()", f"{column}.adapter.lora_B": "Shard(dim=0)",
+                      row: "Shard(dim=1)", f"{row}.adapter.lora_A": "Shard(dim=1)", f"{row}.adapter.lora_B": "Replicate()"}
+        trained = lora["exp_avg_local_shapes"]  # optimizer state: the base stays frozen through the distribution
+        assert trained and all(".adapter.lora_" in name for name in trained)
+    for kind in ("ft_full_pp", "ft_lora_pp"):
+        first, last = (set(rank[kind]["sharding"]) for rank in results)
+        assert "model.embed_tokens.weight" in first and "lm_head.weight" in last
+        assert not any(name.startswith("model.layers.1.") for name in first)
+        assert not any(name.startswith("model.layers.0.") for name in last)
+
+
+@pytest.mark.parametrize("kind", ["ft_lora_pp", "ft_lora_tp"])
+def test_lora_finetune_under_pp_and_tp_equals_single_process(two_ranks, finetune_references, kind):
+    """LoRA with pipeline_parallel_size 2 (the frozen tied embedding has no gradient to share between
+    the stages; adapter-final written from the stages' checkpoint) and with tensor_parallel_size 2 under
+    ZeRO 3 (the pairs sharded beside their projections, lora_parallel.py): losses, grad norms (A's
+    gradient is a sum over the TP ranks) and the adapter equal one process's."""
+    results, root = two_ranks
+    for rank in results:
+        assert_finetune_matches(rank[kind], finetune_references["lora"])
+    assert grad_norms(root / kind.replace("_", "-")) == pytest.approx(grad_norms(root / "ft-lora-reference"), rel=1e-4)
+    expected = load_adapter(root / "ft-lora-reference" / "adapter-final")[2]
+    got = load_adapter(root / kind.replace("_", "-") / "adapter-final")[2]
+    assert got.keys() == expected.keys() and len(got) == 28  # 7 projections x 2 layers x (A, B)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-6)
 
 
 def test_moe_with_zero3_losses_equal_single_process(two_ranks, references):
