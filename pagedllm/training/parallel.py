@@ -93,6 +93,37 @@ class ReplicateParallel(ParallelStyle):
         return output.to_local() if isinstance(output, DTensor) else output
 
 
+class ReplicatedMoE(ParallelStyle):
+    """A MoE block under tensor parallelism: router and experts replicated over the tp ranks (Replicate
+    DTensors, computed on their local tensors: model.local_linear), its input the whole replicated
+    activation (all-gathered from sequence shards with `sequence_parallel`) and its output handed back
+    as the plan's next step expects (this rank's sequence shard, or the replicated tensor).
+
+    Every tp rank routes the same tokens and runs the same experts: redundant compute, the price of
+    composing with data-dependent routing (torchtitan's expert-tensor parallelism, or EP borrowing the
+    tp ranks, removes it). The gradients are exact without a reduction over tp: each tp rank's are
+    the same, as its inputs and output gradients are."""
+
+    def __init__(self, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        output_fn = self._to_sequence_shard if self.sequence_parallel else None
+        return distribute_module(module, device_mesh, input_fn=self._to_replicated_local, output_fn=output_fn)
+
+    @staticmethod
+    def _to_replicated_local(module, inputs, mesh):
+        """(Shard(1) or Replicate) DTensor, or an already replicated tensor -> the whole local tensor.
+        to_local's backward takes the gradient as Replicate (every tp rank computed the same)."""
+        return tuple(x.redistribute(mesh, [Replicate()]).to_local() if isinstance(x, DTensor) else x for x in inputs)
+
+    @staticmethod
+    def _to_sequence_shard(module, output, mesh):
+        """The replicated output -> this rank's sequence shard (backward: the shards' gradients all-gathered)."""
+        return DTensor.from_local(output, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+
 def _norm_style(sequence_parallel: bool) -> ParallelStyle:
     return SequenceParallel() if sequence_parallel else ReplicateParallel()
 
@@ -123,14 +154,16 @@ def _layer_plan(layer: DecoderLayer, sequence_parallel: bool) -> dict[str, Paral
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
         "post_attention_layernorm": _norm_style(sequence_parallel),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=seq),
     }
+    if hasattr(layer, "block_sparse_moe"):
+        plan["block_sparse_moe"] = ReplicatedMoE(sequence_parallel)
+    else:
+        plan.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                     "mlp.down_proj": RowwiseParallel(output_layouts=seq)})
     if sequence_parallel:
-        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan["self_attn"] = gather
-        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan["self_attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        if not hasattr(layer, "block_sparse_moe"):
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     if layer.self_attn.q_norm is not None:
         # qwen3's per-head norms see this rank's heads: a shard along the head dim (2) of (b, s, h, d).
         plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
