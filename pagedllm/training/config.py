@@ -464,9 +464,6 @@ def _check_context_parallel(job: TrainingJob) -> None:
     if job.data.sequence_length % (2 * cp):
         raise ConfigError("data_config.sequence_length",
                           f"{job.data.sequence_length} is not divisible by 2 x context_parallel_size = {2 * cp} (load-balanced chunks)")
-    if par.pipeline_parallel_size > 1:
-        raise ConfigError(field, "context parallelism with pipeline parallelism is not supported yet (pipeline_parallel_size 1): "
-                          "the pipeline schedule's microbatches are not cut into the ring's sequence chunks")
     if job.finetune is not None:
         raise ConfigError(field, "fine-tuning packs examples with per-example masks; the ring does not carry them (use 1)")
     if job.model.attention_dropout > 0:

@@ -6,7 +6,7 @@
          ZeRO-0 (replicate over the cp ranks, dp = 1)
     compositions (issue 42): moe_tp: moe, dp 2 x tp 2 with sequence parallelism, ZeRO-3;
          ep_tp: moe, ep 2 x tp 2 (dp 2 = ep), ZeRO-3;  cp_moe: moe with a 0.5 balance loss, dp 2 x cp 2;
-         cp_tp: llama, cp 2 x tp 2 (dp 1), ZeRO-3 over the cp ranks
+         cp_tp: llama, cp 2 x tp 2 (dp 1), ZeRO-3 over the cp ranks;  cp_pp: llama, pp 2 x cp 2 (dp 1)
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ COMPOSITIONS = {
     "ep_tp": ({"model_config": MOE, "parallelism_config": {**TP, **EP}}, "moe"),
     "cp_moe": ({"model_config": MOE_BALANCED, "parallelism_config": CP}, "moe_balanced"),
     "cp_tp": ({"parallelism_config": {**TP, **CP}}, "llama"),
+    "cp_pp": ({"parallelism_config": {"pipeline_parallel_size": 2, **CP}}, "llama"),
 }
 
 
