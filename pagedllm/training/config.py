@@ -433,7 +433,8 @@ def _check_expert_parallel(job: TrainingJob, dp: int) -> None:
     replicas (as torchtitan borrows them from data parallelism): ep divides data_parallel_size and
     num_experts, and the expert shards are FSDP-wrapped, so ZeRO >= 1. With tensor parallelism the
     EP group holds one tp index (each tp rank's copy of the MoE all-to-alls with its own EP group).
-    Not with PP or CP yet (dispatch inside pipeline stages / over the sequence chunks is untested)."""
+    With CP each rank dispatches its sequence chunks, and the experts are FSDP-sharded over the
+    data and context ranks holding them. Not with PP yet (dispatch inside pipeline stages)."""
     par, field = job.parallelism, "parallelism_config.expert_parallel_size"
     ep = par.expert_parallel_size
     if ep == 1:
@@ -449,9 +450,6 @@ def _check_expert_parallel(job: TrainingJob, dp: int) -> None:
     if par.pipeline_parallel_size > 1:
         raise ConfigError(field, "expert parallelism with pipeline parallelism is not supported yet "
                           "(pipeline_parallel_size 1; moe alone runs under a pipeline)")
-    if par.context_parallel_size > 1:
-        raise ConfigError(field, "expert parallelism with context parallelism is not supported yet "
-                          "(context_parallel_size 1; moe alone runs with context parallelism)")
 
 
 def _check_context_parallel(job: TrainingJob) -> None:

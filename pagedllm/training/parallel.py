@@ -61,14 +61,24 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """("pp", "dp", "tp"); with EP or CP ("pp", "dp_mod_ep", "ep", "cp", "tp"), "dp" flattened from
         dp_mod_ep x ep (the data ranks) and "dp_cp" from those x cp (what FSDP shards and reduces over:
-        CP ranks hold the same parameters, as data-parallel ranks do)."""
+        CP ranks hold the same parameters, as data-parallel ranks do); with both, "dp_mod_ep_cp" (the
+        experts' FSDP mesh)."""
         if self.ep == self.cp == 1:
             return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
         mesh = init_device_mesh(device_type, (self.pp, self.dp // self.ep, self.ep, self.cp, self.tp),
                                 mesh_dim_names=("pp", "dp_mod_ep", "ep", "cp", "tp"))
         mesh[("dp_mod_ep", "ep")]._flatten("dp")
         mesh[("dp_mod_ep", "ep", "cp")]._flatten("dp_cp")
+        if self.ep > 1 and self.cp > 1:  # the ranks holding the same experts: data and context ranks
+            mesh[("dp_mod_ep", "cp")]._flatten("dp_mod_ep_cp")
         return mesh
+
+    def expert_data_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """With EP, the ranks that hold the same experts (what FSDP shards them over): the EP group's
+        copies over the rest of dp, and the cp ranks (they hold the same parameters); None without EP."""
+        if self.ep == 1:
+            return None
+        return mesh["dp_mod_ep_cp"] if self.cp > 1 else mesh["dp_mod_ep"]
 
     def data_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The ranks that hold copies (or FSDP shards) of the same parameters: dp, and cp with it."""
@@ -237,7 +247,7 @@ def parallelize(model: TrainingCausalLM, par: ParallelismConfig, memory: MemoryC
         apply_context_parallel(model, mesh["cp"])
     if memory.gradient_checkpointing:
         apply_activation_checkpointing(model, memory.activation_checkpointing_granularity.value)
-    apply_data_parallel(model, memory, dims, dims.data_parallel_mesh(mesh), mesh["dp_mod_ep"] if dims.ep > 1 else None)
+    apply_data_parallel(model, memory, dims, dims.data_parallel_mesh(mesh), dims.expert_data_parallel_mesh(mesh))
     return model
 
 
