@@ -434,7 +434,8 @@ def _check_expert_parallel(job: TrainingJob, dp: int) -> None:
     num_experts, and the expert shards are FSDP-wrapped, so ZeRO >= 1. With tensor parallelism the
     EP group holds one tp index (each tp rank's copy of the MoE all-to-alls with its own EP group).
     With CP each rank dispatches its sequence chunks, and the experts are FSDP-sharded over the
-    data and context ranks holding them. Not with PP yet (dispatch inside pipeline stages)."""
+    data and context ranks holding them. With PP each stage dispatches over its pipeline rank's EP
+    group (the EP ranks of a stage run the same schedule)."""
     par, field = job.parallelism, "parallelism_config.expert_parallel_size"
     ep = par.expert_parallel_size
     if ep == 1:
@@ -447,9 +448,6 @@ def _check_expert_parallel(job: TrainingJob, dp: int) -> None:
         raise ConfigError(field, f"{ep} does not divide model_config.num_experts {job.model.num_experts}")
     if job.memory.zero_stage == 0:
         raise ConfigError(field, "expert parallelism wraps the expert shards with FSDP: use zero_stage >= 1")
-    if par.pipeline_parallel_size > 1:
-        raise ConfigError(field, "expert parallelism with pipeline parallelism is not supported yet "
-                          "(pipeline_parallel_size 1; moe alone runs under a pipeline)")
 
 
 def _check_context_parallel(job: TrainingJob) -> None:

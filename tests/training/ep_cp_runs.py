@@ -7,7 +7,7 @@
     compositions (issue 42): moe_tp: moe, dp 2 x tp 2 with sequence parallelism, ZeRO-3;
          ep_tp: moe, ep 2 x tp 2 (dp 2 = ep), ZeRO-3;  cp_moe: moe with a 0.5 balance loss, dp 2 x cp 2;
          cp_tp: llama, cp 2 x tp 2 (dp 1), ZeRO-3 over the cp ranks;  cp_pp: llama, pp 2 x cp 2 (dp 1);
-         ep_cp: moe with a 0.5 balance loss, ep 2 x cp 2 (dp 2 = ep)
+         ep_cp, ep_pp: moe with a 0.5 balance loss, ep 2 x cp 2 and ep 2 x pp 2 (dp 2 = ep)
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ COMPOSITIONS = {
     "cp_tp": ({"parallelism_config": {**TP, **CP}}, "llama"),
     "cp_pp": ({"parallelism_config": {"pipeline_parallel_size": 2, **CP}}, "llama"),
     "ep_cp": ({"model_config": MOE_BALANCED, "parallelism_config": {**EP, **CP}}, "moe_balanced"),
+    "ep_pp": ({"model_config": MOE_BALANCED, "parallelism_config": {**EP, "pipeline_parallel_size": 2}}, "moe_balanced"),
 }
 
 

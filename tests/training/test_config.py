@@ -87,8 +87,6 @@ def test_overrides_parse_json_values():
     ({"model_config": MOE, "parallelism_config": {"expert_parallel_size": 2}, "memory_config": {"zero_stage": 0}}, 2,
      "parallelism_config.expert_parallel_size"),
     ({"parallelism_config": {"context_parallel_size": 3}}, 3, "data_config.sequence_length"),  # 512 % 6
-    ({"model_config": MOE, "parallelism_config": {"expert_parallel_size": 2, "pipeline_parallel_size": 2}}, 4,
-     "parallelism_config.expert_parallel_size"),
     ({"memory_config": {"nvme_offload": True, "zero_stage": 0}}, 1, "memory_config.nvme_offload"),
     ({"model_config": MOE, "memory_config": {"precision": "FP8"}, "parallelism_config": {"tensor_parallel_size": 2}}, 2,
      "memory_config.precision"),  # tp-replicated experts compute on local weights, not through Float8Linear
@@ -121,6 +119,7 @@ def test_expert_and_context_parallel_sizes_are_accepted():
     ({"parallelism_config": {"context_parallel_size": 2, "tensor_parallel_size": 2}}, 4, 1),
     ({"parallelism_config": {"context_parallel_size": 2, "pipeline_parallel_size": 2}}, 4, 1),
     ({"model_config": MOE, "parallelism_config": {"expert_parallel_size": 2, "context_parallel_size": 2}}, 4, 2),
+    ({"model_config": MOE, "parallelism_config": {"expert_parallel_size": 2, "pipeline_parallel_size": 2}}, 4, 2),
 ])
 def test_compositions_of_issue_42_are_accepted(sections, world, dp):
     """MoE / EP with TP, CP with a moe, CP with TP: built (parity tests in test_expert_parallel.py and

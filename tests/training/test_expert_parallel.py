@@ -89,3 +89,14 @@ def test_moe_under_tensor_parallelism_places_experts_off_the_tp_dimension(ep_cp_
     assert {int(name[len(experts):].split(".")[0]) for name in ep_tp if name.startswith(experts)} == mine
     w1 = ep_tp[f"{experts}{min(mine)}.w1.weight"]
     assert w1["mesh_dims"] == ["dp_mod_ep", "tp"] and w1["placements"][1] == "Replicate()"
+
+
+def test_expert_parallel_with_pipeline_equals_single_process(ep_cp_runs):
+    """ep_pp: ep 2 x pp 2 (dp 2 = ep), balance loss 0.5: each stage's MoE layers dispatch over the EP
+    group of their pipeline rank (same schedule, so the all-to-alls pair up), and moe_pipeline.py hands
+    the first stage's balance losses their gradient. Losses, and every parameter's step-1 gradient on
+    the ranks holding it (a stage's layers, an EP rank's experts)."""
+    expected = ep_cp_runs["reference"]["moe_balanced"]
+    for rank in ep_cp_runs["ranks"]:
+        assert_losses_match(rank["ep_pp"]["losses"], expected["losses"])
+    assert_gradients_equal(ep_cp_runs["grads"]["ep_pp"], expected["grads"])
