@@ -428,19 +428,21 @@ def _check_unsupported(job: TrainingJob, dp: int) -> None:
 
         if problem := fp8_device_problem():
             raise ConfigError("memory_config.precision", problem)
-    if model.architecture == "moe" and par.tensor_parallel_size > 1:
-        # Each expert is its own nn.Linear fed a data-dependent subset of tokens (torch.where on the
-        # router's choice): DTensor has no sharding rule for that indexing, and the tensor-parallel
-        # answer for experts is to shard them over ranks, which is expert parallelism.
-        raise ConfigError("model_config.architecture", "moe with tensor_parallel_size > 1 is not supported: its experts "
-                          "route a data-dependent set of tokens, which DTensor cannot shard; split the experts over "
-                          "ranks with expert_parallel_size instead (pipeline parallelism works)")
+    if model.architecture == "moe" and par.tensor_parallel_size > 1 and mem.precision is Precision.FP8:
+        # under TP the experts compute on their weights' local tensors (model.local_linear), which
+        # would bypass torchao's Float8Linear forward and train them in BF16 without saying so
+        raise ConfigError("memory_config.precision", "FP8 with a moe and tensor_parallel_size > 1 is not supported: "
+                          "the tp-replicated experts compute on local weights, not through Float8Linear (use BF16, or tp 1)")
 
 
 def _check_expert_parallel(job: TrainingJob, dp: int) -> None:
     """EP (training/expert_parallel.py) shards a moe's experts over ranks that are also data-parallel
     replicas (as torchtitan borrows them from data parallelism): ep divides data_parallel_size and
-    num_experts, and the expert shards are FSDP-wrapped, so ZeRO >= 1."""
+    num_experts, and the expert shards are FSDP-wrapped, so ZeRO >= 1. With tensor parallelism the
+    EP group holds one tp index (each tp rank's copy of the MoE all-to-alls with its own EP group).
+    With CP each rank dispatches its sequence chunks, and the experts are FSDP-sharded over the
+    data and context ranks holding them. With PP each stage dispatches over its pipeline rank's EP
+    group (the EP ranks of a stage run the same schedule)."""
     par, field = job.parallelism, "parallelism_config.expert_parallel_size"
     ep = par.expert_parallel_size
     if ep == 1:
@@ -453,12 +455,11 @@ def _check_expert_parallel(job: TrainingJob, dp: int) -> None:
         raise ConfigError(field, f"{ep} does not divide model_config.num_experts {job.model.num_experts}")
     if job.memory.zero_stage == 0:
         raise ConfigError(field, "expert parallelism wraps the expert shards with FSDP: use zero_stage >= 1")
-    if par.tensor_parallel_size * par.pipeline_parallel_size * par.context_parallel_size > 1:
-        raise ConfigError(field, "expert parallelism composes with data parallelism only (tensor, pipeline and context parallel sizes 1)")
 
 
 def _check_context_parallel(job: TrainingJob) -> None:
-    """CP (training/context_parallel.py): a ring over the sequence cut into 2 x cp load-balanced chunks."""
+    """CP (training/context_parallel.py): a ring over the sequence cut into 2 x cp load-balanced chunks;
+    with TP each tp rank rings its own heads, with a moe the balance loss's statistics are cp-summed."""
     par, field = job.parallelism, "parallelism_config.context_parallel_size"
     cp = par.context_parallel_size
     if cp == 1:
@@ -466,12 +467,8 @@ def _check_context_parallel(job: TrainingJob) -> None:
     if job.data.sequence_length % (2 * cp):
         raise ConfigError("data_config.sequence_length",
                           f"{job.data.sequence_length} is not divisible by 2 x context_parallel_size = {2 * cp} (load-balanced chunks)")
-    if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
-        raise ConfigError(field, "context parallelism composes with data parallelism only (tensor and pipeline parallel sizes 1)")
     if job.finetune is not None:
         raise ConfigError(field, "fine-tuning packs examples with per-example masks; the ring does not carry them (use 1)")
-    if job.model.architecture == "moe":
-        raise ConfigError(field, "moe's load-balancing loss needs the whole sequence's routing statistics; not with context parallelism")
     if job.model.attention_dropout > 0:
         raise ConfigError(field, "attention_dropout with context parallelism is not supported (the ring computes attention in blocks)")
 

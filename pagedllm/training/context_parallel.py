@@ -157,10 +157,13 @@ class _RingAttention(torch.autograd.Function):
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Every attention layer attends over the ring of `cp_mesh`; inputs must be `shard_sequence`d."""
-    from pagedllm.training.model import Attention
+    """Every attention layer attends over the ring of `cp_mesh` (with tensor parallelism each tp rank's
+    ring carries its own heads: the cp group holds one tp index); inputs must be `shard_sequence`d."""
+    from pagedllm.training.model import Attention, SparseMoE
 
     ring = Ring(cp_mesh.get_group())
     for module in model.modules():
         if isinstance(module, Attention):
             module.ring = ring
+        elif isinstance(module, SparseMoE):  # its balance loss from the whole sequence's routing
+            module.cp_group = ring.group

@@ -84,14 +84,19 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
 
 def shard_experts(model: nn.Module, expert_dp_mesh: DeviceMesh, fsdp_options: dict, divide_factor: int) -> None:
     """FSDP over the ranks that hold the same experts; gradients divided by the whole data-parallel
-    size (not this mesh's), as a sum reduction -- which gloo runs too (no NCCL PreMulSum)."""
+    size (not this mesh's), as a sum reduction -- which gloo runs too (no NCCL PreMulSum).
+
+    On a one-rank mesh (ep = data_parallel_size, e.g. ep 2 x tp 2 on 4 ranks) nothing is
+    communicated, and torch 2.13's FSDP divides a forced sum twice there (once when copying the
+    unreduced gradient, once as the post-divide factor): the default reduction then divides once."""
     from torch.distributed.fsdp import fully_shard
 
     for block in moe_blocks(model):
         if isinstance(block.experts, LocalExperts):
             fully_shard(block.experts, **{**fsdp_options, "mesh": expert_dp_mesh})
             block.experts.set_gradient_divide_factor(float(divide_factor))
-            block.experts.set_force_sum_reduction_for_comms(True)
+            if expert_dp_mesh.size() > 1:
+                block.experts.set_force_sum_reduction_for_comms(True)
 
 
 def expert_parameters(parts: list[nn.Module]) -> set[int]:

@@ -14,8 +14,10 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from pagedllm.layers.norm import RMSNorm  # the engine's: fp32 norm, weight after the cast, as transformers
@@ -152,7 +154,16 @@ class Expert(nn.Module):
         self.w3 = nn.Linear(hidden, intermediate, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return local_linear(self.w2, F.silu(local_linear(self.w1, x)) * local_linear(self.w3, x))
+
+
+def local_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)`, on the weight's local tensor when tensor parallelism made it a Replicate DTensor
+    (parallel.py's `ReplicatedMoE`): routing feeds each expert a data-dependent set of rows, which
+    DTensor cannot express, so the MoE computes on plain tensors, as torchtitan's GroupedExperts does.
+    `to_local`'s backward keeps the gradient Replicate: identical on every tp rank, no reduction."""
+    weight = layer.weight
+    return F.linear(x, weight.to_local()) if isinstance(weight, DTensor) else layer(x)
 
 
 class SparseMoE(nn.Module):
@@ -169,6 +180,9 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_experts))
         self.aux_loss: torch.Tensor | None = None
+        # Context parallelism (training/context_parallel.py): this rank routes only its chunks of each
+        # sequence; the balance loss's statistics are summed over this group to be the whole sequence's.
+        self.cp_group: dist.ProcessGroup | None = None
         # Expert parallelism (training/expert_parallel.py) replaces `experts` by this rank's shard and
         # sets the all-to-all dispatch that sends each token to the rank holding its experts.
         self.dispatch = None
@@ -176,7 +190,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        probs = F.softmax(self.gate(flat).float(), dim=-1)
+        probs = F.softmax(local_linear(self.gate, flat).float(), dim=-1)
         top_weights, top_index = torch.topk(probs, self.top_k, dim=-1)
         top_weights = (top_weights / top_weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
         if self.dispatch is not None:
@@ -191,10 +205,21 @@ class SparseMoE(nn.Module):
         return out.view(shape)
 
     def _balance_loss(self, probs: torch.Tensor, top_index: torch.Tensor) -> torch.Tensor:
+        """E * sum_e(f_e * P_e) over the sequences' tokens: with context parallelism the per-expert
+        counts and router probabilities are summed over the cp ranks first (the product is not a sum
+        over tokens). Every cp rank then holds the same loss; the autograd all-reduce's backward sums
+        their gradients, cp x each rank's share, and the data-parallel mean over cp divides it back."""
         num_experts = probs.shape[-1]
         counts = F.one_hot(top_index, num_experts).float().sum(dim=(0, 1))
-        fraction = counts / top_index.numel()
-        return num_experts * torch.sum(fraction * probs.mean(dim=0))
+        prob_sums, pairs, tokens = probs.sum(dim=0), top_index.numel(), probs.shape[0]
+        if self.cp_group is not None:
+            from torch.distributed.nn.functional import all_reduce
+
+            dist.all_reduce(counts, group=self.cp_group)
+            prob_sums = all_reduce(prob_sums, group=self.cp_group)
+            size = dist.get_world_size(self.cp_group)  # every cp rank holds as many tokens
+            pairs, tokens = pairs * size, tokens * size
+        return num_experts * torch.sum(counts / pairs * prob_sums / tokens)
 
 
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:

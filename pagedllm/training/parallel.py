@@ -63,14 +63,24 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """("pp", "dp", "tp"); with EP or CP ("pp", "dp_mod_ep", "ep", "cp", "tp"), "dp" flattened from
         dp_mod_ep x ep (the data ranks) and "dp_cp" from those x cp (what FSDP shards and reduces over:
-        CP ranks hold the same parameters, as data-parallel ranks do)."""
+        CP ranks hold the same parameters, as data-parallel ranks do); with both, "dp_mod_ep_cp" (the
+        experts' FSDP mesh)."""
         if self.ep == self.cp == 1:
             return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
         mesh = init_device_mesh(device_type, (self.pp, self.dp // self.ep, self.ep, self.cp, self.tp),
                                 mesh_dim_names=("pp", "dp_mod_ep", "ep", "cp", "tp"))
         mesh[("dp_mod_ep", "ep")]._flatten("dp")
         mesh[("dp_mod_ep", "ep", "cp")]._flatten("dp_cp")
+        if self.ep > 1 and self.cp > 1:  # the ranks holding the same experts: data and context ranks
+            mesh[("dp_mod_ep", "cp")]._flatten("dp_mod_ep_cp")
         return mesh
+
+    def expert_data_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """With EP, the ranks that hold the same experts (what FSDP shards them over): the EP group's
+        copies over the rest of dp, and the cp ranks (they hold the same parameters); None without EP."""
+        if self.ep == 1:
+            return None
+        return mesh["dp_mod_ep_cp"] if self.cp > 1 else mesh["dp_mod_ep"]
 
     def data_parallel_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The ranks that hold copies (or FSDP shards) of the same parameters: dp, and cp with it."""
@@ -93,6 +103,37 @@ class ReplicateParallel(ParallelStyle):
     @staticmethod
     def _to_local(module, output, mesh):
         return output.to_local() if isinstance(output, DTensor) else output
+
+
+class ReplicatedMoE(ParallelStyle):
+    """A MoE block under tensor parallelism: router and experts replicated over the tp ranks (Replicate
+    DTensors, computed on their local tensors: model.local_linear), its input the whole replicated
+    activation (all-gathered from sequence shards with `sequence_parallel`) and its output handed back
+    as the plan's next step expects (this rank's sequence shard, or the replicated tensor).
+
+    Every tp rank routes the same tokens and runs the same experts: redundant compute, the price of
+    composing with data-dependent routing (torchtitan's expert-tensor parallelism, or EP borrowing the
+    tp ranks, removes it). The gradients are exact without a reduction over tp: each tp rank's are
+    the same, as its inputs and output gradients are."""
+
+    def __init__(self, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        output_fn = self._to_sequence_shard if self.sequence_parallel else None
+        return distribute_module(module, device_mesh, input_fn=self._to_replicated_local, output_fn=output_fn)
+
+    @staticmethod
+    def _to_replicated_local(module, inputs, mesh):
+        """(Shard(1) or Replicate) DTensor, or an already replicated tensor -> the whole local tensor.
+        to_local's backward takes the gradient as Replicate (every tp rank computed the same)."""
+        return tuple(x.redistribute(mesh, [Replicate()]).to_local() if isinstance(x, DTensor) else x for x in inputs)
+
+    @staticmethod
+    def _to_sequence_shard(module, output, mesh):
+        """The replicated output -> this rank's sequence shard (backward: the shards' gradients all-gathered)."""
+        return DTensor.from_local(output, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
 
 
 def _norm_style(sequence_parallel: bool) -> ParallelStyle:
@@ -125,14 +166,16 @@ def _layer_plan(layer: DecoderLayer, sequence_parallel: bool) -> dict[str, Paral
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
         "post_attention_layernorm": _norm_style(sequence_parallel),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=seq),
     }
+    if hasattr(layer, "block_sparse_moe"):
+        plan["block_sparse_moe"] = ReplicatedMoE(sequence_parallel)
+    else:
+        plan.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                     "mlp.down_proj": RowwiseParallel(output_layouts=seq)})
     if sequence_parallel:
-        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan["self_attn"] = gather
-        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan["self_attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        if not hasattr(layer, "block_sparse_moe"):
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     if any(isinstance(module, LoraLinear) for module in layer.modules()):  # a LoRA fine-tune: the pairs sharded too
         plan = {name: lora_aware(style, layer.get_submodule(name)) if name.endswith("_proj") else style
                 for name, style in plan.items()}
@@ -209,7 +252,7 @@ def parallelize(model: TrainingCausalLM, par: ParallelismConfig, memory: MemoryC
         apply_context_parallel(model, mesh["cp"])
     if memory.gradient_checkpointing:
         apply_activation_checkpointing(model, memory.activation_checkpointing_granularity.value)
-    apply_data_parallel(model, memory, dims, dims.data_parallel_mesh(mesh), mesh["dp_mod_ep"] if dims.ep > 1 else None)
+    apply_data_parallel(model, memory, dims, dims.data_parallel_mesh(mesh), dims.expert_data_parallel_mesh(mesh))
     return model
 
 

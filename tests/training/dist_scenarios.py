@@ -62,7 +62,10 @@ def first_step_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Gradients of step 1's loss (all microbatches), each parameter's whole tensor; with expert
     parallelism only this rank's experts (the test joins the ranks' dicts)."""
     inputs, labels = (trainer._local_sequence(t.to(trainer.device)) for t in trainer.data.step_batch(1))
-    trainer._accumulate(inputs, labels)
+    if trainer.pipeline is not None:  # this rank's stages' parameters only (the test joins the ranks' dicts)
+        trainer._pipeline_forward_backward(inputs, labels)
+    else:
+        trainer._accumulate(inputs, labels)
     grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
              for part in trainer.parts for name, p in part.named_parameters()}
     for optimizer in trainer.optimizers:

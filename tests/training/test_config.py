@@ -87,12 +87,10 @@ def test_overrides_parse_json_values():
     ({"model_config": MOE, "parallelism_config": {"expert_parallel_size": 2}, "memory_config": {"zero_stage": 0}}, 2,
      "parallelism_config.expert_parallel_size"),
     ({"parallelism_config": {"context_parallel_size": 3}}, 3, "data_config.sequence_length"),  # 512 % 6
-    ({"parallelism_config": {"context_parallel_size": 2, "tensor_parallel_size": 2}}, 4, "parallelism_config.context_parallel_size"),
-    ({"model_config": MOE, "parallelism_config": {"context_parallel_size": 2}}, 2, "parallelism_config.context_parallel_size"),
     ({"memory_config": {"nvme_offload": True, "zero_stage": 0}}, 1, "memory_config.nvme_offload"),
+    ({"model_config": MOE, "memory_config": {"precision": "FP8"}, "parallelism_config": {"tensor_parallel_size": 2}}, 2,
+     "memory_config.precision"),  # tp-replicated experts compute on local weights, not through Float8Linear
     ({"model_config": {"architecture": "moe"}}, 1, "model_config.num_experts"),
-    ({"model_config": {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 2},
-      "parallelism_config": {"tensor_parallel_size": 2}}, 2, "model_config.architecture"),
     ({"model_config": {"architecture": "moe", "num_experts": 4, "num_experts_per_token": 5}}, 1,
      "model_config.num_experts_per_token"),
     ({"data_config": {"sequence_length": 4096}}, 1, "data_config.sequence_length"),
@@ -143,6 +141,21 @@ def test_finetune_refuses_sequence_parallelism_by_name():
     with pytest.raises(ConfigError) as info:
         resolve(finetune_with("full", tensor_parallel_size=2, sequence_parallel=True), 2)
     assert info.value.field == "parallelism_config.sequence_parallel"
+
+
+@pytest.mark.parametrize("sections, world, dp", [
+    ({"model_config": MOE, "parallelism_config": {"tensor_parallel_size": 2}}, 4, 2),
+    ({"model_config": MOE, "parallelism_config": {"tensor_parallel_size": 2, "expert_parallel_size": 2}}, 4, 2),
+    ({"model_config": MOE, "parallelism_config": {"context_parallel_size": 2}}, 4, 2),
+    ({"parallelism_config": {"context_parallel_size": 2, "tensor_parallel_size": 2}}, 4, 1),
+    ({"parallelism_config": {"context_parallel_size": 2, "pipeline_parallel_size": 2}}, 4, 1),
+    ({"model_config": MOE, "parallelism_config": {"expert_parallel_size": 2, "context_parallel_size": 2}}, 4, 2),
+    ({"model_config": MOE, "parallelism_config": {"expert_parallel_size": 2, "pipeline_parallel_size": 2}}, 4, 2),
+])
+def test_compositions_of_issue_42_are_accepted(sections, world, dp):
+    """MoE / EP with TP, CP with a moe, CP with TP: built (parity tests in test_expert_parallel.py and
+    test_context_parallel.py), no longer refused."""
+    assert resolve(job_with(**sections), world).parallelism.data_parallel_size == dp
 
 
 def test_fp8_resolves_where_float8_runs():

@@ -51,3 +51,27 @@ def test_each_rank_saves_a_cp_th_of_the_activations(ep_cp_runs, case, cp):
         got = rank[case]["activation_bytes"]
         assert got <= full / cp * 1.1, (got, full)
         assert case != "cp" or got >= full / cp * 0.9, (got, full)
+
+
+# ---- compositions (issue 42): CP with a moe's balance loss, and CP with TP ----
+
+COMPOSED = {"cp_moe": "moe_balanced", "cp_tp": "llama", "cp_pp": "llama", "ep_cp": "moe_balanced"}
+
+
+@pytest.mark.parametrize("case", list(COMPOSED))
+def test_context_parallel_compositions_equal_single_process(ep_cp_runs, case):
+    """cp_moe: dp 2 x cp 2, a moe whose balance loss (coefficient 0.5) takes its routing statistics
+    summed over the cp ranks; cp_tp: cp 2 x tp 2, each tp rank ringing its own heads; cp_pp: pp 2 x
+    cp 2, each stage's ring within its pipeline rank's cp group; ep_cp: ep 2 x cp 2, each rank
+    dispatching its chunks' tokens, experts FSDP-sharded over the data and context ranks holding them.
+    Losses, and step 1's gradient of every parameter (a pipeline or EP rank holds its stage's or
+    experts') equal one process's."""
+    expected = ep_cp_runs["reference"][COMPOSED[case]]
+    for rank in ep_cp_runs["ranks"]:
+        assert_losses_match(rank[case]["losses"], expected["losses"])
+    seen: set[str] = set()
+    for grads in ep_cp_runs["grads"][case]:
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected["grads"][name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        seen |= set(grads)
+    assert seen == set(expected["grads"])
