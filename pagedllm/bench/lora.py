@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -159,10 +160,13 @@ def run(args: argparse.Namespace) -> int:
                 other = VllmLora(model, paths, prompts, args)
                 engines[other.name] = other
             runs = {name: {case: [] for case in CASES} for name in engines}
-            for _ in range(args.rounds):
+            for round_ in range(args.rounds):
                 for name, engine in engines.items():
                     for case in CASES:
                         runs[name][case].append(engine(case))
+                        wall, cpu = runs[name][case][-1]  # as it goes: a run cut short still tells
+                        print(f"round {round_ + 1}, {name}, {case}: {wall:.1f} tok/s wall, {cpu:.1f} tok/CPU-s",
+                              file=sys.stderr, flush=True)
         finally:
             for engine in engines.values():
                 engine.close()
