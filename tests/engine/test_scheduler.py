@@ -1171,3 +1171,179 @@ def test_a_spent_budget_looks_at_no_waiting_prompt():
     scheduler.finish(a, SequenceStatus.FINISHED_STOPPED)
     run_step(scheduler)
     assert too_long.status is SequenceStatus.FINISHED_LENGTH
+
+
+def fused_cycles_scheduler(max_num_seqs: int = 16) -> Scheduler:
+    """Greedy draft-model speculation run as fused cycles (2 per step, k = 2)."""
+    from pagedllm.config.speculative import SpeculativeConfig
+    from pagedllm.step.planner import StepPlanner
+
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model="draft")
+    planner = StepPlanner(max_model_len=4096, speculation=spec, fused_spec_cycles=True, num_scheduler_steps=2)
+    return Scheduler(SchedulerConfig(max_num_seqs, 64, 4096, True, "recompute", "priority"), BlockManager(64, 4, 0),
+                     planner=planner)
+
+
+def test_fused_speculation_cycles_replace_verification_only_when_nothing_is_queued():
+    """With nothing waiting the decode runs as 2 fused cycles of k + 1 positions (its pending
+    proposals dropped: the cycles propose afresh); with a request waiting (no room for it) it
+    verifies its proposals in a plain step instead."""
+    for queued in (False, True):
+        scheduler = fused_cycles_scheduler(max_num_seqs=1)
+        a = greedy_seq("a", 4, max_tokens=50)
+        scheduler.add(a)
+        scheduler.schedule()
+        scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}, spec_token_ids={a.seq_id: [1, 2]}),
+                                     lambda s, t: None)
+        if queued:
+            scheduler.add(greedy_seq("b", 4, arrival=1, first_token=100))
+        out = scheduler.schedule()
+        chunk = out.chunks[0]
+        if queued:
+            assert (chunk.num_tokens, chunk.token_budget, chunk.max_proposals) == (3, 1, 2)
+        else:
+            assert (chunk.num_tokens, chunk.token_budget, chunk.max_proposals) == (1, 6, 2)
+
+
+def test_proposals_pause_while_the_batch_is_large():
+    scheduler = spec_scheduler(disable_by_batch_size=2)
+    a, b = make_seq("a", 3), make_seq("b", 3, arrival=1, first_token=100)
+    scheduler.add(a)
+    assert scheduler.schedule().chunks[0].max_proposals == 3
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}), lambda s, t: None)
+    scheduler.add(b)
+    assert [c.max_proposals for c in scheduler.schedule().chunks] == [0, 0]
+
+
+def test_a_step_that_forks_samples_runs_no_burst():
+    """A greedy best_of=2 request whose last prompt token completes in a step of its own forks
+    there: that step is a single step, not a burst (the fork samples from its parent's row)."""
+    from pagedllm.step.planner import StepPlanner
+
+    scheduler = Scheduler(SchedulerConfig(16, 4, 4096, True, "recompute", "priority"), BlockManager(64, 4, 0),
+                          planner=StepPlanner(max_model_len=4096, num_scheduler_steps=4))
+    request = Request("pair", None, list(range(10, 15)), SamplingParams(max_tokens=16, temperature=0, best_of=2), 0.0)
+    parent = Sequence(request, 0, list(request.prompt_token_ids))
+    request.seqs.append(parent)
+    scheduler.add(parent)
+    run_step(scheduler)  # 4 of 5 prompt tokens
+    out = scheduler.schedule()
+    assert len(out.new_seqs) == 1 and [(c.num_tokens, c.token_budget) for c in out.chunks] == [(1, 1)]
+
+
+def test_a_finished_sequence_leaves_its_blocks_stamped_with_its_last_step():
+    """LRU eviction of the prefix cache: a freed block carries the step its sequence last read it."""
+    scheduler = make_scheduler()
+    a = make_seq("a", 8)
+    scheduler.add(a)
+    for _ in range(3):
+        run_step(scheduler)
+    table = list(scheduler.block_manager.block_table(a.seq_id))
+    scheduler.finish(a, SequenceStatus.FINISHED_ABORTED)
+    assert [scheduler.block_manager.last_access[block] for block in table] == [3] * len(table)
+
+
+def test_a_deferred_step_qualifies_only_without_forks_or_host_reads():
+    """Async scheduling advances a step ahead of its output only when nothing of the next step
+    needs its tokens on the host: not a step that forks samples, nor one with prompt logprobs."""
+    forking = planned_scheduler(async_scheduling=True)
+    forking.add(make_seq("pair", 4, best_of=2))
+    forking.schedule()
+    assert not forking.defer_last()
+    scoring = planned_scheduler(async_scheduling=True)
+    request = Request("scored", None, list(range(10, 14)), SamplingParams(max_tokens=4, prompt_logprobs=1), 0.0)
+    seq = Sequence(request, 0, list(request.prompt_token_ids))
+    request.seqs.append(seq)
+    scoring.add(seq)
+    scoring.schedule()
+    assert not scoring.defer_last() and seq.num_pending == 0
+
+
+def test_a_deferred_burst_advances_by_every_token_but_the_last():
+    scheduler = planned_scheduler(async_scheduling=True, num_scheduler_steps=4)
+    a = greedy_seq("a", 3)
+    scheduler.add(a)
+    run_step(scheduler)
+    assert scheduler.schedule().chunks[0].token_budget == 4
+    assert scheduler.defer_last()
+    assert (a.num_computed_tokens, a.num_pending) == (3 + 1 + 3, 4) and a.token_ids[-4:] == [PENDING_TOKEN] * 4
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(1, 2, 3, 4)}), lambda s, t: None)
+    assert a.token_ids[3:] == [7, 1, 2, 3, 4] and a.num_computed_tokens == 7
+
+
+def test_a_step_scheduled_ahead_skips_a_sequence_whose_last_token_is_on_the_device():
+    """max_tokens=2: the step scheduled ahead of the first token's output still gives the second;
+    the next one ahead gives nothing (its last token is out)."""
+    scheduler = planned_scheduler(async_scheduling=True)
+    a = make_seq("a", 5, max_tokens=2)
+    scheduler.add(a)
+    scheduler.schedule()
+    assert scheduler.defer_last()
+    assert scheduled(scheduler.schedule()) == [(a.seq_id, 1)]
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(42)}), lambda s, t: None)
+    assert scheduler.defer_last()
+    assert scheduled(scheduler.schedule()) == []
+
+
+def burst_scheduler(mode: str = "recompute", num_blocks: int = 64, max_num_seqs: int = 16, watermark: float = 0.0) -> Scheduler:
+    from pagedllm.step.planner import StepPlanner
+
+    config = SchedulerConfig(max_num_seqs, 64, 4096, True, mode, "priority", watermark=watermark)
+    return Scheduler(config, BlockManager(num_blocks, 4, 64 if mode == "swap" else 0),
+                     planner=StepPlanner(max_model_len=4096, num_scheduler_steps=4))
+
+
+def test_no_burst_while_a_request_waits_or_a_sequence_is_swapped_or_comes_back():
+    """Bursts run only when nothing is queued: not with a request waiting for room, not with a
+    sequence swapped out (its pool short), not in the step that swaps one in."""
+    waiting = burst_scheduler(max_num_seqs=1)
+    a = greedy_seq("a", 3)
+    waiting.add(a)
+    run_step(waiting)
+    waiting.add(greedy_seq("b", 3, arrival=1, first_token=100))
+    assert [c.token_budget for c in run_step(waiting).chunks] == [1]
+    swapped = burst_scheduler(mode="swap", num_blocks=8, watermark=0.25)  # 2 blocks kept free
+    a, s = greedy_seq("a", 12), greedy_seq("s", 12, arrival=1, first_token=100)
+    for seq in (a, s):
+        swapped.add(seq)
+    run_step(swapped)  # 3 + 3 blocks
+    swap_out(swapped, s)  # coming back needs 3 + 1 + 2 blocks: 5 are free
+    out = run_step(swapped)
+    assert s.status is SequenceStatus.SWAPPED and [(c.seq_id, c.token_budget) for c in out.chunks] == [(a.seq_id, 1)]
+    back = burst_scheduler(mode="swap")
+    a, s = greedy_seq("a", 3), greedy_seq("s", 3, arrival=1, first_token=100)
+    for seq in (a, s):
+        back.add(seq)
+    run_step(back)
+    swap_out(back, s)
+    out = run_step(back)
+    assert out.blocks_to_swap_in and [c.token_budget for c in out.chunks] == [1, 1]
+
+
+def test_a_burst_that_falls_back_to_one_token_keeps_the_proposals_allowed():
+    """A 2-block pool cannot reserve a 4-token burst: the step falls back to one token, and the
+    decode may still propose for the next step (n-gram speculation, k = 3)."""
+    scheduler = spec_scheduler(num_blocks=2, num_scheduler_steps=4)
+    a = greedy_seq("a", 6)
+    scheduler.add(a)
+    run_step(scheduler)
+    chunk = scheduler.schedule().chunks[0]
+    assert (chunk.num_tokens, chunk.token_budget, chunk.max_proposals) == (1, 1, 3)
+
+
+def test_a_burst_publishes_the_blocks_its_tokens_filled():
+    """The burst's tokens fill a block before they are appended: the block is published with
+    them, so a prompt repeating the sequence hits it."""
+    scheduler = planned_scheduler(num_scheduler_steps=4)
+    b = greedy_seq("b", 5, first_token=100)
+    scheduler.add(b)
+    run_step(scheduler)
+    scheduler.schedule()
+    scheduler.update_from_output(ModelRunnerOutput({b.seq_id: tokens(5, 6, 7, 8)}), lambda s, t: None)
+    assert b.num_computed_tokens == 9
+    request = Request("again", None, b.token_ids[:9], SamplingParams(max_tokens=4), 1.0)
+    again = Sequence(request, 0, list(request.prompt_token_ids))
+    request.seqs.append(again)
+    scheduler.add(again)
+    scheduler.schedule()
+    assert request.num_cached_tokens == 8
