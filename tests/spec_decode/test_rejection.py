@@ -172,3 +172,18 @@ def test_greedy_and_seeded_spans_take_no_draws_from_the_engines_generator():
 
     alone = body_tokens(False)
     assert 5 < alone[0::2].count(1) < 35 and body_tokens(True) == alone
+
+
+def test_a_rejected_proposal_is_never_the_replacement_token():
+    """One span at a time (in a large batch the bonus rows of accepted spans hide the slip): after
+    d = 1 is rejected the token comes from p minus d, so it is never 1; after it is accepted the
+    bonus row emits a token."""
+    p = torch.tensor([0.1, 0.6, 0.2, 0.1])
+    logits = torch.stack([p.log(), p.log()])
+    rejected = 0
+    for seed in range(60):
+        tokens = rejection_sample(Sampler(seed, CPU), logits, random_meta(2), one_proposal_batch(1, torch.tensor([1]), None))
+        first, bonus = tokens.token_ids.tolist()
+        assert (first == 1) == (bonus >= 0)
+        rejected += first != 1
+    assert 10 < rejected < 40
