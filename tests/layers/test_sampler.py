@@ -230,3 +230,13 @@ def test_the_greedy_kernel_takes_float32_contiguous_cpu_rows_and_torch_the_rest(
     assert sampler(logits, SamplingMetadata(4)).token_ids.tolist() == logits.argmax(dim=-1).tolist() and counting.calls == 2
     sampler(logits, SamplingMetadata(4, max_num_logprobs=0))  # the general path: ranks asked for
     assert counting.calls == 2
+
+
+def test_a_grammar_bitmask_of_one_row_and_three_words():
+    """Rows and words per row differ (the 2 x 2 case above cannot tell them apart)."""
+    from pagedllm.layers.sampler import apply_allowed
+
+    logits = torch.zeros(2, 70)
+    bitmask = torch.tensor([[0b1, 0b100, 0b10]], dtype=torch.int32)  # tokens 0, 34 and 65
+    out = apply_allowed(logits, torch.tensor([1]), bitmask)
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [0, 34, 65] and torch.isfinite(out[0]).all()
