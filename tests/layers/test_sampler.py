@@ -240,3 +240,9 @@ def test_a_grammar_bitmask_of_one_row_and_three_words():
     bitmask = torch.tensor([[0b1, 0b100, 0b10]], dtype=torch.int32)  # tokens 0, 34 and 65
     out = apply_allowed(logits, torch.tensor([1]), bitmask)
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [0, 34, 65] and torch.isfinite(out[0]).all()
+
+
+def test_top_k_ranks_each_row_on_its_own():
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]]))
+    kept = filter_logits(logits, torch.tensor([1, 2]), None, None) > float("-inf")
+    assert kept.tolist() == [[False, False, False, True], [True, True, False, False]]
