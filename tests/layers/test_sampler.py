@@ -246,3 +246,13 @@ def test_top_k_ranks_each_row_on_its_own():
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]]))
     kept = filter_logits(logits, torch.tensor([1, 2]), None, None) > float("-inf")
     assert kept.tolist() == [[False, False, False, True], [True, True, False, False]]
+
+
+def test_the_greedy_kernel_refuses_rows_without_logits_by_name():
+    from pagedllm.layers import kernels
+
+    library = kernels.load()
+    if library is None:
+        pytest.skip("no C compiler")
+    with pytest.raises(kernels.KernelRefused, match=r"^greedy rows kernel refused its arguments: greedy rows: 2 rows of 0 logits"):
+        Sampler(0, CPU, library).greedy(torch.empty(2, 0))
