@@ -181,9 +181,9 @@ def test_a_rejected_proposal_is_never_the_replacement_token():
     p = torch.tensor([0.1, 0.6, 0.2, 0.1])
     logits = torch.stack([p.log(), p.log()])
     rejected = 0
-    for seed in range(60):
+    for seed in range(40):
         tokens = rejection_sample(Sampler(seed, CPU), logits, random_meta(2), one_proposal_batch(1, torch.tensor([1]), None))
         first, bonus = tokens.token_ids.tolist()
         assert (first == 1) == (bonus >= 0)
         rejected += first != 1
-    assert 10 < rejected < 40
+    assert 5 < rejected < 30
