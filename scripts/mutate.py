@@ -65,10 +65,12 @@ MODULES: dict[str, Module] = {
 }
 
 # mutmut's exit codes -> our verdicts (mutmut/stats.py: 1 and 3 killed, 0 survived, 33 / 5 no
-# tests, 36 and the SIGXCPU codes timeouts, None not run)
+# tests, 36 and the SIGXCPU codes timeouts, None not run). A test process killed by SIGSEGV (-11)
+# or SIGABRT (-6) crashed on the mutant — a kernel handed a null pointer or a buffer of the wrong
+# dtype: the test run fails, so the mutant is caught (counted as killed, like a timeout).
 KILLED, SURVIVED, NO_TESTS, TIMEOUT, NOT_RUN = "killed", "survived", "no tests", "timeout", "not checked"
-VERDICTS = {1: KILLED, 3: KILLED, 0: SURVIVED, 5: NO_TESTS, 33: NO_TESTS, 36: TIMEOUT, 24: TIMEOUT, -24: TIMEOUT,
-            152: TIMEOUT, 255: TIMEOUT, None: NOT_RUN}
+VERDICTS = {1: KILLED, 3: KILLED, -11: KILLED, -6: KILLED, 0: SURVIVED, 5: NO_TESTS, 33: NO_TESTS, 36: TIMEOUT,
+            24: TIMEOUT, -24: TIMEOUT, 152: TIMEOUT, 255: TIMEOUT, None: NOT_RUN}
 
 
 @dataclass

@@ -453,7 +453,7 @@ class Scheduler:
             if status is not None:
                 self.finish(seq, status)
 
-    def _chunk(self, seq: Sequence, num_new: int, budget: int) -> int:
+    def _chunk(self, num_new: int, budget: int) -> int:
         """How many of `num_new` known tokens to compute now: all when they fit the budget and
         the per-sequence cap, else (with chunked prefill) as many as both allow."""
         cap = self.config.long_prefill_token_threshold
@@ -467,7 +467,7 @@ class Scheduler:
         """(tokens to compute, proposals verified among them): a decode also verifies its
         proposals, as many as the planner allows within the budget less `reserved` (the tokens
         kept for the decodes still to come)."""
-        num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
+        num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
         num_spec = self.planner.num_to_verify(seq, budget - reserved, fusing) if num_new == 1 else 0
         return num_new + num_spec, num_spec
 
@@ -496,8 +496,7 @@ class Scheduler:
         if seq.num_pending and tokens_left(seq, self.config.max_model_len) <= 0:
             return budget  # its tokens on the device are its last: it ends when they are back
         if self._exceeds_pool(seq):
-            done.add(seq.seq_id)
-            self._end_for_capacity(seq)
+            self._end_for_capacity(seq)  # ended: never a victim (not RUNNING)
             return budget
         num_new, num_spec = self._plan(seq, budget, step.fusing, reserved)
         slots = num_new + self.planner.lookahead_slots(seq)
@@ -561,7 +560,7 @@ class Scheduler:
             if not self._adapter_fits(seq):
                 continue  # its adapter would be one too many this step; later requests may fit
             cached = bm.allocate_prefix(seq.seq_id, seq.token_ids, use_cache=use_cache, root=seq.request.lora_int_id)
-            num_new = self._chunk(seq, seq.num_tokens - cached, budget)
+            num_new = self._chunk(seq.num_tokens - cached, budget)
             fits = self._fits_step(step, cached + num_new)
             copies = bm.allocate_slots(seq.seq_id, cached, num_new) if num_new and fits else None
             if copies is None or bm.num_free_blocks < self._watermark_kept():

@@ -12,10 +12,10 @@ from pagedllm.step.scheduler_output import PENDING_TOKEN
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=64, chunked=True, mode="recompute", policy="priority", cpu_blocks=64,
-                   max_num_seqs=16, watermark=0.0, cap=0, secure=False):
+                   max_num_seqs=16, watermark=0.0, cap=0, secure=False, max_step_blocks=None, max_loras=0):
     bm = BlockManager(num_blocks, block_size, cpu_blocks if mode == "swap" else 0, secure=secure)
     config = SchedulerConfig(max_num_seqs, budget, 4096, chunked, mode, policy, watermark=watermark,
-                             long_prefill_token_threshold=cap)
+                             long_prefill_token_threshold=cap, max_step_blocks=max_step_blocks, max_loras=max_loras)
     return Scheduler(config, bm)
 
 
@@ -391,15 +391,18 @@ def test_a_step_that_starts_under_the_watermark_preempts_before_scheduling():
 
 
 # ---- cases found by mutation testing (issue 45, `make mutate`) --------------------------------------
-def spec_scheduler(method: str = "ngram", k: int = 3, budget: int = 64, **planner) -> Scheduler:
+def spec_scheduler(method: str = "ngram", k: int = 3, budget: int = 64, mode: str = "recompute", num_blocks: int = 64,
+                   disable_by_batch_size: int | None = None, **planner) -> Scheduler:
     """A scheduler whose planner verifies up to k proposals per decode (a draft model's also reserve
     k lookahead slots and keep their KV in the same blocks)."""
     from pagedllm.config.speculative import SpeculativeConfig
     from pagedllm.step.planner import StepPlanner
 
-    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, model="draft" if method == "draft_model" else None)
-    config = SchedulerConfig(16, budget, 4096, True, "recompute", "priority")
-    return Scheduler(config, BlockManager(64, 4, 0), planner=StepPlanner(max_model_len=4096, speculation=spec, **planner))
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=k, model="draft" if method == "draft_model" else None,
+                             disable_by_batch_size=disable_by_batch_size)
+    config = SchedulerConfig(16, budget, 4096, True, mode, "priority")
+    bm = BlockManager(num_blocks, 4, 64 if mode == "swap" else 0)
+    return Scheduler(config, bm, planner=StepPlanner(max_model_len=4096, speculation=spec, **planner))
 
 
 def tokens(*ids: int) -> list[SampledToken]:
@@ -848,3 +851,499 @@ def test_a_swapped_in_sequence_decodes_in_the_same_step():
     assert victim.status is SequenceStatus.RUNNING and len(out.blocks_to_swap_in) == 2
     assert scheduled(out) == [(seqs["third"].seq_id, 1), (victim.seq_id, 1)]  # the pool is full again: newcomer waits
     assert victim.num_computed_tokens == 9 and victim.token_ids[-1] == 7 and newcomer.status is SequenceStatus.WAITING
+
+
+# ---- more cases found by mutation testing (issue 45 item 1: every survivor killed or justified) ------
+def swap_out(scheduler: Scheduler, seq: Sequence) -> None:
+    """Preempt `seq` as the scheduler would (swap mode: to host memory; recompute: back to waiting)."""
+    from pagedllm.engine.scheduler import _Step
+
+    scheduler.running.remove(seq)
+    scheduler._preempt(seq, _Step())
+
+
+def lora_seq(name: str, prompt_len: int, lora_id: int, arrival: float, first_token: int) -> Sequence:
+    from pagedllm.lora.request import LoRARequest
+
+    seq = make_seq(name, prompt_len, arrival=arrival, first_token=first_token)
+    seq.request.lora_request = LoRARequest(f"adapter-{lora_id}", lora_id, f"/adapters/{lora_id}") if lora_id else None
+    return seq
+
+
+def test_running_adapters_stay_within_max_loras_and_the_base_model_is_not_one():
+    """max_loras=1: an adapter already running, and the base model, are admitted beside it; a
+    second adapter waits — without holding back the requests behind it — until the first is gone."""
+    scheduler = make_scheduler(budget=100, max_loras=1)
+    one, two = lora_seq("one", 4, 1, 0, 100), lora_seq("two", 4, 2, 1, 200)
+    one_again, base = lora_seq("one-again", 4, 1, 2, 300), lora_seq("base", 4, 0, 3, 400)
+    for seq in (one, two, one_again, base):
+        scheduler.add(seq)
+    assert scheduled(run_step(scheduler)) == [(one.seq_id, 4), (one_again.seq_id, 4), (base.seq_id, 4)]
+    assert two.status is SequenceStatus.WAITING
+    scheduler.finish(one, SequenceStatus.FINISHED_STOPPED)
+    assert two.seq_id not in {c.seq_id for c in run_step(scheduler).chunks}  # adapter 1 still runs
+    scheduler.finish(one_again, SequenceStatus.FINISHED_STOPPED)
+    assert (two.seq_id, 4) in scheduled(run_step(scheduler))
+
+
+def test_the_prefix_cache_is_per_adapter():
+    scheduler = make_scheduler(budget=100, max_loras=2)
+    first = lora_seq("first", 9, 1, 0, 10)
+    scheduler.add(first)
+    run_step(scheduler)
+    other, same = lora_seq("other", 9, 2, 1, 10), lora_seq("same", 9, 1, 2, 10)
+    for seq in (other, same):
+        scheduler.add(seq)
+    run_step(scheduler)
+    assert (other.request.num_cached_tokens, same.request.num_cached_tokens) == (0, 8)
+
+
+def test_shortest_remaining_ranks_by_tokens_left_to_max_tokens():
+    """Victims come from the end of the keep order: the sequence closest to its max_tokens (its
+    outputs counted), whatever its priority; no max_tokens counts as max_model_len."""
+    scheduler = make_scheduler(policy="shortest_remaining")
+    near = make_seq("near", 4, arrival=0, priority=5, max_tokens=10)
+    near.token_ids += [7] * 8  # 2 left
+    far = make_seq("far", 4, arrival=1, max_tokens=6)
+    far.token_ids += [7]  # 5 left
+    unbounded = make_seq("unbounded", 4, arrival=2, max_tokens=None)
+    assert sorted([near, far, unbounded], key=scheduler._keep_key) == [unbounded, far, near]
+
+
+def test_recompute_cost_of_a_block_not_in_the_prefix_cache():
+    scheduler = make_scheduler()
+    seq = make_seq("a", 3)
+    scheduler.add(seq)
+    run_step(scheduler)  # 3 computed in a block not full, so not cached: all of them are lost
+    assert scheduler._recompute_cost(seq) == 3.0
+
+
+def test_the_watermark_never_preempts_the_only_running_sequence():
+    scheduler = make_scheduler(num_blocks=10, block_size=4, budget=100, watermark=0.2)
+    alone = make_seq("alone", 35, max_tokens=4)  # 9 blocks once it samples: 1 free, under the watermark of 2
+    scheduler.add(alone)
+    run_step(scheduler)
+    assert scheduler.block_manager.num_free_blocks == 1
+    out = run_step(scheduler)
+    assert out.preempted_seq_ids == [] and scheduled(out) == [(alone.seq_id, 1)]
+
+
+def test_a_swapped_sequence_comes_back_only_with_budget_and_then_spends_it():
+    """Budget 3: a decode and a prompt chunked 2 at a time spend it, so the swapped sequence waits
+    (nothing swapped in to sit idle); once the prompt decodes, the one token left brings it back,
+    and the waiting prompt behind it gets nothing."""
+    scheduler = make_scheduler(budget=3, mode="swap")
+    a, s = make_seq("a", 1, arrival=0), make_seq("s", 1, arrival=1, first_token=100)
+    p = make_seq("p", 9, arrival=2, first_token=200)
+    for seq in (a, s, p):
+        scheduler.add(seq)
+    assert scheduled(run_step(scheduler)) == [(a.seq_id, 1), (s.seq_id, 1), (p.seq_id, 1)]
+    swap_out(scheduler, s)
+    w = make_seq("w", 4, arrival=3, first_token=300)
+    scheduler.add(w)
+    for _ in range(4):
+        out = run_step(scheduler)
+        assert scheduled(out) == [(a.seq_id, 1), (p.seq_id, 2)]
+        assert s.status is SequenceStatus.SWAPPED and out.blocks_to_swap_in == []
+    out = run_step(scheduler)  # p decodes now
+    assert scheduled(out) == [(a.seq_id, 1), (p.seq_id, 1), (s.seq_id, 1)] and len(out.blocks_to_swap_in) == 1
+    assert w.status is SequenceStatus.WAITING
+
+
+def test_a_swap_in_leaves_its_budget_to_the_waiting_prompts():
+    scheduler = make_scheduler(budget=10, mode="swap")
+    s = make_seq("s", 3)
+    scheduler.add(s)
+    run_step(scheduler)
+    swap_out(scheduler, s)
+    w = make_seq("w", 20, arrival=1, first_token=100)
+    scheduler.add(w)
+    assert scheduled(run_step(scheduler)) == [(s.seq_id, 1), (w.seq_id, 9)]
+
+
+def test_a_swap_in_needs_only_the_blocks_its_tokens_fill():
+    """A sequence of 7 tokens (6 computed) swapped out of a 2-block pool comes back into exactly
+    those 2 free blocks: its next position is in its last block."""
+    scheduler = make_scheduler(num_blocks=2, block_size=4, budget=100, mode="swap")
+    s = make_seq("s", 6)
+    scheduler.add(s)
+    run_step(scheduler)
+    swap_out(scheduler, s)
+    assert scheduler.block_manager.num_free_blocks == 2
+    out = run_step(scheduler)
+    assert s.status is SequenceStatus.RUNNING and scheduled(out) == [(s.seq_id, 1)]
+
+
+def test_a_swapped_sequence_too_long_for_the_pool_ends_and_the_next_one_comes_back():
+    scheduler = make_scheduler(num_blocks=3, block_size=4, budget=100, mode="swap")
+    long, short = make_seq("long", 7, arrival=0), make_seq("short", 3, arrival=1, first_token=100)
+    for seq in (long, short):
+        scheduler.add(seq)
+    run_step(scheduler)
+    swap_out(scheduler, long)
+    swap_out(scheduler, short)
+    long.token_ids += [7] * 5  # 13 tokens: 4 blocks, more than the pool
+    out = run_step(scheduler)
+    assert long.status is SequenceStatus.FINISHED_LENGTH and out.finished_seq_ids == [long.seq_id]
+    assert short.status is SequenceStatus.RUNNING and scheduled(out) == [(short.seq_id, 1)]
+
+
+def test_a_swapped_in_decode_verifies_its_proposals():
+    """Budget 4: the swapped-in decode verifies all 3 proposals (nothing is kept for later
+    decodes), and advances by the accepted ones."""
+    scheduler = spec_scheduler(budget=4, mode="swap")
+    a = make_seq("a", 4, max_tokens=50)
+    scheduler.add(a)
+    scheduler.schedule()
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}, spec_token_ids={a.seq_id: [8, 9, 10]}),
+                                 lambda s, t: None)
+    swap_out(scheduler, a)
+    out = scheduler.schedule()
+    assert a.status is SequenceStatus.RUNNING and scheduled(out) == [(a.seq_id, 4)]
+    assert [item.num_spec for item in scheduler._records[-1].scheduled] == [3]
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(8, 9, 11)}), lambda s, t: None)
+    assert a.num_computed_tokens == 4 + 1 + 2 and a.token_ids[4:] == [7, 8, 9, 11]
+
+
+def test_a_swapped_in_draft_model_decode_reserves_its_lookahead_slots():
+    scheduler = spec_scheduler("draft_model", k=2, mode="swap")
+    a = make_seq("a", 8, max_tokens=50)
+    scheduler.add(a)
+    scheduler.schedule()
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}, spec_token_ids={a.seq_id: [1, 2]}),
+                                 lambda s, t: None)
+    swap_out(scheduler, a)
+    out = scheduler.schedule()
+    assert scheduled(out) == [(a.seq_id, 3)]
+    assert len(scheduler.block_manager.block_table(a.seq_id)) == 4  # positions 8..12: 3 to compute, 2 lookahead
+
+
+def test_a_swapped_in_decode_without_room_for_its_proposals_verifies_none():
+    """A 2-block pool: the swapped-in sequence (8 tokens, 7 computed) gets its 2 blocks back, but
+    its 3 proposals would need a third: it decodes its one token instead."""
+    scheduler = spec_scheduler(mode="swap", num_blocks=2)
+    a = make_seq("a", 7, max_tokens=50)
+    scheduler.add(a)
+    scheduler.schedule()
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}, spec_token_ids={a.seq_id: [1, 2, 3]}),
+                                 lambda s, t: None)
+    swap_out(scheduler, a)
+    out = scheduler.schedule()
+    assert scheduled(out) == [(a.seq_id, 1)] and [item.num_spec for item in scheduler._records[-1].scheduled] == [0]
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(9)}), lambda s, t: None)
+    assert a.num_computed_tokens == 8 and a.token_ids[-2:] == [7, 9]
+
+
+def test_the_step_block_bound_counts_every_scheduled_sequence():
+    """max_step_blocks=5: three decodes crossing into their second block need 6, so the third
+    waits a step (keeping its blocks); three 2-block prompts, likewise the third."""
+    scheduler = make_scheduler(budget=100, max_step_blocks=5)
+    seqs = [make_seq(f"s{i}", 3, arrival=i, first_token=100 * (i + 1)) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    run_step(scheduler)
+    assert scheduled(run_step(scheduler)) == [(s.seq_id, 1) for s in seqs]  # position 3: one block each
+    out = run_step(scheduler)  # position 4: a second block each
+    assert scheduled(out) == [(seqs[0].seq_id, 1), (seqs[1].seq_id, 1)] and seqs[2].status is SequenceStatus.RUNNING
+    admissions = make_scheduler(budget=100, max_step_blocks=5)
+    prompts = [make_seq(f"p{i}", 8, arrival=i, first_token=100 * (i + 1)) for i in range(3)]
+    for seq in prompts:
+        admissions.add(seq)
+    assert scheduled(admissions.schedule()) == [(prompts[0].seq_id, 8), (prompts[1].seq_id, 8)]
+    assert prompts[2].status is SequenceStatus.WAITING
+
+
+def test_preemptions_are_counted_per_request_and_the_runner_gets_the_sequence_again():
+    """A recompute preemption drops the sequence's KV on the runner too: it is sent whole again
+    when readmitted. The mirror forgets finished sequences (a server would otherwise keep every
+    request's table)."""
+    scheduler = make_scheduler()
+    a = make_seq("a", 4)
+    scheduler.add(a)
+    for _ in range(2):
+        run_step(scheduler)
+        swap_out(scheduler, a)  # recompute mode: back to waiting
+        out = run_step(scheduler)
+        assert [new.seq_id for new in out.new_seqs] == [a.seq_id] and out.updates == []
+    assert a.request.num_preemptions == 2 and scheduler.num_preemptions == 2
+    assert scheduler.live[a.seq_id] is a
+    scheduler.finish(a, SequenceStatus.FINISHED_ABORTED)
+    assert a.seq_id not in scheduler.mirror._sent and a.seq_id not in scheduler.live
+
+
+def test_abandoned_steps_resend_every_preemption_and_finish():
+    """Two steps out, the first preempting "second", and "third" finished meanwhile: after they
+    are abandoned, the next step tells the runner of both."""
+    scheduler, seqs = fill_pool("priority")
+    assert scheduler.schedule().preempted_seq_ids == [seqs["second"].seq_id]
+    scheduler.schedule()  # scheduled again before the first output is back: nothing new to preempt
+    scheduler.finish(seqs["third"], SequenceStatus.FINISHED_ABORTED)
+    scheduler.abandon_steps()
+    out = scheduler.schedule()
+    assert out.preempted_seq_ids == [seqs["second"].seq_id] and out.finished_seq_ids == [seqs["third"].seq_id]
+
+
+class BrokenStructured:
+    def bitmasks(self, grammars):
+        raise RuntimeError("masks failed")
+
+
+def test_a_step_that_fails_after_it_was_recorded_is_recorded_once():
+    scheduler = Scheduler(SchedulerConfig(16, 64, 4096, True, "recompute", "priority"), BlockManager(64, 4, 0),
+                          BrokenStructured())
+    gone, bound = make_seq("gone", 3), make_seq("bound", 3, arrival=1, first_token=100)
+    bound.grammar = FakeGrammar({7}, length=2)
+    for seq in (gone, bound):
+        scheduler.add(seq)
+    scheduler.finish(gone, SequenceStatus.FINISHED_ABORTED)
+    with pytest.raises(RuntimeError, match="masks failed"):
+        scheduler.schedule()
+    assert len(scheduler._records) == 1
+    victims, _ = scheduler.abandon_steps()
+    assert victims == {bound}
+    scheduler.structured = FakeStructured()
+    assert scheduler.schedule().finished_seq_ids == [gone.seq_id]
+
+
+def test_the_output_reports_forked_samples_and_the_callback_gets_each_token():
+    scheduler = make_scheduler(budget=100)
+    pair, single = make_seq("pair", 4, best_of=2), make_seq("single", 4, arrival=1, first_token=100)
+    for seq in (pair, single):
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    stop_at_8 = lambda seq, token: SequenceStatus.FINISHED_STOPPED if token.token_id == 8 else None  # noqa: E731
+    sampled = {seq_id: tokens(8 if seq_id == single.seq_id else 7) for seq_id in runner_tokens(out)}
+    changed = scheduler.update_from_output(ModelRunnerOutput(sampled), stop_at_8)
+    assert set(changed) == {*pair.request.seqs, single} and len(pair.request.seqs) == 2
+    assert single.status is SequenceStatus.FINISHED_STOPPED and pair.status is SequenceStatus.RUNNING
+
+
+def test_a_decode_asks_for_no_prompt_logprobs():
+    scheduler = make_scheduler(budget=100)
+    request = Request("scored", None, list(range(10, 18)), SamplingParams(max_tokens=4, prompt_logprobs=1), 0.0)
+    seq = Sequence(request, 0, list(request.prompt_token_ids))
+    request.seqs.append(seq)
+    scheduler.add(seq)
+    assert scheduler.schedule().chunks[0].prompt_logprobs.targets == list(range(11, 18))
+    scheduler.update_from_output(ModelRunnerOutput({seq.seq_id: tokens(7)}), lambda s, t: None)
+    request.prompt_logprobs += [{} for _ in range(7)]
+    assert scheduler.schedule().chunks[0].prompt_logprobs is None
+
+
+def test_a_forked_request_counts_one_per_sample_once_forked():
+    """max_num_seqs=4: the best_of=3 request, once forked, is 3 sequences; a request of one more
+    fits beside them when the other has finished."""
+    scheduler = make_scheduler(max_num_seqs=4, budget=100)
+    wide, one = make_seq("wide", 4, best_of=3), make_seq("one", 4, arrival=1, first_token=100)
+    two = make_seq("two", 4, arrival=2, first_token=200)
+    for seq in (wide, one, two):
+        scheduler.add(seq)
+    run_step(scheduler)
+    assert two.status is SequenceStatus.WAITING
+    scheduler.finish(one, SequenceStatus.FINISHED_STOPPED)
+    run_step(scheduler)
+    assert two.status is SequenceStatus.RUNNING and len(scheduler.running) == 4
+
+
+def test_the_last_decode_verifies_as_many_proposals_as_the_budget_leaves():
+    """budget 8, two decodes with three proposals each: both verify all three (4 + 4 tokens)."""
+    scheduler = spec_scheduler(budget=8)
+    a, b = make_seq("a", 2, max_tokens=50), make_seq("b", 2, arrival=1, first_token=100, max_tokens=50)
+    for seq in (a, b):
+        scheduler.add(seq)
+    scheduler.schedule()
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7), b.seq_id: tokens(7)},
+                                                   spec_token_ids={a.seq_id: [1, 2, 3], b.seq_id: [4, 5, 6]}), lambda s, t: None)
+    assert scheduled(scheduler.schedule()) == [(a.seq_id, 4), (b.seq_id, 4)]
+
+
+def test_a_spent_budget_looks_at_no_waiting_prompt():
+    """The budget spent by a decode: a prompt too long for the pool waits for a step with budget
+    to be ended."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4, budget=1)
+    a = make_seq("a", 1, max_tokens=50)
+    scheduler.add(a)
+    run_step(scheduler)
+    too_long = make_seq("long", 17, arrival=1, first_token=100)
+    scheduler.add(too_long)
+    run_step(scheduler)
+    assert too_long.status is SequenceStatus.WAITING
+    scheduler.finish(a, SequenceStatus.FINISHED_STOPPED)
+    run_step(scheduler)
+    assert too_long.status is SequenceStatus.FINISHED_LENGTH
+
+
+def fused_cycles_scheduler(max_num_seqs: int = 16) -> Scheduler:
+    """Greedy draft-model speculation run as fused cycles (2 per step, k = 2)."""
+    from pagedllm.config.speculative import SpeculativeConfig
+    from pagedllm.step.planner import StepPlanner
+
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model="draft")
+    planner = StepPlanner(max_model_len=4096, speculation=spec, fused_spec_cycles=True, num_scheduler_steps=2)
+    return Scheduler(SchedulerConfig(max_num_seqs, 64, 4096, True, "recompute", "priority"), BlockManager(64, 4, 0),
+                     planner=planner)
+
+
+def test_fused_speculation_cycles_replace_verification_only_when_nothing_is_queued():
+    """With nothing waiting the decode runs as 2 fused cycles of k + 1 positions (its pending
+    proposals dropped: the cycles propose afresh); with a request waiting (no room for it) it
+    verifies its proposals in a plain step instead."""
+    for queued in (False, True):
+        scheduler = fused_cycles_scheduler(max_num_seqs=1)
+        a = greedy_seq("a", 4, max_tokens=50)
+        scheduler.add(a)
+        scheduler.schedule()
+        scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}, spec_token_ids={a.seq_id: [1, 2]}),
+                                     lambda s, t: None)
+        if queued:
+            scheduler.add(greedy_seq("b", 4, arrival=1, first_token=100))
+        out = scheduler.schedule()
+        chunk = out.chunks[0]
+        if queued:
+            assert (chunk.num_tokens, chunk.token_budget, chunk.max_proposals) == (3, 1, 2)
+        else:
+            assert (chunk.num_tokens, chunk.token_budget, chunk.max_proposals) == (1, 6, 2)
+
+
+def test_proposals_pause_while_the_batch_is_large():
+    scheduler = spec_scheduler(disable_by_batch_size=2)
+    a, b = make_seq("a", 3), make_seq("b", 3, arrival=1, first_token=100)
+    scheduler.add(a)
+    assert scheduler.schedule().chunks[0].max_proposals == 3
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}), lambda s, t: None)
+    scheduler.add(b)
+    assert [c.max_proposals for c in scheduler.schedule().chunks] == [0, 0]
+
+
+def test_a_step_that_forks_samples_runs_no_burst():
+    """A greedy best_of=2 request whose last prompt token completes in a step of its own forks
+    there: that step is a single step, not a burst (the fork samples from its parent's row)."""
+    from pagedllm.step.planner import StepPlanner
+
+    scheduler = Scheduler(SchedulerConfig(16, 4, 4096, True, "recompute", "priority"), BlockManager(64, 4, 0),
+                          planner=StepPlanner(max_model_len=4096, num_scheduler_steps=4))
+    request = Request("pair", None, list(range(10, 15)), SamplingParams(max_tokens=16, temperature=0, best_of=2), 0.0)
+    parent = Sequence(request, 0, list(request.prompt_token_ids))
+    request.seqs.append(parent)
+    scheduler.add(parent)
+    run_step(scheduler)  # 4 of 5 prompt tokens
+    out = scheduler.schedule()
+    assert len(out.new_seqs) == 1 and [(c.num_tokens, c.token_budget) for c in out.chunks] == [(1, 1)]
+
+
+def test_a_finished_sequence_leaves_its_blocks_stamped_with_its_last_step():
+    """LRU eviction of the prefix cache: a freed block carries the step its sequence last read it."""
+    scheduler = make_scheduler()
+    a = make_seq("a", 8)
+    scheduler.add(a)
+    for _ in range(3):
+        run_step(scheduler)
+    table = list(scheduler.block_manager.block_table(a.seq_id))
+    scheduler.finish(a, SequenceStatus.FINISHED_ABORTED)
+    assert [scheduler.block_manager.last_access[block] for block in table] == [3] * len(table)
+
+
+def test_a_deferred_step_qualifies_only_without_forks_or_host_reads():
+    """Async scheduling advances a step ahead of its output only when nothing of the next step
+    needs its tokens on the host: not a step that forks samples, nor one with prompt logprobs."""
+    forking = planned_scheduler(async_scheduling=True)
+    forking.add(make_seq("pair", 4, best_of=2))
+    forking.schedule()
+    assert not forking.defer_last()
+    scoring = planned_scheduler(async_scheduling=True)
+    request = Request("scored", None, list(range(10, 14)), SamplingParams(max_tokens=4, prompt_logprobs=1), 0.0)
+    seq = Sequence(request, 0, list(request.prompt_token_ids))
+    request.seqs.append(seq)
+    scoring.add(seq)
+    scoring.schedule()
+    assert not scoring.defer_last() and seq.num_pending == 0
+
+
+def test_a_deferred_burst_advances_by_every_token_but_the_last():
+    scheduler = planned_scheduler(async_scheduling=True, num_scheduler_steps=4)
+    a = greedy_seq("a", 3)
+    scheduler.add(a)
+    run_step(scheduler)
+    assert scheduler.schedule().chunks[0].token_budget == 4
+    assert scheduler.defer_last()
+    assert (a.num_computed_tokens, a.num_pending) == (3 + 1 + 3, 4) and a.token_ids[-4:] == [PENDING_TOKEN] * 4
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(1, 2, 3, 4)}), lambda s, t: None)
+    assert a.token_ids[3:] == [7, 1, 2, 3, 4] and a.num_computed_tokens == 7
+
+
+def test_a_step_scheduled_ahead_skips_a_sequence_whose_last_token_is_on_the_device():
+    """max_tokens=2: the step scheduled ahead of the first token's output still gives the second;
+    the next one ahead gives nothing (its last token is out)."""
+    scheduler = planned_scheduler(async_scheduling=True)
+    a = make_seq("a", 5, max_tokens=2)
+    scheduler.add(a)
+    scheduler.schedule()
+    assert scheduler.defer_last()
+    assert scheduled(scheduler.schedule()) == [(a.seq_id, 1)]
+    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(42)}), lambda s, t: None)
+    assert scheduler.defer_last()
+    assert scheduled(scheduler.schedule()) == []
+
+
+def burst_scheduler(mode: str = "recompute", num_blocks: int = 64, max_num_seqs: int = 16, watermark: float = 0.0) -> Scheduler:
+    from pagedllm.step.planner import StepPlanner
+
+    config = SchedulerConfig(max_num_seqs, 64, 4096, True, mode, "priority", watermark=watermark)
+    return Scheduler(config, BlockManager(num_blocks, 4, 64 if mode == "swap" else 0),
+                     planner=StepPlanner(max_model_len=4096, num_scheduler_steps=4))
+
+
+def test_no_burst_while_a_request_waits_or_a_sequence_is_swapped_or_comes_back():
+    """Bursts run only when nothing is queued: not with a request waiting for room, not with a
+    sequence swapped out (its pool short), not in the step that swaps one in."""
+    waiting = burst_scheduler(max_num_seqs=1)
+    a = greedy_seq("a", 3)
+    waiting.add(a)
+    run_step(waiting)
+    waiting.add(greedy_seq("b", 3, arrival=1, first_token=100))
+    assert [c.token_budget for c in run_step(waiting).chunks] == [1]
+    swapped = burst_scheduler(mode="swap", num_blocks=8, watermark=0.25)  # 2 blocks kept free
+    a, s = greedy_seq("a", 12), greedy_seq("s", 12, arrival=1, first_token=100)
+    for seq in (a, s):
+        swapped.add(seq)
+    run_step(swapped)  # 3 + 3 blocks
+    swap_out(swapped, s)  # coming back needs 3 + 1 + 2 blocks: 5 are free
+    out = run_step(swapped)
+    assert s.status is SequenceStatus.SWAPPED and [(c.seq_id, c.token_budget) for c in out.chunks] == [(a.seq_id, 1)]
+    back = burst_scheduler(mode="swap")
+    a, s = greedy_seq("a", 3), greedy_seq("s", 3, arrival=1, first_token=100)
+    for seq in (a, s):
+        back.add(seq)
+    run_step(back)
+    swap_out(back, s)
+    out = run_step(back)
+    assert out.blocks_to_swap_in and [c.token_budget for c in out.chunks] == [1, 1]
+
+
+def test_a_burst_that_falls_back_to_one_token_keeps_the_proposals_allowed():
+    """A 2-block pool cannot reserve a 4-token burst: the step falls back to one token, and the
+    decode may still propose for the next step (n-gram speculation, k = 3)."""
+    scheduler = spec_scheduler(num_blocks=2, num_scheduler_steps=4)
+    a = greedy_seq("a", 6)
+    scheduler.add(a)
+    run_step(scheduler)
+    chunk = scheduler.schedule().chunks[0]
+    assert (chunk.num_tokens, chunk.token_budget, chunk.max_proposals) == (1, 1, 3)
+
+
+def test_a_burst_publishes_the_blocks_its_tokens_filled():
+    """The burst's tokens fill a block before they are appended: the block is published with
+    them, so a prompt repeating the sequence hits it."""
+    scheduler = planned_scheduler(num_scheduler_steps=4)
+    b = greedy_seq("b", 5, first_token=100)
+    scheduler.add(b)
+    run_step(scheduler)
+    scheduler.schedule()
+    scheduler.update_from_output(ModelRunnerOutput({b.seq_id: tokens(5, 6, 7, 8)}), lambda s, t: None)
+    assert b.num_computed_tokens == 9
+    request = Request("again", None, b.token_ids[:9], SamplingParams(max_tokens=4), 1.0)
+    again = Sequence(request, 0, list(request.prompt_token_ids))
+    request.seqs.append(again)
+    scheduler.add(again)
+    scheduler.schedule()
+    assert request.num_cached_tokens == 8

@@ -199,3 +199,60 @@ def test_unseeded_noise_comes_from_the_engines_generator():
     torch.manual_seed(1)
     assert torch.equal(Sampler(3, CPU).exponential_noise(probs, meta), first)
     assert not torch.equal(Sampler(4, CPU).exponential_noise(probs, meta), first)
+
+
+class CountingLibrary:
+    """The real kernel library, counting its greedy_rows calls: which path a step took."""
+
+    def __init__(self, library):
+        self.library, self.calls = library, 0
+
+    def greedy_rows(self, *args):
+        self.calls += 1
+        return self.library.greedy_rows(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.library, name)
+
+
+def test_the_greedy_kernel_takes_float32_contiguous_cpu_rows_and_torch_the_rest():
+    from pagedllm.layers import kernels
+
+    library = kernels.load()
+    if library is None:
+        pytest.skip("no C compiler")
+    counting = CountingLibrary(library)
+    sampler = Sampler(0, CPU, counting)
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    for rows, kernel_calls in [(logits, 1), (logits.double(), 1), (logits.t().contiguous().t(), 1), (logits[:, :32], 1)]:
+        out = sampler.greedy(rows)
+        assert counting.calls == kernel_calls and out.token_ids.tolist() == rows.argmax(dim=-1).tolist()
+    assert sampler(logits, SamplingMetadata(4)).token_ids.tolist() == logits.argmax(dim=-1).tolist() and counting.calls == 2
+    sampler(logits, SamplingMetadata(4, max_num_logprobs=0))  # the general path: ranks asked for
+    assert counting.calls == 2
+
+
+def test_a_grammar_bitmask_of_one_row_and_three_words():
+    """Rows and words per row differ (the 2 x 2 case above cannot tell them apart)."""
+    from pagedllm.layers.sampler import apply_allowed
+
+    logits = torch.zeros(2, 70)
+    bitmask = torch.tensor([[0b1, 0b100, 0b10]], dtype=torch.int32)  # tokens 0, 34 and 65
+    out = apply_allowed(logits, torch.tensor([1]), bitmask)
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [0, 34, 65] and torch.isfinite(out[0]).all()
+
+
+def test_top_k_ranks_each_row_on_its_own():
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1]]))
+    kept = filter_logits(logits, torch.tensor([1, 2]), None, None) > float("-inf")
+    assert kept.tolist() == [[False, False, False, True], [True, True, False, False]]
+
+
+def test_the_greedy_kernel_refuses_rows_without_logits_by_name():
+    from pagedllm.layers import kernels
+
+    library = kernels.load()
+    if library is None:
+        pytest.skip("no C compiler")
+    with pytest.raises(kernels.KernelRefused, match=r"^greedy rows kernel refused its arguments: greedy rows: 2 rows of 0 logits"):
+        Sampler(0, CPU, library).greedy(torch.empty(2, 0))

@@ -145,3 +145,45 @@ def test_acceptance_draws_come_from_the_engines_generator_or_the_spans_own():
     assert 5 < sum(base) < 35 and accepted(1, None, 99) == base and accepted(2, None, 0) != base
     seeded = accepted(1, 5, 0)
     assert accepted(2, 5, 99) == seeded and accepted(1, 6, 0) != seeded
+
+
+def test_greedy_and_seeded_spans_take_no_draws_from_the_engines_generator():
+    """40 unseeded spans (p(proposal) = 1/2) come out the same alone and behind a greedy and a
+    seeded span that propose too: only unseeded spans draw from the engine's generator, so the
+    rest of the batch never shifts their draws."""
+    spans = 40
+    body_logits = torch.zeros(2 * spans, 4)
+    body_logits[0::2, 0] = body_logits[0::2, 1] = 1.0
+    body_logits[0::2, 2:] = -30.0
+
+    def body_tokens(behind_others: bool) -> list[int]:
+        head = [VerifySpan(0, 2, True), VerifySpan(3, 2, False, torch.Generator().manual_seed(7))] if behind_others else []
+        first = 6 if behind_others else 0
+        all_spans = head + [VerifySpan(first + 2 * s, 1, False) for s in range(spans)]
+        proposals = [1, 1, -1, 1, 1, -1][:first] + [1, -1] * spans
+        row_span = [i for i, span in enumerate(all_spans) for _ in range(span.num_proposals + 1)]
+        row_offset = [j for span in all_spans for j in range(span.num_proposals + 1)]
+        batch = VerifyBatch(all_spans, torch.tensor(proposals), torch.tensor(row_span), torch.tensor(row_offset),
+                            torch.tensor([s.first_row for s in all_spans]), torch.tensor([not s.greedy for s in all_spans]))
+        random_rows = torch.arange(3 if behind_others else 0, first + 2 * spans)
+        meta = SamplingMetadata(first + 2 * spans, random_rows=random_rows, temperature=torch.ones(len(random_rows)))
+        logits = torch.cat([torch.zeros(first, 4), body_logits])
+        return rejection_sample(Sampler(1, CPU), logits, meta, batch).token_ids[first:].tolist()
+
+    alone = body_tokens(False)
+    assert 5 < alone[0::2].count(1) < 35 and body_tokens(True) == alone
+
+
+def test_a_rejected_proposal_is_never_the_replacement_token():
+    """One span at a time (in a large batch the bonus rows of accepted spans hide the slip): after
+    d = 1 is rejected the token comes from p minus d, so it is never 1; after it is accepted the
+    bonus row emits a token."""
+    p = torch.tensor([0.1, 0.6, 0.2, 0.1])
+    logits = torch.stack([p.log(), p.log()])
+    rejected = 0
+    for seed in range(40):
+        tokens = rejection_sample(Sampler(seed, CPU), logits, random_meta(2), one_proposal_batch(1, torch.tensor([1]), None))
+        first, bonus = tokens.token_ids.tolist()
+        assert (first == 1) == (bonus >= 0)
+        rejected += first != 1
+    assert 5 < rejected < 30
