@@ -270,7 +270,7 @@ class Trainer:
                     width = packed_width(segments[chunk]) if self.dims.cp == 1 else inputs.shape[1]  # CP: chunks, not a tail
                     part = (slice(i * micro, (i + 1) * micro), slice(0, width))
                     keep = labels[part] != IGNORE
-                    loss = F.cross_entropy(model(inputs[part], segments[part], keep).float(), labels[part][keep])
+                    loss = model(inputs[part], segments[part], keep, labels[part][keep])
                 aux = model.moe_aux_loss()
                 objective = loss + self.job.model.router_aux_loss_coef * aux if aux is not None else loss
             objective = objective / count
