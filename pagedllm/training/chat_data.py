@@ -13,13 +13,17 @@ trailing whitespace) are the assistant's, and a token is trained on when it star
 needs no template markup (TRL's {% generation %}) and works with any template that renders a
 conversation's prefix as a prefix of its text.
 
-Examples are packed first-fit, in file order, into rows of sequence_length tokens; segment ids tell
-the model where each example starts (no attention across examples, positions restart at 0); the
-row's unused tail is padding, never trained on. Rows are drawn per step by the same BatchPlan as
+Examples are packed best-fit decreasing into rows of sequence_length tokens (longest first, each
+into the row it leaves least room in): every position of a row costs the same compute whether it
+holds an example or padding, and this fills rows to ~96 % where packing in file order left ~81 %
+(the varied-length set of `bench finetune`). Segment ids tell the model where each example starts
+(no attention across examples, positions restart at 0); the row's unused tail is padding, never
+trained on. Rows are drawn per step by the same BatchPlan as
 text pre-training (data.py), so the order is a pure function of (seed, step) and resume is exact.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -166,25 +170,39 @@ def is_validation_example(messages: list[dict], fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
+def pack_best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into rows of at most `capacity`: best-fit decreasing (each length,
+    longest first, goes to the open row with the least room that still holds it; ties to the older
+    row), O(n log n). Rows come out in the order they were opened, each row's indices ascending, so
+    the result depends on the lengths alone."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (free positions, row), sorted
+    for i in order:
+        k = bisect.bisect_left(room, (lengths[i], -1))
+        if k < len(room):
+            free, r = room.pop(k)
+        else:
+            free, r = capacity, len(rows)
+            rows.append([])
+        rows[r].append(i)
+        bisect.insort(room, (free - lengths[i], r))
+    return [sorted(r) for r in rows]
+
+
 class PackedRows:
     """One split as rows of `seq_len`: inputs, next-token labels (IGNORE where not trained) and segment ids."""
 
     def __init__(self, examples: list[Example], seq_len: int, pad_id: int) -> None:
         rows: list[tuple[list[int], list[int], list[int]]] = []
-        current: tuple[list[int], list[int], list[int]] = ([], [], [])
-        for example in examples:
-            ids, trained = example.ids[:seq_len + 1], example.trained[:seq_len + 1]
-            inputs = ids[:-1]
-            labels = [tok if keep else IGNORE for tok, keep in zip(ids[1:], trained[1:])]
-            if len(current[0]) + len(inputs) > seq_len:
-                rows.append(current)
-                current = ([], [], [])
-            segment = len({s for s in current[2]})
-            current[0].extend(inputs)
-            current[1].extend(labels)
-            current[2].extend([segment] * len(inputs))
-        if current[0]:
-            rows.append(current)
+        for r in pack_best_fit([min(len(e.ids), seq_len + 1) - 1 for e in examples], seq_len):
+            row: tuple[list[int], list[int], list[int]] = ([], [], [])
+            for segment, i in enumerate(r):
+                ids, trained = examples[i].ids[:seq_len + 1], examples[i].trained[:seq_len + 1]
+                row[0].extend(ids[:-1])
+                row[1].extend(tok if keep else IGNORE for tok, keep in zip(ids[1:], trained[1:]))
+                row[2].extend([segment] * (len(ids) - 1))
+            rows.append(row)
         self.inputs = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
         self.labels = torch.full((len(rows), seq_len), IGNORE, dtype=torch.long)
         self.segments = torch.full((len(rows), seq_len), -1, dtype=torch.long)  # padding: its own segment

@@ -38,6 +38,38 @@ class LoraPair(nn.Module):
         return (self.lora_B.weight @ self.lora_A.weight) * self.scaling
 
 
+class LoraLinearFn(torch.autograd.Function):
+    """y = x W^T + b + scaling (x A^T) B^T for a frozen W, in two matrix products and one accumulating
+    one, with nothing elementwise on the layer's width: the update is added by the GEMM into the base
+    output (addmm_), its scaling applied on the rank-wide side, and in backward the adapter's input
+    gradient is accumulated by the GEMM into the base's (dx = dy W + (s dy B) A). On a CPU the
+    separate scale, add and gradient-sum passes over [tokens, width] cost as much as the adapter's
+    own products. Saves x and x A^T, as autograd through the modules does; W gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        low = flat @ lora_a.t()
+        y = flat @ weight.t() if bias is None else torch.addmm(bias, flat, weight.t())
+        y.addmm_(low, lora_b.t(), alpha=scaling)
+        ctx.save_for_backward(flat, weight, lora_a, lora_b, low)
+        ctx.scaling, ctx.shape = scaling, x.shape
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flat, weight, lora_a, lora_b, low = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_low = (g @ lora_b).mul_(ctx.scaling)
+        grad_b = (g.t() @ low).mul_(ctx.scaling)
+        grad_a = grad_low.t() @ flat
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight).addmm_(grad_low, lora_a).view(ctx.shape)
+        return grad_x, None, None, grad_a, grad_b, None
+
+
 class LoraLinear(nn.Linear):
     """A frozen nn.Linear (same parameter names) with a LoRA pair beside it."""
 
@@ -55,7 +87,18 @@ class LoraLinear(nn.Linear):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pair = self.adapter
+        if self._fusable(x):
+            return LoraLinearFn.apply(x, self.weight, self.bias, pair.lora_A.weight, pair.lora_B.weight, pair.scaling)
         return F.linear(x, self.weight, self.bias) + self.adapter(x)
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        """LoraLinearFn's case: no dropout, a frozen base, one dtype throughout, no autocast (which
+        would cast inside the products and not the accumulation)."""
+        pair = self.adapter
+        return (isinstance(pair.dropout, nn.Identity) and not self.weight.requires_grad
+                and not torch.is_autocast_enabled(x.device.type)
+                and x.dtype == self.weight.dtype == pair.lora_A.weight.dtype == pair.lora_B.weight.dtype)
 
 
 def _targets(model: nn.Module, names: tuple[str, ...]) -> list[tuple[nn.Module, str, nn.Linear]]:

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from pagedllm.layers.norm import RMSNorm  # the engine's: fp32 norm, weight after the cast, as transformers
 from pagedllm.training.config import ModelShapeConfig
+from pagedllm.training.output_loss import output_loss
 
 
 @functools.lru_cache(maxsize=16)
@@ -291,15 +292,19 @@ class TrainingCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None, keep: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
         """`segments`: packed examples (Attention.forward); None is one causal sequence per row.
         `keep` (batch, seq), bool: logits only for those positions, flattened (a fine-tune's trained
         tokens: the output layer is a fifth of a small model's FLOPs and its logits the largest
-        activation, and the prompts' and the padding's are never used)."""
+        activation, and the prompts' and the padding's are never used). With `targets` (the kept
+        positions' labels) the mean cross-entropy instead of the logits (output_loss.py: the
+        logits are never made whole)."""
         h = self.model(x) if segments is None else self.model(x, segments)
         if self.lm_head is None:
             return h
-        return self.lm_head(h if keep is None else h[keep])
+        h = h if keep is None else h[keep]
+        return self.lm_head(h) if targets is None else output_loss(h, self.lm_head, targets)
 
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Mean load-balancing loss over this module's MoE layers from the last forward, or None."""

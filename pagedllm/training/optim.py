@@ -73,15 +73,28 @@ def param_groups(parts: list[nn.Module], weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]  # a LoRA job has no 1-D parameter; DCP cannot flatten an empty group
 
 
+def fusable(groups: list[dict]) -> bool:
+    """torch's fused Adam/AdamW kernel applies: plain float tensors on a CPU or CUDA device. It takes
+    a parameter's whole update in one pass over its four tensors, where the per-tensor loop (torch's
+    default on a CPU) makes a dozen passes and temporaries as large as the parameter: 0.06 s instead
+    of 0.22-0.44 s a step for SmolLM2-135M on one core. DTensor shards (FSDP, TP) keep the default."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(not isinstance(p, DTensor) and p.dtype.is_floating_point and p.device.type in ("cpu", "cuda")
+                                for p in params)
+
+
 def build_optimizer(part: nn.Module, cfg: OptimizationConfig) -> torch.optim.Optimizer:
     groups = param_groups([part], cfg.weight_decay)
     betas = (cfg.beta1, cfg.beta2)
     if cfg.optimizer is Optimizer.LAMB:
         return LAMB(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.epsilon)
+    fused = {"fused": True} if fusable(groups) else {}
     if cfg.optimizer is Optimizer.ADAM:
         # torch's Adam folds weight decay into the gradient (L2), as in the original paper.
-        return torch.optim.Adam(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.epsilon)
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.epsilon)
+        return torch.optim.Adam(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.epsilon, **fused)
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.epsilon, **fused)
 
 
 def lr_at(step: int, cfg: OptimizationConfig) -> float:

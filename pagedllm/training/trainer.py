@@ -66,6 +66,12 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
+def packed_width(segments: torch.Tensor) -> int:
+    """Columns of packed rows that hold any example (padding, segment -1, is each row's tail): a
+    micro-batch is computed that wide, not on the padding every row shares."""
+    return max(1, int((segments != -1).sum(dim=1).max()))
+
+
 def init_distributed() -> bool:
     """Join torchrun's process group, or make a one-process group; True if this call created it."""
     if dist.is_initialized():
@@ -267,8 +273,10 @@ class Trainer:
                 if segments is None:
                     loss = cross_entropy(model(inputs[chunk]), labels[chunk])
                 else:  # only the trained positions reach the output layer (the same mean over them)
-                    keep = labels[chunk] != IGNORE
-                    loss = F.cross_entropy(model(inputs[chunk], segments[chunk], keep).float(), labels[chunk][keep])
+                    width = packed_width(segments[chunk]) if self.dims.cp == 1 else inputs.shape[1]  # CP: chunks, not a tail
+                    part = (slice(i * micro, (i + 1) * micro), slice(0, width))
+                    keep = labels[part] != IGNORE
+                    loss = model(inputs[part], segments[part], keep, labels[part][keep])
                 aux = model.moe_aux_loss()
                 objective = loss + self.job.model.router_aux_loss_coef * aux if aux is not None else loss
             objective = objective / count

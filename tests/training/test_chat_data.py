@@ -5,9 +5,11 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
-from pagedllm.training.chat_data import (IGNORE, ChatData, ChatDataError, PackedRows, read_conversations,
+from pagedllm.training.chat_data import (IGNORE, ChatData, ChatDataError, PackedRows, pack_best_fit, read_conversations,
                                          tokenize_conversation)
+from pagedllm.training.trainer import packed_width
 from pagedllm.training.config import DataConfig
 from pagedllm.training.pretrained import base_tokenizer
 
@@ -89,6 +91,22 @@ def test_packing_keeps_examples_whole_and_masks_padding(smollm2_tokenizer, tmp_p
         assert used == sorted(used) and segments[len(used):] == [-1] * (seq_len - len(used))
         assert (rows.labels[r, len(used):] == IGNORE).all()
     assert rows.trained_tokens == sum(sum(e.trained[1:]) for e in examples)
+
+
+def test_best_fit_decreasing_fills_rows_that_file_order_leaves_half_empty():
+    # in file order (a new row whenever the next does not fit): [3, 5], [2, 6], [4] -- three rows
+    assert pack_best_fit([3, 5, 2, 6, 4], 10) == [[3, 4], [0, 1, 2]]
+    lengths = [(7 * i) % 23 + 1 for i in range(200)]
+    rows = pack_best_fit(lengths, 32)
+    assert sorted(i for row in rows for i in row) == list(range(200))
+    assert all(sum(lengths[i] for i in row) <= 32 for row in rows)
+    assert len(rows) <= -(-sum(lengths) // 32) + 2  # within two rows of perfect
+
+
+def test_a_micro_batch_is_as_wide_as_its_longest_packed_row():
+    segments = torch.tensor([[0, 0, 1, -1, -1, -1], [0, 0, 0, 0, -1, -1]])
+    assert packed_width(segments) == 4
+    assert packed_width(torch.full((2, 6), -1)) == 1
 
 
 def test_validation_split_holds_out_examples(smollm2_tokenizer, tmp_path):

@@ -123,3 +123,27 @@ def test_qlora_forward_and_backward_equal_the_dequantized_model(tiny_gguf, weigh
     for name, p in qlora.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad, grads_l[name], atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fused_lora_linear_equals_the_modules_in_value_and_gradients(bias):
+    """LoraLinearFn (one autograd function, update accumulated by the GEMM) against F.linear + the pair's modules."""
+    from pagedllm.adapters.peft_format import LoraSettings
+    from pagedllm.training.lora import LoraLinear
+
+    torch.manual_seed(0)
+    layer = LoraLinear(torch.nn.Linear(24, 40, bias=bias), LoraSettings(4, 8.0, 0.0, ("q_proj",))).double()
+    torch.nn.init.normal_(layer.adapter.lora_B.weight)
+    x = torch.randn(3, 5, 24, dtype=torch.double, requires_grad=True)
+    assert layer._fusable(x)
+    fused = layer(x)
+    fused.sin().sum().backward()
+    got = [x.grad.clone(), layer.adapter.lora_A.weight.grad.clone(), layer.adapter.lora_B.weight.grad.clone()]
+    for t in (x, layer.adapter.lora_A.weight, layer.adapter.lora_B.weight):
+        t.grad = None
+    reference = torch.nn.functional.linear(x, layer.weight, layer.bias) + layer.adapter(x)
+    reference.sin().sum().backward()
+    torch.testing.assert_close(fused, reference)
+    for g, want in zip(got, [x.grad, layer.adapter.lora_A.weight.grad, layer.adapter.lora_B.weight.grad]):
+        torch.testing.assert_close(g, want)
+    assert layer.weight.grad is None

@@ -72,6 +72,25 @@ def test_build_optimizer_decays_matrices_only():
     assert type(build_optimizer(model, OptimizationConfig(optimizer="ADAM"))) is torch.optim.Adam
 
 
+def test_adamw_on_plain_cpu_tensors_is_fused_and_steps_like_the_loop():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    fused = build_optimizer(model, OptimizationConfig(optimizer="ADAMW", learning_rate=1e-2, weight_decay=0.1))
+    assert fused.defaults["fused"] is True
+    loop = torch.optim.AdamW([{"params": [p.detach().clone().requires_grad_() for p in g["params"]], "weight_decay": g["weight_decay"]}
+                              for g in fused.param_groups], lr=1e-2, betas=fused.defaults["betas"], eps=fused.defaults["eps"],
+                             foreach=False)
+    pairs = [(a, b) for ga, gb in zip(fused.param_groups, loop.param_groups) for a, b in zip(ga["params"], gb["params"])]
+    for _ in range(3):
+        for a, b in pairs:
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        fused.step()
+        loop.step()
+    for a, b in pairs:
+        torch.testing.assert_close(a, b)
+
+
 def test_schedules():
     base = dict(learning_rate=1.0, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
     cosine = OptimizationConfig(lr_scheduler="COSINE", **base)
