@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 BLOCK_ELEMENTS = 8 * 1024 * 1024  # logits per block: 32 MiB in float32
 
@@ -56,7 +57,8 @@ def output_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tenso
     trained positions). Blockwise for a plain float32 head outside autocast; otherwise the logits
     are made whole and upcast, as before."""
     plain = (type(head) is torch.nn.Linear and head.bias is None and hidden.dtype == head.weight.dtype == torch.float32
-             and not torch.is_autocast_enabled(hidden.device.type))
+             and not torch.is_autocast_enabled(hidden.device.type)
+             and not isinstance(head.weight, DTensor) and not isinstance(hidden, DTensor))  # sharded: the modules
     if plain and torch.is_grad_enabled():
         return LinearCrossEntropyFn.apply(hidden, head.weight, labels)
     return F.cross_entropy(head(hidden).float(), labels)
