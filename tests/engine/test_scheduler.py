@@ -862,6 +862,15 @@ def swap_out(scheduler: Scheduler, seq: Sequence) -> None:
     scheduler._preempt(seq, _Step())
 
 
+def swapped_out_with_proposals(scheduler: Scheduler, seq: Sequence, proposals: list[int]) -> None:
+    """Admit `seq`, give it its first token (7) and `proposals`, then swap it out."""
+    scheduler.add(seq)
+    scheduler.schedule()
+    scheduler.update_from_output(ModelRunnerOutput({seq.seq_id: tokens(7)}, spec_token_ids={seq.seq_id: proposals}),
+                                 lambda s, t: None)
+    swap_out(scheduler, seq)
+
+
 def lora_seq(name: str, prompt_len: int, lora_id: int, arrival: float, first_token: int) -> Sequence:
     from pagedllm.lora.request import LoRARequest
 
@@ -993,11 +1002,7 @@ def test_a_swapped_in_decode_verifies_its_proposals():
     decodes), and advances by the accepted ones."""
     scheduler = spec_scheduler(budget=4, mode="swap")
     a = make_seq("a", 4, max_tokens=50)
-    scheduler.add(a)
-    scheduler.schedule()
-    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}, spec_token_ids={a.seq_id: [8, 9, 10]}),
-                                 lambda s, t: None)
-    swap_out(scheduler, a)
+    swapped_out_with_proposals(scheduler, a, [8, 9, 10])
     out = scheduler.schedule()
     assert a.status is SequenceStatus.RUNNING and scheduled(out) == [(a.seq_id, 4)]
     assert [item.num_spec for item in scheduler._records[-1].scheduled] == [3]
@@ -1008,11 +1013,7 @@ def test_a_swapped_in_decode_verifies_its_proposals():
 def test_a_swapped_in_draft_model_decode_reserves_its_lookahead_slots():
     scheduler = spec_scheduler("draft_model", k=2, mode="swap")
     a = make_seq("a", 8, max_tokens=50)
-    scheduler.add(a)
-    scheduler.schedule()
-    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}, spec_token_ids={a.seq_id: [1, 2]}),
-                                 lambda s, t: None)
-    swap_out(scheduler, a)
+    swapped_out_with_proposals(scheduler, a, [1, 2])
     out = scheduler.schedule()
     assert scheduled(out) == [(a.seq_id, 3)]
     assert len(scheduler.block_manager.block_table(a.seq_id)) == 4  # positions 8..12: 3 to compute, 2 lookahead
@@ -1023,11 +1024,7 @@ def test_a_swapped_in_decode_without_room_for_its_proposals_verifies_none():
     its 3 proposals would need a third: it decodes its one token instead."""
     scheduler = spec_scheduler(mode="swap", num_blocks=2)
     a = make_seq("a", 7, max_tokens=50)
-    scheduler.add(a)
-    scheduler.schedule()
-    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7)}, spec_token_ids={a.seq_id: [1, 2, 3]}),
-                                 lambda s, t: None)
-    swap_out(scheduler, a)
+    swapped_out_with_proposals(scheduler, a, [1, 2, 3])
     out = scheduler.schedule()
     assert scheduled(out) == [(a.seq_id, 1)] and [item.num_spec for item in scheduler._records[-1].scheduled] == [0]
     scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(9)}), lambda s, t: None)
