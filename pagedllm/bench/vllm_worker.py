@@ -21,7 +21,6 @@ loaded. EOF (or "quit") ends it.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
@@ -33,23 +32,19 @@ def say(message: dict) -> None:
 
 
 def cpu_seconds() -> float:
-    """User + system CPU seconds of this process and every live descendant (from /proc)."""
-    parents, times = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    """User + system CPU seconds of this process and every live descendant (psutil: a dependency of
+    vLLM's, and of pagedllm's)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for process in (me, *me.children(recursive=True)):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # ended while listed
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:  # ended while listed
             continue
-        parents[int(entry)] = int(fields[1])
-        times[int(entry)] = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    ours, changed = {os.getpid()}, True
-    while changed:
-        grown = ours | {pid for pid, parent in parents.items() if parent in ours}
-        changed, ours = grown != ours, grown
-    return sum(times.get(pid, 0) for pid in ours) / os.sysconf("SC_CLK_TCK")
+        total += times.user + times.system
+    return total
 
 
 def parse_run(line: str, total: int) -> tuple[int, list[int | None]] | None:
