@@ -167,15 +167,15 @@ def _layer_plan(layer: DecoderLayer, sequence_parallel: bool) -> dict[str, Paral
         "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
         "post_attention_layernorm": _norm_style(sequence_parallel),
     }
-    if hasattr(layer, "block_sparse_moe"):
-        plan["block_sparse_moe"] = ReplicatedMoE(sequence_parallel)
+    moe = hasattr(layer, "block_sparse_moe")
+    if moe:
+        plan["block_sparse_moe"] = ReplicatedMoE(sequence_parallel)  # gathers its own input
     else:
         plan.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                      "mlp.down_proj": RowwiseParallel(output_layouts=seq)})
     if sequence_parallel:
-        plan["self_attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        if not hasattr(layer, "block_sparse_moe"):
-            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        for name in ("self_attn",) if moe else ("self_attn", "mlp"):
+            plan[name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     if any(isinstance(module, LoraLinear) for module in layer.modules()):  # a LoRA fine-tune: the pairs sharded too
         plan = {name: lora_aware(style, layer.get_submodule(name)) if name.endswith("_proj") else style
                 for name, style in plan.items()}
