@@ -7,7 +7,8 @@ only the standard library and vLLM. Arguments: the model folder, a JSON file wit
 folders], "max_lora_rank": R}) and the dtype. The engine is built once (with `enable_lora` and
 one slot per adapter when the workload names adapters) and warmed up with two requests and one
 request per adapter; then one JSON line {"ready": ...} goes to stdout (after MARK: vLLM's own
-processes log to the same stdout), and each line read from stdin runs once:
+processes log to the same stdout), and each line read from stdin runs once, its prefix cache
+reset first (a run must not reuse the previous run's prompt KV):
 
 - "run": every request of the workload on the base model;
 - a JSON object {"count": n, "adapters": [index or null, ...]}: the first n requests, request i
@@ -90,6 +91,7 @@ def main(folder: str, workload_path: str, dtype: str) -> None:
             break
         count, chosen = order
         requests = [None if index is None else adapters[index] for index in chosen]
+        llm.reset_prefix_cache()  # every run computes its prompts: the earlier runs' KV is not reused
         started, cpu = time.perf_counter(), cpu_seconds()
         outputs = llm.generate(prompts[:count], params[:count], use_tqdm=False,
                                lora_request=requests if adapters else None)

@@ -208,6 +208,23 @@ class BlockManager:
             self._eviction_heap = [e for e in self._eviction_heap if self._evictable.get(e[2]) == e[1]]
             heapq.heapify(self._eviction_heap)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's `reset_prefix_cache`): later prompts compute their
+        KV afresh, as a benchmark's repeated runs of the same prompts should. Only while no block
+        is held (False, nothing changed, otherwise: a running sequence's blocks stay as they are);
+        in secure mode the forgotten blocks are zeroed before reuse, as evicted ones are."""
+        if self.num_used_blocks:
+            return False
+        for block in self._evictable:
+            self.content[block] = None
+            self._free_uncached.append(block)
+            if self.secure:
+                self._to_zero[block] = None
+        self._evictable.clear()
+        self._eviction_heap.clear()
+        self._hash_to_block.clear()
+        return True
+
     # ---- access times and zeroing ------------------------------------------------------------
     def tick(self) -> None:
         """A new scheduler step: accesses from now on are stamped with a later time."""

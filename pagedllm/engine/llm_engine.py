@@ -261,6 +261,10 @@ class LLMEngine:
         request.metrics.finished_time = time.time()
         self._aborted.append(request)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache's blocks (vLLM's API); False while requests hold blocks."""
+        return self.scheduler.block_manager.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Release what outlives the engine's objects: tensor-parallel worker processes. (They
         also go when this process ends, however it ends.)"""

@@ -32,6 +32,11 @@ class LLM:
     def get_stats(self) -> dict[str, Any]:
         return self.llm_engine.get_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prompt blocks (vLLM's `LLM.reset_prefix_cache`): the next run of the
+        same prompts computes them again. False, and nothing dropped, while requests run."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],

@@ -7,8 +7,9 @@ step (decode_step.c), and greedy speculative decoding's draft-and-verify cycles 
 (speculate.c). The instruction set is chosen at build time: `-march=native` gives
 AVX-512 code on a CPU that has it and AVX2 code on one that does not (the sources switch on
 `__AVX512F__`), and the library says which it got (`isa()`). Tests build the AVX2 variant on an
-AVX-512 machine too (`extra_flags=("-mno-avx512f",)`), so both paths are checked wherever the
-suite runs.
+AVX-512 machine too (`extra_flags=ISA_FLAGS["avx2"]`), so both paths are checked wherever the
+suite runs; PAGEDLLM_KERNEL_ISA=avx2 gives a whole engine that build, to measure the AVX2 path's
+speed where no AVX2-only CPU is at hand.
 
 The build is keyed by a hash of the sources, the flags, the compiler and the CPU's feature flags
 (-march=native code is only valid on CPUs with the same instruction sets) and cached in the
@@ -129,10 +130,26 @@ def _cpu_signature() -> bytes:
         return b""
 
 
+ISA_ENV = "PAGEDLLM_KERNEL_ISA"
+# What PAGEDLLM_KERNEL_ISA=avx2 takes away from -march=native: an AVX-512 machine then builds the
+# code an AVX2-only CPU (AMD Zen 2/3, Intel before Ice Lake) gets, to measure and tune that path
+# where no such CPU is at hand. AVX-VNNI (VEX-encoded, Zen 4+/Alder Lake+) and AMX go too: the
+# CPUs this stands for have neither.
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile")}
+
+
+def isa_flags() -> tuple[str, ...]:
+    """The flags PAGEDLLM_KERNEL_ISA asks for (unset or "native": none)."""
+    choice = os.environ.get(ISA_ENV, "native")
+    if choice not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}={choice!r}: expected one of {', '.join(ISA_FLAGS)}")
+    return ISA_FLAGS[choice]
+
+
 def build(cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the sources once per (sources, flags, compiler, CPU) into the cache; the path of
     the shared library."""
-    flags = (*_FLAGS, *STREAM_HINTS.get(cpu_vendor(), ()), *extra_flags)
+    flags = (*_FLAGS, *STREAM_HINTS.get(cpu_vendor(), ()), *isa_flags(), *extra_flags)
     layout = kernel_interface.layout_source()
     digest = hashlib.sha256(" ".join([cc, *flags, *_LINK_FLAGS]).encode() + _cpu_signature() + layout.encode())
     for name in (*HEADERS, *SOURCES):

@@ -184,6 +184,21 @@ def test_cached_blocks_survive_free_and_are_evicted_last():
     bm.check_invariants()
 
 
+@pytest.mark.parametrize("secure", [False, True])
+def test_reset_prefix_cache_forgets_cached_blocks_only_when_none_is_held(secure):
+    bm = BlockManager(num_blocks=4, block_size=2, secure=secure)
+    head, tail = cached_seq(bm, 1, [1, 2, 3])
+    assert not bm.reset_prefix_cache()  # held: nothing changes
+    assert bm.content[head] is not None
+    bm.free(1)
+    bm.take_blocks_to_zero()
+    assert bm.reset_prefix_cache()
+    assert bm.content[head] is None and bm.num_free_blocks == 4
+    assert bm.take_blocks_to_zero() == (([head], []) if secure else ([], []))
+    assert bm.allocate_prefix(2, [1, 2, 3]) == 0  # a miss now
+    bm.check_invariants()
+
+
 def test_copy_on_write_when_a_forked_partial_block_is_written():
     bm = BlockManager(num_blocks=6, block_size=4)
     bm.allocate_prefix(1, [1, 2, 3, 4, 5, 6])

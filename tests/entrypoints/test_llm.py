@@ -29,6 +29,9 @@ def test_prompt_forms_params_and_output_shape(model_dir, capsys):
     for key in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_swapped"):
         assert key in stats
     assert len(ids) > 17 and stats["prefix_cache_hits"] > 0  # the same prompt, over a block long, again
+    assert llm.reset_prefix_cache()  # vLLM's API: the same prompt next time is computed, not a hit
+    again = llm.generate(text, greedy, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == first.token_ids and llm.get_stats()["prefix_cache_hits"] == stats["prefix_cache_hits"]
 
 
 def test_chat_renders_the_template_like_the_server(model_dir):

@@ -24,7 +24,7 @@ def test_built_once_and_cached(tmp_path, monkeypatch):
     stamp = first.stat().st_mtime_ns
     assert first.parent == tmp_path / "kernels" and first.suffix == ".so"
     assert kernels.build(cc) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
-    assert kernels.build(cc, ("-mno-avx512f",)) != first  # another instruction set, another build
+    assert kernels.build(cc, kernels.ISA_FLAGS["avx2"]) != first  # another instruction set, another build
     assert kernels.load() is kernels.load()  # loaded once per process
 
 
@@ -34,6 +34,19 @@ def test_the_isa_follows_the_cpu():
     expected = "avx512" if " avx512f " in flags else "avx2" if " avx2 " in flags else "generic"
     assert kernels.isa(kernels.load()) == expected
     assert kernels.load().panel_width() == (16 if expected == "avx512" else 8)
+
+
+@needs_cc
+def test_the_isa_environment_variable_builds_the_avx2_code(monkeypatch):
+    """PAGEDLLM_KERNEL_ISA=avx2 gives an AVX-512 machine the code an AVX2-only CPU runs (to measure
+    that path where no such CPU is at hand); a value it does not know is an error naming it."""
+    monkeypatch.setattr(kernels, "_libraries", {})
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    assert kernels.isa(kernels.load()) in ("avx2", "generic") and kernels.load().panel_width() == 8
+    monkeypatch.setattr(kernels, "_libraries", {})
+    monkeypatch.setenv(kernels.ISA_ENV, "avx3")
+    with pytest.raises(ValueError, match="PAGEDLLM_KERNEL_ISA='avx3'"):
+        kernels.load()
 
 
 def test_the_prefetch_hints_follow_the_cpu_vendor(tmp_path, monkeypatch):

@@ -59,7 +59,7 @@ def test_fused_step_matches_the_modules(arch, model_dir, run):
 
 
 def test_the_avx2_build_matches_the_modules(model_dir, monkeypatch, run):
-    avx2 = kernels.load(("-mno-avx512f",))
+    avx2 = kernels.load(kernels.ISA_FLAGS["avx2"])
     monkeypatch.setattr(kernels, "load", lambda extra_flags=(): avx2)
     fused, calls = run(model_dir("qwen2"), decode_backend="fused")
     assert calls
@@ -75,7 +75,7 @@ def test_int8_fused_step_matches_the_int8_modules(model_dir, run):
     assert_same(fused, reference)
 
 
-@pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "avx2"])
+@pytest.mark.parametrize("build", [(), kernels.ISA_FLAGS["avx2"]], ids=["native", "avx2"])
 def test_bf16_kv_fused_step_matches_the_bf16_kv_modules(build, model_dir, monkeypatch, run):
     """A bfloat16 pool: the fused step writes its K/V rounded as torch's .to(bfloat16) does and
     reads them widened, as the modules' C kernels do. The two paths' fp32 K/V differ in their
@@ -211,7 +211,7 @@ def test_row_counts_past_16_share_their_timings():
     assert tuner.plan(50) == [2]
 
 
-@pytest.mark.parametrize("build", [(), ("-mno-avx512f",)], ids=["native", "avx2"])
+@pytest.mark.parametrize("build", [(), kernels.ISA_FLAGS["avx2"]], ids=["native", "avx2"])
 def test_a_verification_row_gets_the_bits_of_a_1_row_step(model_dir, monkeypatch, build):
     """Greedy speculative decoding is token-identical to plain decoding only because a
     verification row's logits are a 1-row step's, bit for bit: a step of 1-16 rows at
