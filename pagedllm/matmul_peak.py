@@ -30,6 +30,25 @@ def measure_matmul_peak(size: int | None = None, repeats: int = 8, dtype: torch.
     return 2 * size**3 / best
 
 
+def measure_cpu_peak(int8: bool = False, num_threads: int | None = None) -> float:
+    """Operations/s a CPU step can reach in the dtype it computes in: for fp32 the better of
+    torch's matmul and the kernel library's register-only FMA chains (torch's BLAS may not use
+    every vector width the CPU has: on a Zen 5 EPYC its fp32 matmul ran at half the FMA peak, and
+    the engine's own kernels' prefill measured above it), for int8 activations the library's
+    int8 dot-product peak (vpdpbusd / vpmaddubsw). Without the library: torch's fp32 matmul."""
+    from pagedllm.layers import kernels
+
+    threads = num_threads or torch.get_num_threads()
+    library = kernels.load()
+    fp32 = max(measure_matmul_peak(), library.arithmetic_peak(0, _PEAK_ROUNDS, 3, threads) if library else 0.0)
+    if not int8 or library is None:
+        return fp32
+    return library.arithmetic_peak(1, _PEAK_ROUNDS, 3, threads) or fp32
+
+
+_PEAK_ROUNDS = 2_000_000  # ~25 ms a pass on one Zen 5 core
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -1,7 +1,8 @@
 """Decode speed at batch 1 and 8 against the memory's read bandwidth, measured in the same run.
 
-A decode step of a few sequences must read every weight once, so its speed limit is the read
-bandwidth divided by the bytes of weights a step reads. This benchmark measures that bandwidth
+A decode step of a few sequences must read every weight once and each sequence's K/V, so its
+speed limit is the read bandwidth divided by those bytes (the K/V at a sequence's mean context,
+in the engine's KV dtype: at batch 8 and ~160 tokens, fp32 K/V is 60 % of the weights' bytes). This benchmark measures that bandwidth
 (a STREAM-like read of a buffer much larger than the last-level cache, with the engine's
 threads), the bytes of weights the engine reads per step (fp32 or int8 with its scales), and
 decode tok/s on a random model with SmolLM2-135M's shape: a 128-token prompt, 128 greedy tokens,
@@ -9,9 +10,11 @@ the rate taken from the first to the last token (so prefill is not counted). pag
 one greedy step per engine step and with several (multi-step scheduling), and transformers'
 `generate` runs the same requests in the same process as the baseline.
 
-A batch of B rows also does 2 x B x (weights' elements) FLOPs a step, which at batch 8 on a
-2-core CPU takes about as long as reading the weights; so each batch's limit is the lower of
-the bandwidth limit and the fp32 matmul peak (measured in the same run) over that work.
+A batch of B rows also does 2 x B x (weights' elements) operations a step, which at batch 8 on a
+2-core CPU can take longer than reading the weights; so each batch's limit is the lower of the
+bandwidth limit and the arithmetic peak over that work, the peak measured in the same run in the
+dtype the engine computes in (matmul_peak.measure_cpu_peak: fp32 FMAs, or the int8 dot products
+of int8 activations — an fp32 peak set against int8 work once printed shares of 172 %).
 
 `--model FILE.gguf --against llama.cpp` runs a real GGUF file instead (its blocks kept, as the
 engine serves it by default) against llama.cpp on the same file through llama-cpp-python (an
@@ -44,7 +47,7 @@ from tqdm.auto import tqdm
 from pagedllm.bench.engine_args import parse_engine_args
 from pagedllm.bench.offline import SMOLLM2_135M, build_model
 from pagedllm.layers import kernels
-from pagedllm.matmul_peak import measure_matmul_peak
+from pagedllm.matmul_peak import measure_cpu_peak
 
 
 @functools.cache
@@ -95,6 +98,14 @@ def weight_bytes_per_step(llm) -> int:
         else:
             total += linear.in_features * linear.out_features * 4
     return total
+
+
+def kv_bytes_per_token(llm) -> int:
+    """Bytes of K and V a decode step reads for each token of a sequence's context, in the
+    engine's KV dtype (every layer's KV heads)."""
+    runner = llm.llm_engine.runner
+    cfg = runner.model.config
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * runner.kv_dtype.itemsize
 
 
 def run_pagedllm(llm, batch: int, prompt_len: int, new_tokens: int, seed: int) -> Rate:
@@ -200,9 +211,10 @@ def _measure(engines: list[tuple[str, object]], batches: list[int], repeats: int
     return runs
 
 
-def _limit(bandwidth: float, peak: float, weights: int, elements: int, batch: int) -> float:
-    """Steps/s a batch can reach: the weights read once a step, or the matmuls at the peak."""
-    return min(bandwidth / weights, peak / (2 * elements * batch))
+def _limit(bandwidth: float, peak: float, weights: int, elements: int, batch: int, kv_per_sequence: float = 0.0) -> float:
+    """Steps/s a batch can reach: the weights read once a step with each sequence's K/V, or the
+    matmuls at the peak."""
+    return min(bandwidth / (weights + batch * kv_per_sequence), peak / (2 * elements * batch))
 
 
 QUICK = {"new_tokens": 64, "num_scheduler_steps": "1", "repeats": 1}
@@ -226,21 +238,23 @@ def run(args: argparse.Namespace) -> int:
     library = kernels.load()
     print(f"model: {args.model or 'random SmolLM2-135M shape'}; prompt {args.prompt_len} tokens, {args.new_tokens} greedy tokens; "
           f"{torch.get_num_threads()} threads; kernels: {kernels.isa(library) if library else 'none (no compiler)'}")
-    bandwidth, peak = read_bandwidth(), measure_matmul_peak()
+    bandwidth, peaks = read_bandwidth(), {int8: measure_cpu_peak(int8) for int8 in (False, True)}
     engine_args = {"decode_backend": args.decode_backend, "max_num_seqs": max(batches)}
     if args.quantization:
         engine_args["quantization"] = args.quantization
     engine_args.update(parse_engine_args(args.engine_arg))
-    engines = []
+    engines, int8_of = [], {}
     modes = {"default": [None], "off": [False], "on": [True], "both": [False, True]}[args.int8_activations]
     for steps, int8 in [(int(s), m) for s in args.num_scheduler_steps.split(",") for m in modes]:
         llm = LLM(str(folder), num_scheduler_steps=steps, **engine_args, int8_activations=int8)
         int8 = llm.llm_engine.config.int8_activations
         weights, elements = weight_bytes_per_step(llm), weight_elements(llm)
+        kv = kv_bytes_per_token(llm) * (args.prompt_len + args.new_tokens / 2)  # a sequence's K/V at its mean context
         for batch in batches:  # warm-up, long enough for the fused step to have tried both thread counts at each size
             run_pagedllm(llm, batch, args.prompt_len, 64, args.seed)
         weights_kind = (llm.llm_engine.config.quantization or "fp32") + (", int8 activations" if int8 else "")
         name = f"pagedllm ({weights_kind}, {args.decode_backend}, {steps} step{'s' if steps > 1 else ''})"
+        int8_of[name] = bool(int8)
         engines.append((name, functools.partial(lambda llm, b: run_pagedllm(llm, b, args.prompt_len, args.new_tokens, args.seed), llm)))
     if against == "llama.cpp":
         engines.append(_llama_cpp_engine(args, llm))
@@ -255,10 +269,10 @@ def run(args: argparse.Namespace) -> int:
         _prefill(args, llm, engines[-1][1].llama)
     every_run = [r.bandwidth for _, rates in results for runs in rates.values() for r in runs]
     bandwidth = max(bandwidth, read_bandwidth(), *every_run)  # the best seen in the whole run
-    peak = max(peak, measure_matmul_peak())
+    peaks = {int8: max(peak, measure_cpu_peak(int8)) for int8, peak in peaks.items()}
     print(f"read bandwidth ({torch.get_num_threads()} threads): best {bandwidth / 1e9:.1f} GB/s, lowest next to a run "
           f"{min(every_run) / 1e9:.1f} GB/s; weights read per step: {weights / 1e6:.1f} MB -> {bandwidth / weights:.1f} "
-          f"steps/s at the best; fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+          f"steps/s at the best (+ {kv / 1e6:.1f} MB of K/V a sequence at its mean context); arithmetic peak fp32 {peaks[False] / 1e9:.1f} GFLOP/s, int8 {peaks[True] / 1e9:.1f} GOP/s")
     print("| engine | batch | decode tok/s (best) | steps/s | limit at the best bandwidth (steps/s) | share of it "
           "| share of the limit around each run (median) |")
     print("|---|---|---|---|---|---|---|")
@@ -267,8 +281,9 @@ def run(args: argparse.Namespace) -> int:
             if label.startswith("llama.cpp"):
                 print(f"| {label} | {batch} | {max(r.tok_s for r in runs):.1f} | | | | |")
                 continue
-            best, limit = max(r.tok_s for r in runs) / batch, _limit(bandwidth, peak, weights, elements, batch)
-            paired = statistics.median(r.tok_s / batch / _limit(r.bandwidth, peak, weights, elements, batch) for r in runs)
+            peak = peaks[int8_of.get(label, False)]
+            best, limit = max(r.tok_s for r in runs) / batch, _limit(bandwidth, peak, weights, elements, batch, kv)
+            paired = statistics.median(r.tok_s / batch / _limit(r.bandwidth, peak, weights, elements, batch, kv) for r in runs)
             print(f"| {label} | {batch} | {best * batch:.1f} | {best:.1f} | {limit:.1f} | {best / limit:.0%} | {paired:.0%} |")
     return 0
 

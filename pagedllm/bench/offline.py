@@ -6,7 +6,7 @@ random output lengths (ignore_eos), on a randomly initialised model with SmolLM2
 small Mixtral, 8 experts, top 2).
 The baseline runs the same requests through transformers' `generate` as one left-padded batch,
 which must run every sequence to the longest output; both are credited only with the tokens
-each request asked for. The share of the machine's fp32 matmul peak (measured in this run) is
+each request asked for. The share of the machine's fp32 peak (measured in this run, matmul_peak.measure_cpu_peak) is
 computed from the useful FLOPs: 2 x parameters per token processed (lm_head only where a token
 is sampled; for a mixture of experts, the router and the top-k experts a token uses) plus
 attention's 4 x context x hidden per layer.
@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from pagedllm.bench.dequantized import dequantized_folder
 from pagedllm.bench.engine_args import parse_engine_args
 from pagedllm.bench.workload import Workload, make_workload
-from pagedllm.matmul_peak import measure_matmul_peak
+from pagedllm.matmul_peak import measure_cpu_peak
 
 SMOLLM2_135M = dict(
     hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.model or args.shape}, workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} "
           f"tokens, {workload.output_tokens} output tokens ({min(workload.output_lens)}-{max(workload.output_lens)} per "
           f"request), {torch.get_num_threads()} threads")
-    peak = measure_matmul_peak()  # measured again at the end; the best is the machine's ceiling
+    peak = measure_cpu_peak()  # fp32; measured again at the end; the best is the machine's ceiling
     engine_args = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     engine_args.update(parse_engine_args(args.engine_arg))
     times = _turns(args, folder, workload, engine_args)
@@ -251,9 +251,9 @@ def run(args: argparse.Namespace) -> int:
     budget = args.kv_offload_device_memory
     offload = None if budget is None else run_pagedllm(folder, workload, {**engine_args, "kv_offload": True,
                                                                           "kv_offload_device_memory": budget})
-    peak = max(peak, measure_matmul_peak())
+    peak = max(peak, measure_cpu_peak())
     flops = useful_flops(shape, workload)
-    print(f"fp32 matmul peak (best of before and after, this run): {peak / 1e9:.1f} GFLOP/s")
+    print(f"fp32 peak (best of before and after, this run): {peak / 1e9:.1f} GFLOP/s")
     baselines = [name for name in times if name != "pagedllm"]
     baseline = min(baselines, key=lambda name: min(times[name])) if baselines else None  # the fastest of them
     for name, seconds in (("pagedllm", ours), (f"pagedllm tp={tp}", split), ("pagedllm offload", offload),

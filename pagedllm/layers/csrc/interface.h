@@ -203,6 +203,14 @@ int greedy_rows(const float *logits, int64_t rows, int64_t vocab, int64_t logits
  * per second (small_matmul.c; the decode benchmark's limit). */
 double read_bandwidth(const float *buf, int64_t n, int repeats, int num_threads);
 
+/* The arithmetic peak of this build's instructions on num_threads threads, in operations per
+ * second (a multiply-add counts two), the best of `repeats` passes of `iterations` rounds of
+ * independent register-only chains (small_matmul.c): int8 = 0, fp32 FMAs (VW lanes); int8 = 1,
+ * the int8 products the int8-activation matmuls use (vpdpbusd with AVX-512 VNNI, vpmaddubsw
+ * with AVX2; 0 where the build has neither). The compute side of the decode benchmark's limit,
+ * measured in the dtype the engine computes in. */
+double arithmetic_peak(int int8, int64_t iterations, int repeats, int num_threads);
+
 /* The vector instruction set the library was built for: "avx512", "avx2" or "generic". */
 const char *kernel_isa(void);
 

@@ -972,3 +972,56 @@ double read_bandwidth(const float *buf, int64_t n, int repeats, int num_threads)
     (void)sink;
     return best;
 }
+
+/* arithmetic_peak (interface.h): PEAK_CHAINS independent accumulators, enough to cover the
+ * latency of an FMA or a dot-product instruction on two pipes; the empty asm statements keep the
+ * compiler from folding the constant operands or hoisting the loop-invariant products. */
+#define PEAK_CHAINS 12
+static double peak_round(int int8, int64_t iterations) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    if (int8) {
+        __m512i acc[PEAK_CHAINS], a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(2);
+        __asm__("" : "+v"(a), "+v"(b));
+        for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm512_setzero_si512();
+        for (int64_t i = 0; i < iterations; i++)
+#pragma GCC unroll 12
+            for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm512_dpbusd_epi32(acc[c], a, b);
+        for (int c = 0; c < PEAK_CHAINS; c++) __asm__ volatile("" : : "v"(acc[c]));
+        return (double)iterations * PEAK_CHAINS * 64 * 2;
+    }
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+    if (int8) {
+        __m256i acc[PEAK_CHAINS], a = _mm256_set1_epi8(1), b = _mm256_set1_epi8(2);
+        for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm256_setzero_si256();
+        for (int64_t i = 0; i < iterations; i++) {
+            __asm__("" : "+x"(a));
+#pragma GCC unroll 12
+            for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm256_add_epi16(acc[c], _mm256_maddubs_epi16(a, b));
+        }
+        for (int c = 0; c < PEAK_CHAINS; c++) __asm__ volatile("" : : "x"(acc[c]));
+        return (double)iterations * PEAK_CHAINS * 32 * 2;
+    }
+#endif
+    if (int8) return 0.0;
+    vf acc[PEAK_CHAINS], one = (vf){0} + 1.0f, zero = (vf){0};
+    __asm__("" : "+v"(one), "+v"(zero));
+    for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = zero;
+    for (int64_t i = 0; i < iterations; i++)
+#pragma GCC unroll 12
+        for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = fmav(acc[c], one, zero);
+    for (int c = 0; c < PEAK_CHAINS; c++) __asm__ volatile("" : : "v"(acc[c]));
+    return (double)iterations * PEAK_CHAINS * VW * 2;
+}
+
+double arithmetic_peak(int int8, int64_t iterations, int repeats, int num_threads) {
+    double best = 0.0;
+    for (int rep = 0; rep < repeats; rep++) {
+        double ops = 0.0;
+        const double start = omp_get_wtime();
+#pragma omp parallel num_threads(num_threads) reduction(+ : ops)
+        ops += peak_round(int8, iterations);
+        const double rate = ops / (omp_get_wtime() - start);
+        best = rate > best ? rate : best;
+    }
+    return best;
+}
