@@ -87,7 +87,8 @@ def test_a_wheel_installed_elsewhere_generates_with_the_c_kernels(installed, mod
     cache = home / ".cache" / "pagedllm" / "kernels"
     csrc = next(package.glob("python*/site-packages/pagedllm/layers/csrc"))
     assert f"building the CPU kernels for this machine (once) from {csrc} into {cache}" in done.stderr
-    assert f"CPU kernels: the {kernels.isa(kernels.load())} build at {cache}/" in done.stderr
+    assert f"CPU kernels: the {kernels.isa(kernels.load())} build (native)" in done.stderr
+    assert f"streamed weights' prefetch: {kernels.prefetch_hint()}; at {cache}/" in done.stderr
     assert len(list(cache.glob("pagedllm_kernels-*.so"))) == 1
     assert re.match(r"--- 'def main' \[(length|stop)\]\ndef main", done.stdout), done.stdout
     # the default model, through its installed distribution (paths.py imports nothing of the engine)

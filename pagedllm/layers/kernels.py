@@ -130,6 +130,15 @@ def _cpu_signature() -> bytes:
         return b""
 
 
+def prefetch_hint() -> str:
+    """The streamed weights' software prefetch this CPU's build uses (STREAM_HINTS), in words."""
+    flags = dict(flag.removeprefix("-D").split("=") for flag in STREAM_HINTS.get(cpu_vendor(), ()))
+    locality = int(flags.get("STREAM_LOCALITY", 0))
+    ahead = int(flags.get("STREAM_AHEAD_BYTES", 1024))
+    where = {0: "non-temporal", 1: "into L3", 2: "into L2", 3: "into L1"}[locality]
+    return f"{where}, {ahead} bytes ahead ({cpu_vendor() or 'unknown vendor'})"
+
+
 ISA_ENV = "PAGEDLLM_KERNEL_ISA"
 # What PAGEDLLM_KERNEL_ISA=avx2 takes away from -march=native: an AVX-512 machine then builds the
 # code an AVX2-only CPU (AMD Zen 2/3, Intel before Ice Lake) gets, to measure and tune that path
@@ -248,7 +257,8 @@ def _load(extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("building the CPU kernels failed (%s); the engine falls back to its PyTorch path", detail)
         return None
-    logger.info("CPU kernels: the %s build at %s", isa(library), path)
+    logger.info("CPU kernels: the %s build (%s), int8 dot products: %s, streamed weights' prefetch: %s; at %s", isa(library),
+                os.environ.get(ISA_ENV, "native"), library.int8_dot_product().decode(), prefetch_hint(), path)
     return library
 
 
