@@ -36,9 +36,10 @@ RANKING_QUESTIONS = (
 )
 
 
-def build(model: str | Path, out: str | Path, layers: list[int], answer_tokens: int = 160) -> Path:
+def build(model: str | Path, out: str | Path, layers: list[int], answer_tokens: int = 160,
+          questions: tuple[str, ...] = RANKING_QUESTIONS) -> Path:
     """Write the draft folder `out` from target `model` (a GGUF file) keeping `layers` (renumbered
-    0.. in that order); returns `out`."""
+    0.. in that order), its vocabulary ranked by the target's answers to `questions`; returns `out`."""
     from safetensors.torch import save_file
 
     from pagedllm.gguf.config import hf_config
@@ -71,17 +72,17 @@ def build(model: str | Path, out: str | Path, layers: list[int], answer_tokens: 
                     "pagedllm_draft": {"from": Path(model).name, "layers": layers}}
     (out / "config.json").write_text(json.dumps(draft_config, indent=2) + "\n")
     gguf_tokenizer(gguf).save_pretrained(str(out))
-    _write_ranking(model, out, config["vocab_size"], answer_tokens)
+    _write_ranking(model, out, config["vocab_size"], answer_tokens, questions)
     return out
 
 
-def _write_ranking(model: str | Path, out: Path, vocab_size: int, answer_tokens: int) -> None:
+def _write_ranking(model: str | Path, out: Path, vocab_size: int, answer_tokens: int, questions: tuple[str, ...]) -> None:
     """draft_vocab.json: every token id, most frequent first in the target's greedy answers to
-    RANKING_QUESTIONS (prompts and answers), what a chat draft will be asked to propose."""
+    `questions` (prompts and answers), what a chat draft will be asked to propose."""
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(str(model), kv_cache_memory=64 << 20)
-    conversations = [[{"role": "user", "content": q}] for q in RANKING_QUESTIONS]
+    conversations = [[{"role": "user", "content": q}] for q in questions]
     outputs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=answer_tokens), use_tqdm=False)
     tokens = np.array([t for o in outputs for t in list(o.prompt_token_ids) + list(o.outputs[0].token_ids)])
     draft_vocab.write(out, draft_vocab.rank_tokens(tokens, vocab_size), len(tokens))
