@@ -1,6 +1,10 @@
 """Speculative decoding: single-stream (and batched) tokens/s with and without it, in one run.
 
-Workload: code completion on the Python standard library — prompts are the opening lines of
+Workload (--workload, by default chosen by the target): for the default chat model
+(`--model` a GGUF file such as SmolLM2-135M-Instruct's, or any folder with a chat template),
+chat — varied user questions rendered with the model's chat template (chat_prompts.py), each
+answered greedily up to --max-tokens tokens, stopping at EOS as a chat user's answer does; for
+the tiny code model, code completion on the Python standard library — prompts are the opening lines of
 functions from stdlib modules (files the default model was trained on, as any completion user's
 own code base would be), each completed for --max-tokens greedy tokens with ignore_eos. The
 target is the default model (models/pagedllm-py-tiny); the draft is models/pagedllm-py-draft,
@@ -40,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.bench.chat_prompts import QUESTIONS, chat_prompts
 from pagedllm.paths import TINY_MODEL, DRAFT_MODEL
 
 # Every configuration's engine stays loaded, each with this KV budget (~40k tokens of the default
@@ -63,19 +68,19 @@ def make_prompts(tokenizer, count: int, prompt_tokens: int, first: int = 0) -> l
     return prompts
 
 
-def make_llm(engine_args: dict):
+def make_llm(model: Path, engine_args: dict):
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(str(TINY_MODEL), kv_cache_memory=KV_CACHE_MEMORY, **engine_args)
+    llm = LLM(str(model), kv_cache_memory=KV_CACHE_MEMORY, **engine_args)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)  # warm-up
     return llm
 
 
-def run_config(llm, prompts: list[list[int]], max_tokens: int, batch: int) -> dict:
+def run_config(llm, prompts: list[list[int]], max_tokens: int, batch: int, ignore_eos: bool = True) -> dict:
     """One pass over the prompts; tokens/s and the engine's speculation statistics so far."""
     from pagedllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     outputs, decoded, decoding_s = [], 0, 0.0
     start = time.perf_counter()
     for first in range(0, len(prompts), batch):
@@ -96,13 +101,20 @@ def run_config(llm, prompts: list[list[int]], max_tokens: int, batch: int) -> di
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=16, help='stdlib prompts completed (default: %(default)s)')
+    parser.add_argument("--model", type=Path, default=TINY_MODEL,
+                        help="target model: a folder or a GGUF file (default: %(default)s)")
+    parser.add_argument("--workload", choices=["chat", "code"], default=None,
+                        help="chat: questions rendered with the model's chat template; code: stdlib completions "
+                             "(default: chat for a model with a chat template, code otherwise)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="prompts per round (default: 16 stdlib completions, 8 chat questions)")
     parser.add_argument("--prompt-tokens", type=int, default=192, help='tokens per prompt (default: %(default)s)')
     parser.add_argument("--max-tokens", type=int, default=128, help='tokens generated per prompt (default: %(default)s)')
     parser.add_argument("--num-speculative-tokens", type=int, default=3, help='tokens proposed per step (default: %(default)s)')
     parser.add_argument("--draft-vocab-size", type=int, default=512,
                         help="also run the draft scoring only its N most frequent tokens (0: skip)")
-    parser.add_argument("--draft", type=Path, default=DRAFT_MODEL, help="draft model folder (default: %(default)s)")
+    parser.add_argument("--draft", type=Path, default=None,
+                        help=f"draft model folder (default: {DRAFT_MODEL} for the tiny model; required for another target)")
     parser.add_argument("--batch", type=int, default=1, help="requests served at a time (default 1: single stream)")
     parser.add_argument("--disable-by-batch-size", type=int, default=None, metavar="N",
                         help="speculating configurations pause while N or more sequences run (default: never)")
@@ -130,6 +142,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import load_tokenizer
 
+    tokenizer = load_tokenizer(str(args.model))
+    workload = args.workload or ("chat" if getattr(tokenizer, "chat_template", None) else "code")
+    args.num_prompts = args.num_prompts or (8 if workload == "chat" else 16)
+    if args.draft is None:
+        if args.model.resolve() != TINY_MODEL.resolve():
+            print(f"--draft is required for {args.model}: the default draft ({DRAFT_MODEL.name}) shares only the tiny model's "
+                  "tokenizer (a SmolLM2 draft is built with `python -m pagedllm.spec_decode.smollm2_draft`, docs/engine.md)")
+            return 2
+        args.draft = DRAFT_MODEL
+    if workload == "chat" and args.num_prompts * args.rounds > len(QUESTIONS):
+        print(f"note: {args.num_prompts} x {args.rounds} rounds > the {len(QUESTIONS)} chat questions: later rounds repeat some")
     k = args.num_speculative_tokens
     pause = {"disable_by_batch_size": args.disable_by_batch_size} if args.disable_by_batch_size else {}
     draft = {"model": str(args.draft), "num_speculative_tokens": k, **pause}
@@ -160,16 +183,22 @@ def run(args: argparse.Namespace) -> int:
            (f"{reduced_name}, {steps} cycles", {"speculative_config": reduced, "num_scheduler_steps": steps})]
           if steps > 1 else []),
     ]
-    print(f"target {TINY_MODEL.name}, draft {args.draft.name}; {args.num_prompts} stdlib completions of {args.prompt_tokens} "
-          f"prompt tokens, {args.max_tokens} greedy tokens each, {args.batch} at a time, {torch.get_num_threads()} threads; "
+    what = (f"{args.num_prompts} chat questions (the model's template), up to {args.max_tokens} greedy tokens each (to EOS)"
+            if workload == "chat" else
+            f"{args.num_prompts} stdlib completions of {args.prompt_tokens} prompt tokens, {args.max_tokens} greedy tokens each")
+    print(f"target {args.model.name}, draft {args.draft.name}; {what}, {args.batch} at a time, {torch.get_num_threads()} threads; "
           f"{args.rounds} rounds, the configurations taking turns"
           + (f"; speculation pauses at {args.disable_by_batch_size} sequences" if pause else ""))
-    llms = [make_llm(engine_args) for _, engine_args in configs]
-    tokenizer = load_tokenizer(str(TINY_MODEL))
+    llms = [make_llm(args.model, engine_args) for _, engine_args in configs]
+    print("target: " + ", ".join(f"{key} {getattr(llms[0].llm_engine.config, key)}"
+                                 for key in ("quantization", "int8_activations", "num_scheduler_steps")))
     rounds = []  # per round, per configuration: (cold pass, cached pass)
     for number in range(args.rounds):
-        new = make_prompts(tokenizer, args.num_prompts, args.prompt_tokens, first=number * args.num_prompts)
-        rounds.append([tuple(run_config(llm, new, args.max_tokens, args.batch) for _ in range(2)) for llm in llms])
+        first = number * args.num_prompts
+        new = (chat_prompts(tokenizer, args.num_prompts, first) if workload == "chat"
+               else make_prompts(tokenizer, args.num_prompts, args.prompt_tokens, first=first))
+        rounds.append([tuple(run_config(llm, new, args.max_tokens, args.batch, ignore_eos=workload == "code")
+                             for _ in range(2)) for llm in llms])
     print("each round serves prompts new to every engine (cold: each prefilled in full), then the same prompts again "
           "(cached: their full blocks found in the prefix cache, as a re-sent prompt would)")
     print(f"{'configuration':<52} {'tok/s cold':>10} {'cold (median of rounds)':>30} {'cached':>7} "

@@ -217,9 +217,9 @@ class ModelRunner:
         or runs as a fused C call, has them already)."""
         started = time.perf_counter()
         self._apply(sched)
-        if self.int8_activations:
-            self._activations_for(all(chunk.num_tokens == 1 for chunk in sched.chunks))
         chunks = [self._batch_chunk(chunk) for chunk in sched.chunks]
+        if self.int8_activations:  # a decode verifying proposals is still one token per sequence
+            self._activations_for(all(chunk.is_decode for chunk in chunks))
         rows = self._sample_rows(sched, chunks)
         if self.offload is not None:
             sched, chunks = self._offload_step(sched, chunks)
