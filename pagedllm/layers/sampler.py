@@ -127,6 +127,13 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch
     return logits
 
 
+def plain_greedy(meta: SamplingMetadata) -> bool:
+    """Every row takes the raw argmax and no row asked for logprobs: the greedy kernel's case
+    (the sampler's and speculative verification's fast path)."""
+    return (meta.random_rows is None and meta.penalties is None and meta.allowed is None and meta.choices is None
+            and meta.max_num_logprobs is None)
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device, library=None):
         """library: the CPU kernel library (layers/kernels.py) for small greedy steps, or None."""
@@ -136,8 +143,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [R, V] float32, one row per token to sample."""
-        if (meta.random_rows is None and meta.penalties is None and meta.allowed is None and meta.choices is None
-                and meta.max_num_logprobs is None):
+        if plain_greedy(meta):
             return self.greedy(logits)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = self.process(logits, meta)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, plain_greedy
 
 
 @dataclass
@@ -46,9 +46,14 @@ class VerifyBatch:
 def rejection_sample(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, batch: VerifyBatch) -> SamplerOutput:
     """Tokens emitted per row: accepted proposals, then the final token at the first rejected
     (or the bonus) row, -1 after it."""
-    raw_logprobs = torch.log_softmax(logits, dim=-1)
-    processed = sampler.process(logits, meta)
-    greedy_tokens = processed.argmax(dim=-1)
+    plain = plain_greedy(meta)
+    if plain:  # every emitted token is its row's argmax: the sampler's greedy kernel gives both, no log-softmax
+        greedy = sampler.greedy(logits)
+        greedy_tokens = greedy.token_ids
+    else:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        processed = sampler.process(logits, meta)
+        greedy_tokens = processed.argmax(dim=-1)
     proposed = batch.proposals >= 0
     safe_proposals = batch.proposals.clamp(min=0)
     accept = greedy_tokens == batch.proposals
@@ -69,6 +74,8 @@ def rejection_sample(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetad
         final = torch.where(batch.span_random, _sample_residual(sampler, p, q, final_rows, batch), final)
     emitted = torch.where(batch.row_offset < first_stop.index_select(0, batch.row_span), batch.proposals, -1)
     emitted = emitted.index_copy(0, final_rows, final)
+    if plain:  # an accepted proposal equals its row's argmax, and so does the final token
+        return SamplerOutput(emitted, greedy.logprobs)
     return sampler.with_logprobs(raw_logprobs, emitted, meta)
 
 
