@@ -296,65 +296,45 @@ static void swiglu_stage(Stage *stage, const Scratch *sc, const Matrix *w, const
     await(stage, ch.n, next);
 }
 
-/* Rows a LoRA item takes at most: a block of the step's rows, in order. */
-enum { LORA_ROW_BLOCK = 16 };
-
-/* y[r] += (x[r] a^T) b_t for the m rows `rows` of one pair: the shrink a rank row at a time over
- * every row (the rank row of a stays in L1 while the rows read it), then each row's expand, four
- * rank rows a pass (the output row is read and written a quarter as often). Contiguous floats
- * that vectorise; ~2 % of a row's base products at rank 8. */
-static void lora_rows(const LoraPair *p, int64_t k, int64_t n, int64_t offset, const float *x, int64_t ldx, float *y,
-                      int64_t ldy, const int64_t *rows, int m) {
-    float xa[LORA_ROW_BLOCK][LORA_MAX_RANK];
-    for (int64_t q = 0; q < p->rank; q++) {
-        const float *restrict a = p->a + q * k;
-        for (int i = 0; i < m; i++) {
-            const float *restrict xr = x + rows[i] * ldx;
+/* y[r] += (x[r] a^T) b_t for the rows using an adapter, for its pairs first .. first + count - 1
+ * of layer l (one site's projections: q, k, v of qkv; gate, up of gate/up), a (row, projection)
+ * an item: the pair's shrink (rank dot products of k floats) then its expand over its columns
+ * (rank * n), both over contiguous floats that vectorise — ~2 % of a row's base products at rank 8.
+ * An item per projection, not per row: a single stream's q and k, v (or gate and up) go to
+ * different threads, where a row an item left one thread doing the whole site while the others
+ * waited (single stream 0.80x at 2 threads against 0.91x at 1). The projections write disjoint
+ * columns of the row, and each item's shrink is its own: no work repeated, no extra barrier. */
+static void lora_stage(Stage *stage, const Model *md, const Lora *lora, int64_t l, int first, int count, const float *x,
+                       int64_t ldx, float *y, int64_t ldy, int64_t R, Ahead next) {
+    const int64_t items = R * count;
+    for (int64_t i; (i = claim(stage)) < items; finish(stage)) {
+        const int64_t r = i / count, adapter = lora->row_adapter[r];
+        if (adapter < 0) continue;
+        const int proj = first + (int)(i % count);
+        const LoraPair *p = &lora->pairs[(adapter * md->num_layers + l) * LORA_PROJECTIONS + proj];
+        if (p->a == NULL) continue;
+        int64_t k, n, offset;
+        lora_shape(md, proj, &k, &n, &offset);
+        float xa[LORA_MAX_RANK];
+        const float *restrict xr = x + r * ldx;
+        for (int64_t q = 0; q < p->rank; q++) {
+            const float *restrict a = p->a + q * k;
             float sum = 0.0f;
             for (int64_t j = 0; j < k; j++) sum += xr[j] * a[j];
-            xa[i][q] = sum;
+            xa[q] = sum;
         }
-    }
-    for (int i = 0; i < m; i++) {
-        float *restrict yr = y + rows[i] * ldy + offset;
+        /* four rank rows a pass: the output row is read and written a quarter as often */
+        float *restrict yr = y + r * ldy + offset;
         int64_t q = 0;
         for (; q + 4 <= p->rank; q += 4) {
-            const float s0 = xa[i][q], s1 = xa[i][q + 1], s2 = xa[i][q + 2], s3 = xa[i][q + 3];
+            const float s0 = xa[q], s1 = xa[q + 1], s2 = xa[q + 2], s3 = xa[q + 3];
             const float *restrict b0 = p->b_t + q * n, *restrict b1 = b0 + n, *restrict b2 = b1 + n, *restrict b3 = b2 + n;
             for (int64_t c = 0; c < n; c++) yr[c] += s0 * b0[c] + s1 * b1[c] + s2 * b2[c] + s3 * b3[c];
         }
         for (; q < p->rank; q++) {
-            const float s = xa[i][q], *restrict b = p->b_t + q * n;
+            const float s = xa[q], *restrict b = p->b_t + q * n;
             for (int64_t c = 0; c < n; c++) yr[c] += s * b[c];
         }
-    }
-}
-
-/* The deltas of layer l's pairs first .. first + count - 1 (one site's projections: q, k, v of
- * qkv; gate, up of gate/up) for the rows using an adapter. An item is (block of LORA_ROW_BLOCK
- * rows, adapter, projection): the block's rows of that adapter in one pass over its pair, so a
- * batch's adapter pair is read once per block, not once per row (16 rows over 4 adapters read
- * each pair 4 times from memory when an item was a row); and a single stream's q | k, v (or gate |
- * up) go to different threads, where a row an item left one thread doing a whole site while the
- * other waited (single 0.80x at 2 threads against 0.91x at 1). The items write disjoint
- * (row, column) ranges and each does its own shrink: no work repeated, no extra barrier. */
-static void lora_stage(Stage *stage, const Model *md, const Lora *lora, int64_t l, int first, int count, const float *x,
-                       int64_t ldx, float *y, int64_t ldy, int64_t R, Ahead next) {
-    const int64_t per_block = lora->num_adapters * count;
-    const int64_t items = (R + LORA_ROW_BLOCK - 1) / LORA_ROW_BLOCK * per_block;
-    for (int64_t i; (i = claim(stage)) < items; finish(stage)) {
-        const int64_t r0 = i / per_block * LORA_ROW_BLOCK, adapter = i % per_block / count;
-        const int proj = first + (int)(i % count);
-        const LoraPair *p = &lora->pairs[(adapter * md->num_layers + l) * LORA_PROJECTIONS + proj];
-        if (p->a == NULL) continue;
-        int64_t rows[LORA_ROW_BLOCK];
-        int m = 0;
-        for (int64_t r = r0; r < R && r < r0 + LORA_ROW_BLOCK; r++)
-            if (lora->row_adapter[r] == adapter) rows[m++] = r;
-        if (m == 0) continue;
-        int64_t k, n, offset;
-        lora_shape(md, proj, &k, &n, &offset);
-        lora_rows(p, k, n, offset, x, ldx, y, ldy, rows, m);
     }
     await(stage, items, next);
 }
