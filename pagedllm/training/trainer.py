@@ -97,7 +97,7 @@ class Trainer:
         self.job = resolve(continue_job(job), self.world)
         self.options = options
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        if self.device.type == "cpu":  # freed activations and gradients go back to the OS (host_memory.py)
+        if self.device.type == "cpu":  # PAGEDLLM_MALLOC_MMAP_THRESHOLD: freed tensors go back to the OS (host_memory.py)
             fix_mmap_threshold()
         self.dims = ParallelDims.from_config(self.job.parallelism)
         self.mesh = self.dims.build_mesh(self.device.type)

@@ -36,3 +36,5 @@ def test_zero_leaves_glibc_alone(monkeypatch):
     monkeypatch.setenv(host_memory.ENV, "0")
     assert host_memory.threshold_bytes() == 0
     assert host_memory.fix_mmap_threshold() is False
+    monkeypatch.setenv(host_memory.ENV, str(4 << 20))
+    assert host_memory.threshold_bytes() == 4 << 20
