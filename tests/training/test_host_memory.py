@@ -12,10 +12,13 @@ from pagedllm.training.host_memory import fix_mmap_threshold
 def rss():
     return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS:')) // 1024
 assert fix_mmap_threshold(int(sys.argv[1])) == (int(sys.argv[1]) > 0)
-# the first 8 MiB tensor is mmapped and freed: glibc's dynamic threshold then rises above it
-a = torch.ones(2 << 20); del a
+# a 16 MiB tensor is mmapped and freed: glibc's dynamic threshold then rises to 16 MiB
+a = torch.ones(4 << 20); del a
 base = rss()
-held = [torch.ones(2 << 20) for _ in range(32)]  # 256 MiB, touched
+held, pins = [], []
+for _ in range(32):  # 256 MiB, touched; each followed by a small tensor that stays (the heap cannot trim its top)
+    held.append(torch.ones(2 << 20))
+    pins.append(torch.ones(32 << 10))  # 128 KiB: from the top of the heap, not a free list
 del held
 print(rss() - base)
 """
