@@ -28,6 +28,7 @@ from pagedllm.training.control import Controller, Decision
 from pagedllm.spec_decode import draft_vocab
 from pagedllm.training.data import TrainingData, build_cache, default_cache_dir
 from pagedllm.training.export import export_checkpoint
+from pagedllm.training.host_memory import fix_mmap_threshold
 from pagedllm.training.provenance import continue_job
 from pagedllm.training.model import build_model, flops_per_token, num_params
 from pagedllm.training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
@@ -96,6 +97,8 @@ class Trainer:
         self.job = resolve(continue_job(job), self.world)
         self.options = options
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cpu":  # PAGEDLLM_MALLOC_MMAP_THRESHOLD: freed tensors go back to the OS (host_memory.py)
+            fix_mmap_threshold()
         self.dims = ParallelDims.from_config(self.job.parallelism)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.dir = self.job.checkpoint_dir
