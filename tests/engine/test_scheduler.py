@@ -433,16 +433,23 @@ def test_verified_proposals_advance_by_the_accepted_ones_and_are_counted():
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_position) == (4, 9, 5, [3, 2, 0])
 
 
-def test_proposals_verified_are_bounded_by_the_budget_left_for_later_decodes():
-    """budget 4, two decodes with three proposals each: the first verifies 4 - 1 - 1 (one token
-    kept for the second) = 2, the second what is left: 4 - 3 - 1 = 0."""
-    scheduler = spec_scheduler(budget=4)
+def two_decodes_with_three_proposals(budget: int):
+    """A speculating scheduler with the step `budget` and two running decodes, a and b, each
+    holding three proposals for its next step."""
+    scheduler = spec_scheduler(budget=budget)
     a, b = make_seq("a", 2, max_tokens=50), make_seq("b", 2, arrival=1, first_token=100, max_tokens=50)
     for seq in (a, b):
         scheduler.add(seq)
     scheduler.schedule()
     scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7), b.seq_id: tokens(7)},
                                                    spec_token_ids={a.seq_id: [1, 2, 3], b.seq_id: [4, 5, 6]}), lambda s, t: None)
+    return scheduler, a, b
+
+
+def test_proposals_verified_are_bounded_by_the_budget_left_for_later_decodes():
+    """budget 4, two decodes with three proposals each: the first verifies 4 - 1 - 1 (one token
+    kept for the second) = 2, the second what is left: 4 - 3 - 1 = 0."""
+    scheduler, a, b = two_decodes_with_three_proposals(budget=4)
     out = scheduler.schedule()
     assert scheduled(out) == [(a.seq_id, 3), (b.seq_id, 1)]
     assert [item.num_spec for item in scheduler._records[-1].scheduled] == [2, 0]
@@ -1144,13 +1151,7 @@ def test_a_forked_request_counts_one_per_sample_once_forked():
 
 def test_the_last_decode_verifies_as_many_proposals_as_the_budget_leaves():
     """budget 8, two decodes with three proposals each: both verify all three (4 + 4 tokens)."""
-    scheduler = spec_scheduler(budget=8)
-    a, b = make_seq("a", 2, max_tokens=50), make_seq("b", 2, arrival=1, first_token=100, max_tokens=50)
-    for seq in (a, b):
-        scheduler.add(seq)
-    scheduler.schedule()
-    scheduler.update_from_output(ModelRunnerOutput({a.seq_id: tokens(7), b.seq_id: tokens(7)},
-                                                   spec_token_ids={a.seq_id: [1, 2, 3], b.seq_id: [4, 5, 6]}), lambda s, t: None)
+    scheduler, a, b = two_decodes_with_three_proposals(budget=8)
     assert scheduled(scheduler.schedule()) == [(a.seq_id, 4), (b.seq_id, 4)]
 
 
