@@ -38,12 +38,11 @@ def fix_mmap_threshold(nbytes: int | None = None) -> bool:
     if nbytes <= 0:
         return False
     name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
+    if name is None:
         return False
-    if mallopt is None:
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):  # no libc to load, or one without mallopt
         return False
     ok = bool(mallopt(M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
     log.debug("mallopt(M_MMAP_THRESHOLD, %d): %s", nbytes, ok)
