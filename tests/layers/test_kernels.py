@@ -128,3 +128,19 @@ def test_a_temp_folder_another_user_made_is_not_used(tmp_path, monkeypatch):
     folder, private = kernels.cache_dirs()[-1]
     with pytest.raises(PermissionError, match="belongs to another user"):
         kernels._prepare(folder, private)
+
+
+@needs_cc
+def test_a_source_that_fails_to_compile_is_reported_and_nothing_is_cached(tmp_path, monkeypatch):
+    """The sources compile concurrently: one failing among them still raises with the compiler's
+    own message, and no library (nor a half-built one) lands in the cache."""
+    real = kernels.compiler()
+    cc = tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *decode_step.c*) echo "decode_step.c: error: broken" >&2; exit 1;; esac\n'
+                  f'exec {real} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(kernels.subprocess.CalledProcessError) as failed:
+        kernels.build(str(cc))
+    assert "decode_step.c: error: broken" in failed.value.stderr
+    assert list((tmp_path / "cache" / "kernels").iterdir()) == []
