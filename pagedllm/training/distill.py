@@ -8,7 +8,12 @@ the target's habits that differ from the corpus (its repetitions, its favourite 
 
 How much this raised models/pagedllm-py-draft's acceptance is measured in docs/engine.md (Speculative decoding).
 
-The prompts are windows of the training split of a corpus (the same per-document split the
+With --chat the prompts are user questions instead (a file of them, or chat_questions.py's
+built-in ones) answered through the model's chat template, each written as a {"messages"} record
+that `pagedllm finetune` trains on with the loss on the answer only: the data for a chat model's
+draft (docs/engine.md, "a trained draft for the default model").
+
+Otherwise the prompts are windows of the training split of a corpus (the same per-document split the
 trainer makes, so held-out documents stay held out) at random positions -- any point of a file,
 not only function heads -- of random length; the model completes each through the engine
 (`LLM.generate`, batched), greedily or, for a fraction of them, sampled. Each prompt and its
@@ -33,7 +38,7 @@ import numpy as np
 @dataclass(frozen=True)
 class DistillConfig:
     model: str  # the target model folder (its tokenizer is used throughout)
-    dataset_path: str  # prompts come from this corpus: a file, folder, JSONL or @stdlib
+    dataset_path: str | None  # prompts come from this corpus: a file, folder, JSONL or @stdlib (None with chat)
     out: Path  # JSONL written here
     file_glob: str = "**/*"
     validation_split: float = 0.02  # documents the trainer would hold out at this split are never prompts
@@ -46,6 +51,8 @@ class DistillConfig:
     batch: int = 128  # requests handed to the engine at a time (each batch is written as it completes)
     first_prompt: int = 0  # skip the prompts before this one: extends a corpus, or splits one across processes
     seed: int = 0
+    chat: bool = False  # prompts are user questions answered through the chat template (chat_questions.py)
+    questions_path: str | None = None  # chat: one question a line instead of the built-in ones
 
 
 # DistillConfig's fields that are command-line options of their own name and type
@@ -129,11 +136,58 @@ def generate_corpus(cfg: DistillConfig, **engine_args) -> dict:
     return stats
 
 
+def chat_prompts(cfg: DistillConfig) -> list[tuple[str, float, int]]:
+    """(question, temperature, seed) for each of the first --num-prompts questions (from
+    --questions, or chat_questions' own), sampled for a --sampled-fraction share as in corpus mode."""
+    from pagedllm.training.chat_questions import questions, read_questions
+
+    found = read_questions(cfg.questions_path) if cfg.questions_path else questions(cfg.num_prompts, cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    return [(q, cfg.temperature if rng.random() < cfg.sampled_fraction else 0.0, cfg.seed * 1_000_003 + i)
+            for i, q in enumerate(found[:cfg.num_prompts])]
+
+
+def generate_chat_corpus(cfg: DistillConfig, **engine_args) -> dict:
+    """Write cfg.out with one {"messages": [user, assistant], "temperature"} record a question: the
+    model's own answer, in the chat format `pagedllm finetune --data` reads (loss on the answer
+    only). Returns counts and timings."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = chat_prompts(cfg)[cfg.first_prompt:]
+    llm = LLM(cfg.model, **engine_args)
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cfg.out.with_name(cfg.out.name + ".tmp")
+    stats = {"prompts": 0, "prompt_tokens": 0, "generated_tokens": 0, "seconds": 0.0}
+    began = time.perf_counter()
+    with tmp.open("w", encoding="utf-8") as f:
+        for first in range(0, len(prompts), cfg.batch):
+            group = prompts[first:first + cfg.batch]
+            params = [SamplingParams(temperature=t, max_tokens=cfg.max_tokens, seed=seed if t else None) for _, t, seed in group]
+            outputs = llm.chat([[{"role": "user", "content": q}] for q, _, _ in group], params, use_tqdm=False)
+            for (question, t, _), output in zip(group, outputs):
+                answer = output.outputs[0]
+                messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer.text}]
+                f.write(json.dumps({"messages": messages, "temperature": t}) + "\n")
+                stats["prompt_tokens"] += len(output.prompt_token_ids)
+                stats["generated_tokens"] += len(answer.token_ids)
+            f.flush()
+            stats["prompts"] += len(group)
+            elapsed = time.perf_counter() - began
+            stats["seconds"] = round(elapsed, 1)
+            print(f"{stats['prompts']}/{len(prompts)} questions, {stats['generated_tokens']} tokens generated, "
+                  f"{stats['generated_tokens'] / elapsed:.0f} tok/s", flush=True)
+    tmp.replace(cfg.out)
+    return stats
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("distill", help="write a corpus of a model's own continuations (to train a draft model on)")
     d = DistillConfig.__dataclass_fields__
-    p.add_argument("--model", required=True, help="the target model folder")
-    p.add_argument("--dataset", required=True, help="prompt corpus: text file, folder, JSONL with 'text', or @stdlib")
+    p.add_argument("--model", required=True, help="the target model: a folder or a GGUF file")
+    p.add_argument("--dataset", default=None, help="prompt corpus: text file, folder, JSONL with 'text', or @stdlib")
+    p.add_argument("--chat", action="store_true",
+                   help="prompts are chat questions (--questions, or built-in ones); writes {'messages': ...} records")
+    p.add_argument("--questions", default=None, help="with --chat: a file of questions, one a line")
     p.add_argument("--out", required=True, type=Path, help="JSONL to write")
     p.add_argument("--glob", default=d["file_glob"].default, help="files taken from a dataset folder")
     for name in _TUNABLES:
@@ -144,10 +198,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = DistillConfig(model=args.model, dataset_path=args.dataset, out=args.out, file_glob=args.glob,
-                        **{name: getattr(args, name) for name in _TUNABLES})
+    if args.chat == (args.dataset is not None) or (args.questions and not args.chat):
+        print("distill: give either --dataset (continuations of a corpus) or --chat [--questions FILE]", file=sys.stderr)
+        return 2
+    cfg = DistillConfig(model=args.model, dataset_path=args.dataset, out=args.out, file_glob=args.glob, chat=args.chat,
+                        questions_path=args.questions, **{name: getattr(args, name) for name in _TUNABLES})
     try:
-        stats = generate_corpus(cfg, kv_cache_memory=args.kv_cache_memory)
+        generate = generate_chat_corpus if cfg.chat else generate_corpus
+        stats = generate(cfg, kv_cache_memory=args.kv_cache_memory)
     except (ValueError, FileNotFoundError) as exc:
         print(f"distill: {exc}", file=sys.stderr)
         return 2
