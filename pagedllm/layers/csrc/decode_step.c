@@ -30,8 +30,9 @@
  * LoRA adapters (Step.lora): after each of qkv, o and down, the rows that use an adapter get
  * its low-rank delta, (x a^T) b_t, added (pairs of float32 or bfloat16, summed in float32; a
  * (row, projection) an item: the shrink of the row, then its expand — Punica's two steps);
- * gate/up deltas go before the SiLU, so such a step computes the raw gate and up (the plain panels Lora.gate_up_raw), adds
- * the deltas, then silu(gate) * up, instead of the fused SwiGLU panels.
+ * gate/up deltas go before the SiLU, so such a step computes the raw gate and up (the plain
+ * panels Lora.gate_up_raw), adds the deltas, then silu(gate) * up, instead of the fused SwiGLU
+ * panels.
  *
  * The arithmetic is that of the PyTorch modules (models/llama.py) in fp32, in a different order
  * of summation; results are tested against them.
