@@ -353,13 +353,20 @@ static void lora_stage(Stage *stage, const Model *md, const Lora *lora, int64_t 
     await(stage, items, next);
 }
 
-/* act = silu(gate) * up from the raw gate/up rows (LoRA steps), a row's channels LORA_COLUMNS at a time. */
+/* act = silu(gate) * up from the raw gate/up rows (LoRA steps), a row's channels LORA_COLUMNS at a
+ * time. The sigmoid from exp(-|g|) (kernels.h's exp_nonpositive, as the SwiGLU panels compute it):
+ * a loop the compiler vectorises, where libm's expf was a scalar call per channel — 737k calls a
+ * step for 16 rows of SmolLM2, ~1/3 of what the adapters added to a batch's step. */
 static void silu_stage(Stage *stage, const float *raw, int64_t I, float *act, int64_t R, Ahead next) {
     const int64_t per_row = (I + LORA_COLUMNS - 1) / LORA_COLUMNS, items = R * per_row;
     for (int64_t i; (i = claim(stage)) < items; finish(stage)) {
         const int64_t r = i / per_row, c0 = i % per_row * LORA_COLUMNS, c1 = c0 + LORA_COLUMNS < I ? c0 + LORA_COLUMNS : I;
-        const float *gate = raw + r * 2 * I, *up = gate + I;
-        for (int64_t c = c0; c < c1; c++) act[r * I + c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
+        const float *restrict gate = raw + r * 2 * I, *restrict up = gate + I;
+        float *restrict out = act + r * I;
+        for (int64_t c = c0; c < c1; c++) {
+            const float g = gate[c], e = exp_nonpositive(g < 0.0f ? g : -g);
+            out[c] = g * (g < 0.0f ? e : 1.0f) / (1.0f + e) * up[c];
+        }
     }
     await(stage, items, next);
 }
