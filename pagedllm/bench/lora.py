@@ -52,8 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "taking turns, compared (default: %(default)s)")
 
 
-def write_adapters(model_config, count: int, rank: int, folder: Path) -> list[Path]:
-    """`count` random adapters for the model's shapes (PEFT's format, adapters/peft_format.py)."""
+def write_adapters(model_config, count: int, rank: int, folder: Path, b_std: float = 0.01) -> list[Path]:
+    """`count` random adapters for the model's shapes (PEFT's format, adapters/peft_format.py): A
+    of unit-variance outputs, B of standard deviation `b_std` (scaling 2)."""
     from pagedllm.adapters.peft_format import LoraSettings, save_adapter
 
     c = model_config
@@ -70,7 +71,7 @@ def write_adapters(model_config, count: int, rank: int, folder: Path) -> list[Pa
                 part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
                 prefix = f"model.layers.{layer}.{part}.{name}"
                 tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in ** 0.5
-                tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.01
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * b_std
         paths.append(save_adapter(folder / f"adapter{index}", LoraSettings(rank, 2.0 * rank, 0.0, TARGETS), "bench", tensors))
     return paths
 
