@@ -3,9 +3,10 @@
 For `bench lora`'s random rank-8 adapters on all seven projections (and the same adapters with
 a B `--strong` times larger, deltas that move most answers), over chat prompts, each request on
 adapter i % 4:
-  - greedy tokens: transformers + PEFT in float32 (the reference), our engine with float32 pairs
-    and with bfloat16 pairs (int8 activations off, so the float32 engine is PEFT's arithmetic):
-    how many sequences diverge from the reference, and at which token;
+  - greedy tokens: transformers + PEFT in float32 (the reference, on the GGUF's dequantized
+    weights), our engine with float32 pairs and with bfloat16 pairs, on those dense weights and
+    on the GGUF's kept 4-bit blocks (int8 activations off): how many sequences diverge from the
+    reference, and from the float32 pairs, and at which token;
   - logits: transformers + PEFT with the adapter as saved, against the same adapter with A and B
     rounded to bfloat16 (what the engine's bfloat16 pairs hold; the scaling is 2, a power of
     two, so rounding B is rounding B * scaling), teacher-forced over the reference's sequences:
@@ -74,19 +75,25 @@ def measure(model: Path, folder: Path, paths: list[Path], prompts: list[list[int
                 worst = max(worst, (logits - rounded(ids).logits[0, len(prompt) - 1:]).abs().max().item())
                 adapter_effect = max(adapter_effect, (logits - base(ids).logits[0, len(prompt) - 1:]).abs().max().item())
     print(f"  logits, PEFT float32 vs pairs rounded to bfloat16: max |diff| {worst:.4f} "
-          f"(the adapter against the base: max |diff| {adapter_effect:.2f})")
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+          f"(the adapter against the base: max |diff| {adapter_effect:.2f})", flush=True)
+    # min_tokens: EOS masked as transformers' min_new_tokens masks it (with ignore_eos, as in vLLM,
+    # EOS stays a candidate: ours would pick it where transformers takes the runner-up)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens)
     loras = [LoRARequest(f"adapter{i}", i + 1, str(p)) for i, p in enumerate(paths)]
-    for lora_dtype in ("float32", "bfloat16"):
-        llm = LLM(str(model), enable_lora=True, max_loras=count, max_lora_rank=8, lora_dtype=lora_dtype,
-                  int8_activations=False, enable_prefix_caching=False)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                               lora_request=[loras[i % count] for i in range(len(prompts))])
-        llm.llm_engine.shutdown()
-        where = divergence([o.outputs[0].token_ids for o in outputs], expected)
-        diverged = [w for w in where if w is not None]
-        print(f"  pagedllm, {lora_dtype} pairs: {len(diverged)} of {len(prompts)} sequences diverge from PEFT's "
-              f"greedy tokens{' (first differing token: ' + ', '.join(map(str, diverged)) + ')' if diverged else ''}")
+    tokens: dict[tuple[str, str], list[list[int]]] = {}
+    for weights, label in ((folder, "dense float32 base (PEFT's weights)"), (model, "GGUF base (Q4_1 kept)")):
+        for lora_dtype in ("float32", "bfloat16"):
+            llm = LLM(str(weights), enable_lora=True, max_loras=count, max_lora_rank=8, lora_dtype=lora_dtype,
+                      int8_activations=False if weights == model else None, enable_prefix_caching=False)
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                   lora_request=[loras[i % count] for i in range(len(prompts))])
+            llm.llm_engine.shutdown()
+            tokens[label, lora_dtype] = [o.outputs[0].token_ids for o in outputs]
+        for got, against, name in (("float32", expected, "PEFT"), ("bfloat16", expected, "PEFT"),
+                                   ("bfloat16", tokens[label, "float32"], "float32 pairs")):
+            where = [w for w in divergence(tokens[label, got], against) if w is not None]
+            print(f"  pagedllm, {label}, {got} pairs: {len(where)} of {len(prompts)} sequences diverge from {name}'s "
+                  f"greedy tokens{' (at token ' + ', '.join(map(str, where)) + ')' if where else ''}", flush=True)
 
 
 def main() -> None:
@@ -100,7 +107,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--strong", type=float, default=10.0, help="the second set's B, times the bench's")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: no spinning on a shared machine)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     model = default_model()
     folder = dequantized_folder(model)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
