@@ -355,8 +355,9 @@ static void lora_stage(Stage *stage, const Model *md, const Lora *lora, int64_t 
 
 /* act = silu(gate) * up from the raw gate/up rows (LoRA steps), a row's channels LORA_COLUMNS at a
  * time. The sigmoid from exp(-|g|) (kernels.h's exp_nonpositive, as the SwiGLU panels compute it):
- * a loop the compiler vectorises, where libm's expf was a scalar call per channel — 737k calls a
- * step for 16 rows of SmolLM2, ~1/3 of what the adapters added to a batch's step. */
+ * a loop the compiler vectorises, where libm's expf was a scalar call per channel: 737k calls a
+ * step for 16 rows of SmolLM2, about a fifth of what the adapters added to a batch's step (one
+ * thread, batch over 4 adapters / base: 0.77-0.80x before, 0.81-0.82x after). */
 static void silu_stage(Stage *stage, const float *raw, int64_t I, float *act, int64_t R, Ahead next) {
     const int64_t per_row = (I + LORA_COLUMNS - 1) / LORA_COLUMNS, items = R * per_row;
     for (int64_t i; (i = claim(stage)) < items; finish(stage)) {
