@@ -24,9 +24,10 @@ def pair_dtype(lora_dtype: str, device: torch.device, model_dtype: torch.dtype) 
     """The element type the adapters' pairs are kept in (EngineConfig.lora_dtype): float32 or
     bfloat16 as named. "auto" is the model's dtype (vLLM's meaning) except for a float32 model on
     CPU, where it is bfloat16: there the fused C decode step reads every pair of every adapter row
-    each step, and half the bytes was faster (single stream +3-19 %, a batch over 4 adapters
-    +0-5 %) at a measured quality cost of 0 of 32 greedy sequences changed and at most 0.13 in a
-    logit (docs/benchmarks.md, "pagedllm bench lora"); "float32" is the exact path, PEFT's tokens."""
+    each step, and half the bytes was a little faster (a single stream with an adapter +3-9 % at
+    one thread; at two threads within the runs' spread) at a measured quality cost of 0 of 32
+    greedy sequences changed and at most 0.13 in a logit (docs/benchmarks.md, "pagedllm bench
+    lora"); "float32" is the exact path, PEFT's tokens."""
     if lora_dtype == "auto":
         return torch.bfloat16 if device.type == "cpu" and model_dtype == torch.float32 else model_dtype
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[lora_dtype]
