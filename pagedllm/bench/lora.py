@@ -12,6 +12,9 @@ rounds. The adapters are random PEFT-format adapters of rank R on every projecti
 GGUF file, a `LoRARequest` per request on the same adapter folders), the two engines loaded
 throughout and taking turns each round; it reports both engines' adapters/base ratios and ours
 against vLLM's with adapters.
+
+`--lora-dtype both` loads two of our engines, the adapters' pairs in float32 and in bfloat16
+(EngineConfig.lora_dtype), taking turns the same way: the A/B of the pairs' dtype in one run.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from pagedllm.config.engine import LORA_DTYPES
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -42,10 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="the Python of a venv with vLLM's CPU build (default $PAGEDLLM_VLLM_PYTHON)")
     parser.add_argument("--vllm-dtype", default="auto", help="vLLM's dtype (auto: its choice, bfloat16 where the CPU has it)")
+    parser.add_argument("--lora-dtype", choices=(*LORA_DTYPES, "both"), default="auto",
+                        help="our adapters' pair dtype (vLLM's lora_dtype); both: a float32 engine and a bfloat16 one "
+                             "taking turns, compared (default: %(default)s)")
 
 
-def write_adapters(model_config, count: int, rank: int, folder: Path) -> list[Path]:
-    """`count` random adapters for the model's shapes (PEFT's format, adapters/peft_format.py)."""
+def write_adapters(model_config, count: int, rank: int, folder: Path, b_std: float = 0.01) -> list[Path]:
+    """`count` random adapters for the model's shapes (PEFT's format, adapters/peft_format.py): A
+    of unit-variance outputs, B of standard deviation `b_std` (scaling 2)."""
     from pagedllm.adapters.peft_format import LoraSettings, save_adapter
 
     c = model_config
@@ -62,7 +71,7 @@ def write_adapters(model_config, count: int, rank: int, folder: Path) -> list[Pa
                 part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
                 prefix = f"model.layers.{layer}.{part}.{name}"
                 tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in ** 0.5
-                tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.01
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * b_std
         paths.append(save_adapter(folder / f"adapter{index}", LoraSettings(rank, 2.0 * rank, 0.0, TARGETS), "bench", tensors))
     return paths
 
@@ -91,11 +100,12 @@ def _timed(llm, prompts, params, loras) -> tuple[float, float]:
 class PagedLora:
     """Our engine with the adapters enabled, loaded once; each call times one case."""
 
-    def __init__(self, model: str, paths: list[Path], prompts: list[list[int]], args: argparse.Namespace):
+    def __init__(self, model: str, paths: list[Path], prompts: list[list[int]], args: argparse.Namespace,
+                 lora_dtype: str = "auto"):
         from pagedllm import LLM, LoRARequest, SamplingParams
 
         self.llm = LLM(model, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank,
-                       enable_prefix_caching=False, max_num_seqs=max(args.num_requests, 1))
+                       enable_prefix_caching=False, max_num_seqs=max(args.num_requests, 1), lora_dtype=lora_dtype)
         self.prompts = [{"prompt_token_ids": p} for p in prompts]
         self.loras = [LoRARequest(f"adapter{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         self.params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -155,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-lora-") as tmp:
         paths = write_adapters(config, args.num_adapters, args.rank, Path(tmp))
         try:
-            engines["pagedllm"] = PagedLora(model, paths, prompts, args)
+            for lora_dtype in ("float32", "bfloat16") if args.lora_dtype == "both" else (args.lora_dtype,):
+                name = "pagedllm" if args.lora_dtype != "both" else f"pagedllm {lora_dtype} pairs"
+                engines[name] = PagedLora(model, paths, prompts, args, lora_dtype)
             if args.against == "vllm":
                 other = VllmLora(model, paths, prompts, args)
                 engines[other.name] = other
@@ -198,8 +210,10 @@ def report(name: str | None, runs: dict[str, list[tuple[float, float]]]) -> None
 
 
 def compare(runs: dict[str, dict[str, list[tuple[float, float]]]]) -> None:
-    """Ours against the other engine, each case with adapters and on the base."""
-    (ours, mine), (name, theirs) = list(runs.items())[:2]
-    for kind, index in (("wall", 0), ("CPU", 1)):
-        ratios = ", ".join(f"{case} {_best(mine[case], index) / _best(theirs[case], index):.2f}x" for case in CASES)
-        print(f"{ours} / {name} ({kind}): {ratios}")
+    """The first engine against each other one (another pair dtype, vLLM), each case with
+    adapters and on the base."""
+    (ours, mine), *others = list(runs.items())
+    for name, theirs in others:
+        for kind, index in (("wall", 0), ("CPU", 1)):
+            ratios = ", ".join(f"{case} {_best(mine[case], index) / _best(theirs[case], index):.2f}x" for case in CASES)
+            print(f"{ours} / {name} ({kind}): {ratios}")

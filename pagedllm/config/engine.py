@@ -16,6 +16,8 @@ from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 
 KV_CACHE_DTYPES = ("auto", "bfloat16")
+# LoRA pairs' element type (vLLM's lora_dtype); "auto": lora/manager.pair_dtype decides
+LORA_DTYPES = ("auto", "float32", "bfloat16")
 
 PREEMPTION_POLICIES = ("priority", "fcfs", "longest", "shortest_remaining", "recompute_cost")
 
@@ -121,6 +123,11 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # the adapters' low-rank pairs' element type (vLLM's lora_dtype): float32 (exact: PEFT's
+    # tokens), bfloat16 (half the bytes a decode step reads for them, the sums still in float32),
+    # or auto (lora/manager.pair_dtype: bfloat16 for a float32 model on CPU, as measured in
+    # docs/benchmarks.md; else the model's dtype)
+    lora_dtype: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -206,6 +213,10 @@ class EngineConfig:
         """LoRA's sizes, and the features adapters cannot run with (refused by name)."""
         _positive("max_loras", self.max_loras)
         _positive("max_lora_rank", self.max_lora_rank)
+        if isinstance(self.lora_dtype, torch.dtype):  # (vLLM takes a torch dtype too)
+            self.lora_dtype = str(self.lora_dtype).removeprefix("torch.")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {list(LORA_DTYPES)}, got {self.lora_dtype!r}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         if self.max_cpu_loras < self.max_loras:

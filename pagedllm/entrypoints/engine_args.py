@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.config.engine import KV_CACHE_DTYPES, PREEMPTION_POLICIES
+from pagedllm.config.engine import KV_CACHE_DTYPES, LORA_DTYPES, PREEMPTION_POLICIES
 
 _NOT_FLAGS = {"model", "extra"}
 # What each flag does, in a line (the field's comment in config/engine.py has the why); the default is appended.
@@ -52,9 +52,12 @@ HELP = {
     "max_loras": "distinct LoRA adapters one step may run",
     "max_lora_rank": "highest LoRA rank an adapter may have",
     "max_cpu_loras": "LoRA adapters kept loaded in host memory, least recently used dropped (None: max_loras)",
+    "lora_dtype": ("LoRA pairs' element type: float32 (exact, PEFT's tokens), bfloat16 (half the bytes, sums in float32) or "
+                   "auto (bfloat16 for a float32 model on CPU, else the model's dtype)"),
 }
 # Flags whose values are a fixed set: argparse names them in --help and refuses others early.
-_CHOICES = {"preemption_policy": PREEMPTION_POLICIES, "preemption_mode": ("recompute", "swap"), "kv_cache_dtype": KV_CACHE_DTYPES}
+_CHOICES = {"preemption_policy": PREEMPTION_POLICIES, "preemption_mode": ("recompute", "swap"),
+            "kv_cache_dtype": KV_CACHE_DTYPES, "lora_dtype": LORA_DTYPES}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

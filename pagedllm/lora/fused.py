@@ -1,9 +1,10 @@
 """A step's adapters described to the fused C decode step (csrc/decode_step.c, Step.lora).
 
 The C step adds each adapter row's delta after qkv, o and down and before gate/up's SiLU, from
-each projection's own fp32 pair (lora/weights.py: a [r, k], b_t [r, n], scaled). Each adapter's
-pairs are laid out once as C structs (cached on its weights); a step copies them side by side
-and says which adapter each row uses."""
+each projection's own pair (lora/weights.py: a [r, k], b_t [r, n], scaled), float32 or bfloat16
+(the engine's lora_dtype; the C step widens bfloat16 as it reads). Each adapter's pairs are laid
+out once as C structs (cached on its weights); a step copies them side by side and says which
+adapter each row uses."""
 from __future__ import annotations
 
 import ctypes
@@ -26,7 +27,8 @@ def _pairs(weights: AdapterWeights, num_layers: int):
         cached = (LoraPair * (num_layers * PROJECTIONS))()
         for (layer, index), (a, b_t) in weights.projections.items():
             cached[layer * PROJECTIONS + index] = LoraPair(a=a.data_ptr(), b_t=b_t.data_ptr(), rank=a.shape[0],
-                                                           a_capacity=a.numel(), b_capacity=b_t.numel())
+                                                           a_capacity=a.numel(), b_capacity=b_t.numel(),
+                                                           bf16=int(a.dtype == torch.bfloat16))
         weights._c_pairs = cached
     return cached
 
@@ -44,8 +46,9 @@ def _raw_matrices(model):
 
 
 def fusable(weights: AdapterWeights) -> bool:
-    return all(a.dtype == b.dtype == torch.float32 and a.device.type == "cpu" and a.shape[0] <= MAX_RANK
-               for a, b in weights.projections.values())
+    """Pairs the C step reads: on CPU, float32 or bfloat16 (lora_dtype), of a rank its stack takes."""
+    return all(a.dtype == b.dtype and a.dtype in (torch.float32, torch.bfloat16) and a.device.type == "cpu"
+               and a.shape[0] <= MAX_RANK for a, b in weights.projections.values())
 
 
 def fused_lora(model, groups: list, num_rows: int) -> tuple[object, list] | None:

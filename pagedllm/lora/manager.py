@@ -20,6 +20,19 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.weights import AdapterWeights, LoRAError, SiteShape, load_weights
 
 
+def pair_dtype(lora_dtype: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type the adapters' pairs are kept in (EngineConfig.lora_dtype): float32 or
+    bfloat16 as named. "auto" is the model's dtype (vLLM's meaning) except for a float32 model on
+    CPU, where it is bfloat16: there the fused C decode step reads every pair of every adapter row
+    each step, and half the bytes was a little faster (a single stream with an adapter +3-9 % at
+    one thread; at two threads within the runs' spread) at a measured quality cost of 0 of 32
+    greedy sequences changed and at most 0.13 in a logit (docs/benchmarks.md, "pagedllm bench
+    lora"); "float32" is the exact path, PEFT's tokens."""
+    if lora_dtype == "auto":
+        return torch.bfloat16 if device.type == "cpu" and model_dtype == torch.float32 else model_dtype
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[lora_dtype]
+
+
 def attach_sites(model: nn.Module, step: LoRAStep) -> dict[tuple[int, str], SiteShape]:
     """Give every adaptable projection of `model`'s decoder layers a LoRASite; returns their shapes."""
     shapes = {}
@@ -36,9 +49,11 @@ def attach_sites(model: nn.Module, step: LoRAStep) -> dict[tuple[int, str], Site
 
 class LoRAManager:
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, pair_dtype: torch.dtype | None = None):
+        """`dtype`: the model's (the modules compute in it); `pair_dtype`: the pairs' element type
+        (default `dtype`; AdapterWeights.to says how the two meet)."""
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.pair_dtype = device, dtype, pair_dtype or dtype
         self.step = LoRAStep()
         self.shapes = attach_sites(model, self.step)
         self.host: OrderedDict[int, AdapterWeights] = OrderedDict()  # least recently used first
@@ -83,7 +98,7 @@ class LoRAManager:
                 while len(self.resident) >= self.max_loras:
                     victim = next(i for i in self.resident if i not in wanted)
                     del self.resident[victim]
-                self.resident[lora_int_id] = host.to(self.device, self.dtype)  # (on CPU in fp32: the same tensors)
+                self.resident[lora_int_id] = host.to(self.device, self.dtype, self.pair_dtype)  # (CPU, fp32: the same tensors)
             self.resident.move_to_end(lora_int_id)
             if lora_int_id in self.host:
                 self.host.move_to_end(lora_int_id)

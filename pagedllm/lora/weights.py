@@ -48,8 +48,10 @@ class SiteDelta:
     a_t: torch.Tensor
     b_t: torch.Tensor
 
-    def to(self, device: torch.device, dtype: torch.dtype) -> "SiteDelta":
-        return SiteDelta(self.a_t.to(device, dtype).contiguous(), self.b_t.to(device, dtype).contiguous())
+    def to(self, device: torch.device, dtype: torch.dtype, pair_dtype: torch.dtype | None = None) -> "SiteDelta":
+        """In `dtype` (the model's: what the modules multiply), its values rounded to `pair_dtype`."""
+        move = lambda t: t.to(device, pair_dtype or dtype).to(dtype).contiguous()  # noqa: E731
+        return SiteDelta(move(self.a_t), move(self.b_t))
 
     @property
     def nbytes(self) -> int:
@@ -67,9 +69,14 @@ class AdapterWeights:
     sites: dict[tuple[int, str], SiteDelta]
     projections: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
 
-    def to(self, device: torch.device, dtype: torch.dtype) -> "AdapterWeights":
-        move = lambda t: t.to(device, dtype).contiguous()  # noqa: E731 (on CPU in fp32: the same tensors)
-        return AdapterWeights(self.lora_int_id, self.rank, {k: d.to(device, dtype) for k, d in self.sites.items()},
+    def to(self, device: torch.device, dtype: torch.dtype, pair_dtype: torch.dtype | None = None) -> "AdapterWeights":
+        """On `device` for a model computing in `dtype`, the pairs kept in `pair_dtype` (vLLM's
+        lora_dtype; default `dtype`). The fused C step's pairs are stored in `pair_dtype` (it
+        widens bfloat16 as it reads them); the modules' sites stay in `dtype` with their values
+        rounded to `pair_dtype`, so a prefill through the modules and a decode step through the C
+        step add the same deltas (on CPU in float32 either way: no copy, the same tensors)."""
+        move = lambda t: t.to(device, pair_dtype or dtype).contiguous()  # noqa: E731
+        return AdapterWeights(self.lora_int_id, self.rank, {k: d.to(device, dtype, pair_dtype) for k, d in self.sites.items()},
                               {k: (move(a), move(b)) for k, (a, b) in self.projections.items()})
 
     @property

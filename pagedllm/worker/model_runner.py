@@ -27,7 +27,7 @@ from pagedllm.distributed.group import ParallelGroup
 from pagedllm.layers import kernels
 from pagedllm.layers.sampler import Sampler
 from pagedllm.lora.fused import fused_lora
-from pagedllm.lora.manager import LoRAManager
+from pagedllm.lora.manager import LoRAManager, pair_dtype
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.fused_decode import FusedDecoder
 from pagedllm.models.loader import load_model
@@ -98,8 +98,8 @@ class ModelRunner:
         for index, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(*(self.offload.buffer(0) if self.offload else self.kv_cache.layer(index)))
         # LoRA adapters (lora/manager.py): sites on the projections, the adapter of each sequence
-        self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.device,
-                                self.dtype) if config.enable_lora else None
+        self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.device, self.dtype,
+                                pair_dtype(config.lora_dtype, self.device, self.dtype)) if config.enable_lora else None
         self.lora_of: dict[int, LoRARequest] = {}
         self.fuse_lora = True  # adapter rows in the fused C step (False: always the modules, the reference)
         if self.triton_attention and self.device.type == "cuda":  # (Triton's interpreter would only be slower)

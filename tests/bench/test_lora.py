@@ -136,3 +136,32 @@ def test_a_run_short_of_the_asked_tokens_is_an_error(tmp_path):
             engine.run(1, [None])
     finally:
         engine.close()
+
+
+def test_both_lora_dtypes_take_turns_and_are_compared(monkeypatch, capsys):
+    """`--lora-dtype both`: a float32-pairs engine and a bfloat16 one, each case in turns, and the
+    report's ratio of the first to the second (stand-in engines: the wiring, not the speed)."""
+    built, order = [], []
+
+    class StandIn:
+        def __init__(self, model, paths, prompts, args, lora_dtype="auto"):
+            built.append(lora_dtype)
+            self.rate = {"float32": 100.0, "bfloat16": 125.0}[lora_dtype]
+            self.dtype = lora_dtype
+
+        def __call__(self, case):
+            order.append((self.dtype, case))
+            return self.rate, self.rate
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(lora, "PagedLora", StandIn)
+    monkeypatch.setattr(lora, "write_adapters", lambda *args: [])
+    assert lora.run(bench_args(lora_dtype="both", rounds=2, num_requests=2, prompt_len=3)) == 0
+    assert built == ["float32", "bfloat16"]
+    assert order[:8] == [(d, c) for d in ("float32", "bfloat16") for c in lora.CASES] and len(order) == 16
+    out = capsys.readouterr().out
+    assert "pagedllm float32 pairs / pagedllm bfloat16 pairs (wall): batch, base 0.80x" in out
+    with pytest.raises(SystemExit):
+        bench_args(lora_dtype="float16")

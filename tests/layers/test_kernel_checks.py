@@ -341,7 +341,7 @@ def test_the_fused_step_refuses_lora_indices_and_ranks_it_cannot_take(decoder):
     pairs[0] = pair()  # layer 0's q_proj
     assert run() == kernels.KERNEL_OK
     pairs[0] = pair(b=b_t.numel() - 1)
-    assert run() == kernels.KERNEL_REFUSED and b"needs [r, 64] and [r, 64] floats" in fused.library.kernel_last_error()
+    assert run() == kernels.KERNEL_REFUSED and b"needs [r, 64] and [r, 64] elements" in fused.library.kernel_last_error()
     pairs[0] = pair()
     rows[0] = 1
     assert run() == kernels.KERNEL_REFUSED and b"row 0 uses LoRA adapter 1 of 1" in fused.library.kernel_last_error()

@@ -16,6 +16,7 @@ from pagedllm.sampling_params import SamplingParams
 PROMPTS = [[5, 17, 99, 200, 31, 7, 8, 9, 40, 41, 42, 43, 11], [100, 101, 102, 3, 4, 60, 61, 62, 63, 64]]
 NEW_TOKENS = 8
 PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+LORA = dict(enable_lora=True, lora_dtype="float32")  # float32 pairs: PEFT's tokens exactly (bfloat16: test_lora_dtype.py)
 MODES = {
     "prefix_caching": dict(block_size=4),
     "chunked_prefill": dict(block_size=4, max_num_batched_tokens=8, enable_prefix_caching=False),
@@ -61,7 +62,7 @@ def test_adapters_change_the_reference(references):
 def test_mixed_batch_equals_peft(lora_base, adapters, references, mode):
     names = ("attn", "mlp", "finetuned")
     loras = requests_for(adapters, names)
-    llm = LLM(str(lora_base), enable_lora=True, max_loras=3, max_lora_rank=8, **MODES[mode])
+    llm = LLM(str(lora_base), **LORA, max_loras=3, max_lora_rank=8, **MODES[mode])
     # the base first: with prefix caching its blocks are cached when the adapters' same prompts come
     assert mixed_batch(llm, loras, (None,))[None] == references[None]
     got = mixed_batch(llm, loras, (None, *names))
@@ -75,7 +76,7 @@ def test_more_adapters_than_slots_take_turns(lora_base, adapters, references):
     wait, and evicted ones are read from their folders again; tokens stay PEFT's."""
     names = ("attn", "mlp", "all", "finetuned")
     loras = requests_for(adapters, names)
-    llm = LLM(str(lora_base), enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=8, block_size=4)
+    llm = LLM(str(lora_base), **LORA, max_loras=2, max_cpu_loras=2, max_lora_rank=8, block_size=4)
     got = mixed_batch(llm, loras, (*names, None))
     assert got == {name: references[name] for name in (*names, None)}
     manager = llm.llm_engine.runner.lora
@@ -95,7 +96,7 @@ def test_gguf_base_with_fp32_adapters(gguf_base, adapters, tmp_path):
     expected = {name: peft_tokens(factory, adapters.get(name)) for name in (None, *names)}
     assert expected["mlp"] != expected[None]
     loras = requests_for(adapters, names)
-    llm = LLM(str(path), enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4, int8_activations=False,
+    llm = LLM(str(path), **LORA, max_loras=2, max_lora_rank=8, block_size=4, int8_activations=False,
               kv_cache_memory=16 << 20)
     assert mixed_batch(llm, loras, (None, *names)) == expected
 
@@ -114,7 +115,7 @@ def test_the_fused_decode_step_adds_the_deltas(lora_base, adapters, references, 
 
     monkeypatch.setattr(FusedDecoder, "__call__", counting)
     names = ("attn", "mlp", "all", "finetuned")
-    llm = LLM(str(lora_base), enable_lora=True, max_loras=4, max_lora_rank=8, block_size=4, decode_backend="fused")
+    llm = LLM(str(lora_base), **LORA, max_loras=4, max_lora_rank=8, block_size=4, decode_backend="fused")
     got = mixed_batch(llm, requests_for(adapters, names), (None, *names))
     assert got == {name: references[name] for name in (None, *names)}
     assert calls["lora"] >= NEW_TOKENS - 1, calls
@@ -126,7 +127,7 @@ def test_samples_and_structured_output_with_an_adapter(lora_base, adapters, refe
     from pagedllm.sampling_params import StructuredOutputsParams
 
     loras = requests_for(adapters, ("mlp",))
-    llm = LLM(str(lora_base), enable_lora=True, max_lora_rank=8, block_size=4)
+    llm = LLM(str(lora_base), **LORA, max_lora_rank=8, block_size=4)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
     (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False, lora_request=loras["mlp"])
     assert [c.token_ids for c in out.outputs] == [references["mlp"][0]] * 2
@@ -140,7 +141,7 @@ def test_the_triton_path_with_adapters(lora_base, adapters, references):
     interpreter): adapter rows get their deltas from the projections around the kernels (no CUDA
     graph replays a step with adapter rows); tokens stay PEFT's."""
     lora = requests_for(adapters, ("mlp",))["mlp"]
-    llm = LLM(str(lora_base), enable_lora=True, max_lora_rank=8, block_size=4, attention_backend="triton")
+    llm = LLM(str(lora_base), **LORA, max_lora_rank=8, block_size=4, attention_backend="triton")
     llm.llm_engine.runner.model.use_triton_ops()
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)  # (the interpreter is slow: a greedy prefix)
     outputs = llm.generate([{"prompt_token_ids": PROMPTS[1]}] * 2, params, use_tqdm=False, lora_request=[None, lora])

@@ -83,12 +83,14 @@ typedef struct {
 
 /* A LoRA adapter's low-rank pair at one projection of one layer (lora/weights.py): the rows that
  * use the adapter get (x a^T) b_t added to the projection's output columns, a [rank, k] and b_t
- * [rank, n] fp32 (k, n: the projection's inputs and outputs, the scaling folded into b_t).
- * a NULL: the adapter does not target the projection. */
+ * [rank, n] (k, n: the projection's inputs and outputs, the scaling folded into b_t), both float32,
+ * or both bfloat16 where bf16 is 1 (vLLM's lora_dtype: half the bytes a step reads; widened
+ * exactly to float32, the sums in float32). a NULL: the adapter does not target the projection. */
 typedef struct {
-    const float *a, *b_t;
+    const void *a, *b_t;
     int64_t rank;
-    int64_t a_capacity, b_capacity; /* floats the caller allocated at a and at b_t */
+    int64_t a_capacity, b_capacity; /* elements (floats or bfloat16s) the caller allocated at a and at b_t */
+    int64_t bf16;
 } LoraPair;
 
 /* The adapters of a fused step's rows (decode_step.c): pairs [num_adapters * num_layers * 7],

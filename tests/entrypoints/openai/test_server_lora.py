@@ -35,7 +35,8 @@ def lora_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def srv(lora_files, tmp_path_factory):
     server = start_server(["--model", str(lora_files["base"]), "--served-model-name", "tiny", "--enable-lora",
-                           "--lora-modules", f"attn={lora_files['attn']}", "--max-loras", "2", "--max-lora-rank", "8",
+                           "--lora-dtype", "float32", "--lora-modules", f"attn={lora_files['attn']}", "--max-loras", "2",
+                           "--max-lora-rank", "8",
                            "--num-kv-blocks", "256", "--block-size", "4"],
                           tmp_path_factory.mktemp("lora-logs") / "server.log")
     yield server
