@@ -22,14 +22,14 @@ from pagedllm.lora.weights import AdapterWeights, LoRAError, SiteShape, load_wei
 
 def pair_dtype(lora_dtype: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
     """The element type the adapters' pairs are kept in (EngineConfig.lora_dtype): float32 or
-    bfloat16 as named. "auto" is the model's dtype (vLLM's meaning) except for a float32 model on
-    CPU, where it is bfloat16: there the fused C decode step reads every pair of every adapter row
-    each step, and half the bytes was a little faster (a single stream with an adapter +3-9 % at
-    one thread; at two threads within the runs' spread) at a measured quality cost of 0 of 32
-    greedy sequences changed and at most 0.13 in a logit (docs/benchmarks.md, "pagedllm bench
-    lora"); "float32" is the exact path, PEFT's tokens."""
+    bfloat16 as named, "auto" the model's dtype (vLLM's meaning). bfloat16 pairs for a float32
+    model are the option, not the default: their quality cost measured nil (0 of 32 greedy
+    sequences changed, at most 0.13 in a logit) but at the default two threads they were no
+    faster (idle A/B 2026-11-28: batch 0.76x vs 0.75x, single 0.73x vs 0.72x of the base; +3-9 %
+    single at one thread), and the modules keep a float32 copy of each site beside them
+    (docs/benchmarks.md, "pagedllm bench lora"). float32 is the exact path, PEFT's tokens."""
     if lora_dtype == "auto":
-        return torch.bfloat16 if device.type == "cpu" and model_dtype == torch.float32 else model_dtype
+        return model_dtype
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[lora_dtype]
 
 
