@@ -129,6 +129,12 @@ def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
         {"name": "ft_lora_pp", "job": finetune_job(root, "ft-lora-pp", 3, "lora", parallelism_config=pp), "options": EXPORT},
         {"name": "ft_lora_tp", "job": finetune_job(root, "ft-lora-tp", 3, "lora", parallelism_config={"tensor_parallel_size": 2}),
          "options": EXPORT},
+        # stopped after step 2 and resumed from its checkpoint: a LoRA fine-tune under TP, a full one under PP
+        *({"name": f"{name}_{phase}", "job": finetune_job(root, folder, zero, method, parallelism_config=parallel),
+           "options": {**FAST, **({"stop_at_step": 2} if phase == "stop" else {})}}
+          for name, folder, zero, method, parallel in (("ft_lora_tp", "ft-lora-tp-sr", 3, "lora", {"tensor_parallel_size": 2}),
+                                                       ("ft_full_pp", "ft-full-pp-sr", 3, "full", pp))
+          for phase in ("stop", "resume")),
     ]
     return launch_scenarios(2, scenarios, tiny_paths, root / "out"), root
 
@@ -458,6 +464,19 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(two_ranks, kind):
         stopped, resumed, whole = rank[f"{kind}_stop"], rank[f"{kind}_resume"], rank[kind]
         assert stopped["reason"] == "stopped" and list(stopped["losses"]) == ["1", "2", "3"]
         assert resumed["start_step"] == 3 and list(resumed["losses"]) == ["4", "5", "6"]
+        for step, loss in resumed["losses"].items():
+            assert loss == whole["losses"][step], f"{kind} step {step}: resumed {loss} != uninterrupted {whole['losses'][step]}"
+
+
+@pytest.mark.parametrize("kind", ["ft_lora_tp", "ft_full_pp"])
+def test_finetune_resume_under_tp_and_pp_reproduces_the_uninterrupted_run(two_ranks, kind):
+    """A LoRA fine-tune under tensor parallelism and a full one under pipeline parallelism, stopped
+    after step 2 and resumed from that checkpoint: steps 3-4 have the uninterrupted run's losses."""
+    ranks, _ = two_ranks
+    for rank in ranks:
+        stopped, resumed, whole = rank[f"{kind}_stop"], rank[f"{kind}_resume"], rank[kind]
+        assert stopped["reason"] == "stopped" and list(stopped["losses"]) == ["1", "2"]
+        assert resumed["start_step"] == 2 and list(resumed["losses"]) == ["3", "4"]
         for step, loss in resumed["losses"].items():
             assert loss == whole["losses"][step], f"{kind} step {step}: resumed {loss} != uninterrupted {whole['losses'][step]}"
 
