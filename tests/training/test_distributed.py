@@ -21,6 +21,7 @@ from pagedllm.training.config import parse_job
 from pagedllm.training.progress import read_metrics
 from pagedllm.training.trainer import RunOptions, run_training
 
+from gguf_files import write_gguf
 from tiny_models import build_model, load_reference
 
 from .helpers import lora_job, tiny_job, write_chat
@@ -71,13 +72,22 @@ def grad_norms(checkpoint_dir: Path) -> list[float]:
     return [record["grad_norm"] for record in read_metrics(checkpoint_dir / "metrics.jsonl")]
 
 
-def finetune_job(root: Path, name: str, zero_stage: int, method: str = "lora", **sections) -> dict:
-    """A LoRA (or full) fine-tune of a tiny pretrained (tied-embedding) base on chat data, without dropout
-    (each rank draws its own dropout masks, so only the deterministic update can equal one process's)."""
+def ft_base(root: Path, gguf: bool = False) -> Path:
+    """The tiny pretrained (tied-embedding) base and its chat data, made once under `root`; with
+    `gguf`, the same weights as an F32 GGUF file (a fine-tune from it equals one from the folder)."""
     if not (root / "ft-base").is_dir():
         build_model(root / "ft-base", "llama", tie_word_embeddings=True)
         write_chat(root / "chat.jsonl")
-    job = lora_job(root / "ft-base", root / "chat.jsonl", root / name, steps=4, memory_config={"zero_stage": zero_stage},
+    if gguf and not (root / "ft-base.gguf").is_file():
+        write_gguf(root / "ft-base", root / "ft-base.gguf")
+    return root / "ft-base.gguf" if gguf else root / "ft-base"
+
+
+def finetune_job(root: Path, name: str, zero_stage: int, method: str = "lora", gguf: bool = False, **sections) -> dict:
+    """A LoRA (or full) fine-tune of a tiny pretrained (tied-embedding) base on chat data, without dropout
+    (each rank draws its own dropout masks, so only the deterministic update can equal one process's)."""
+    base = ft_base(root, gguf)
+    job = lora_job(base, root / "chat.jsonl", root / name, steps=4, memory_config={"zero_stage": zero_stage},
                    **sections)
     job["finetune_config"].update(lora_dropout=0.0, method=method)
     if method == "full":
@@ -135,6 +145,11 @@ def two_ranks(tiny_paths, tmp_path_factory) -> tuple[list[dict], Path]:
           for name, folder, zero, method, parallel in (("ft_lora_tp", "ft-lora-tp-sr", 3, "lora", {"tensor_parallel_size": 2}),
                                                        ("ft_full_pp", "ft-full-pp-sr", 3, "full", pp))
           for phase in ("stop", "resume")),
+        # the same fine-tunes from the base's GGUF file (F32: the folder's weights, tokenizer and template)
+        {"name": "ft_lora_tp_gguf", "job": finetune_job(root, "ft-lora-tp-gguf", 3, "lora", gguf=True,
+                                                        parallelism_config={"tensor_parallel_size": 2}), "options": FAST},
+        {"name": "ft_full_pp_gguf", "job": finetune_job(root, "ft-full-pp-gguf", 3, "full", gguf=True, parallelism_config=pp),
+         "options": FAST},
     ]
     return launch_scenarios(2, scenarios, tiny_paths, root / "out"), root
 
@@ -479,6 +494,15 @@ def test_finetune_resume_under_tp_and_pp_reproduces_the_uninterrupted_run(two_ra
         assert resumed["start_step"] == 2 and list(resumed["losses"]) == ["3", "4"]
         for step, loss in resumed["losses"].items():
             assert loss == whole["losses"][step], f"{kind} step {step}: resumed {loss} != uninterrupted {whole['losses'][step]}"
+
+
+@pytest.mark.parametrize("kind", ["ft_lora_tp", "ft_full_pp"])
+def test_finetune_from_a_gguf_base_under_tp_and_pp_equals_the_folder_base(two_ranks, kind):
+    """The base read from its GGUF file (dequantized, the q/k rows un-permuted, the tokenizer and chat
+    template from its metadata) and sharded (TP) or staged (PP) trains exactly as from the HF folder."""
+    ranks, _ = two_ranks
+    for rank in ranks:
+        assert rank[f"{kind}_gguf"]["losses"] == rank[kind]["losses"] and len(rank[kind]["losses"]) == 4
 
 
 def test_corrupt_shard_is_caught_and_the_previous_checkpoint_used(two_ranks):
