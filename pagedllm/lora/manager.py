@@ -20,7 +20,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.weights import AdapterWeights, LoRAError, SiteShape, load_weights
 
 
-def pair_dtype(lora_dtype: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+def pair_dtype(lora_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The element type the adapters' pairs are kept in (EngineConfig.lora_dtype): float32 or
     bfloat16 as named, "auto" the model's dtype (vLLM's meaning). bfloat16 pairs for a float32
     model are the option, not the default: their quality cost measured nil (0 of 32 greedy
