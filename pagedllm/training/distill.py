@@ -29,6 +29,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,16 +101,17 @@ def sample_prompts(cfg: DistillConfig, docs: list[tuple[str, list[int]]]) -> lis
     return prompts
 
 
-def generate_corpus(cfg: DistillConfig, **engine_args) -> dict:
-    """Write cfg.out; returns counts and timings."""
-    from tokenizers import Tokenizer
+def _sampling(cfg: DistillConfig, temperature: float, seed: int):
+    from pagedllm import SamplingParams
 
-    from pagedllm import LLM, SamplingParams
-    from pagedllm.training.tokenizer import tokenizer_files
+    return SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens, seed=seed if temperature else None)
 
-    tokenizer = Tokenizer.from_file(str(tokenizer_files(cfg.model)[0]))
-    prompts = sample_prompts(cfg, training_documents(cfg, tokenizer))[cfg.first_prompt:]
-    llm = LLM(cfg.model, **engine_args)
+
+def _write_records(cfg: DistillConfig, prompts: list, records_of: Callable[[list], Iterable[tuple[dict, int, int]]],
+                   unit: str) -> dict:
+    """Write cfg.out (a .tmp renamed when complete) from `prompts`, cfg.batch at a time:
+    `records_of(group)` yields each prompt's (JSONL record, prompt tokens, generated tokens);
+    each batch is flushed as it completes. Returns counts and timings."""
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = cfg.out.with_name(cfg.out.name + ".tmp")
     stats = {"prompts": 0, "prompt_tokens": 0, "generated_tokens": 0, "seconds": 0.0}
@@ -117,23 +119,40 @@ def generate_corpus(cfg: DistillConfig, **engine_args) -> dict:
     with tmp.open("w", encoding="utf-8") as f:
         for first in range(0, len(prompts), cfg.batch):
             group = prompts[first:first + cfg.batch]
-            params = [SamplingParams(temperature=t, max_tokens=cfg.max_tokens, seed=seed if t else None)
-                      for _, _, t, seed in group]
-            outputs = llm.generate([{"prompt_token_ids": ids} for _, ids, _, _ in group], params, use_tqdm=False)
-            for (doc_id, ids, t, _), output in zip(group, outputs):
-                generated = list(output.outputs[0].token_ids)
-                text = tokenizer.decode(ids + generated, skip_special_tokens=True)
-                f.write(json.dumps({"text": text, "source": doc_id, "temperature": t}) + "\n")
-                stats["prompt_tokens"] += len(ids)
-                stats["generated_tokens"] += len(generated)
+            for record, prompt_tokens, generated_tokens in records_of(group):
+                f.write(json.dumps(record) + "\n")
+                stats["prompt_tokens"] += prompt_tokens
+                stats["generated_tokens"] += generated_tokens
             f.flush()
             stats["prompts"] += len(group)
             elapsed = time.perf_counter() - began
             stats["seconds"] = round(elapsed, 1)
-            print(f"{stats['prompts']}/{len(prompts)} prompts, {stats['generated_tokens']} tokens generated, "
+            print(f"{stats['prompts']}/{len(prompts)} {unit}, {stats['generated_tokens']} tokens generated, "
                   f"{stats['generated_tokens'] / elapsed:.0f} tok/s", flush=True)
     tmp.replace(cfg.out)
     return stats
+
+
+def generate_corpus(cfg: DistillConfig, **engine_args) -> dict:
+    """Write cfg.out; returns counts and timings."""
+    from tokenizers import Tokenizer
+
+    from pagedllm import LLM
+    from pagedllm.training.tokenizer import tokenizer_files
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_files(cfg.model)[0]))
+    prompts = sample_prompts(cfg, training_documents(cfg, tokenizer))[cfg.first_prompt:]
+    llm = LLM(cfg.model, **engine_args)
+
+    def records_of(group):
+        params = [_sampling(cfg, t, seed) for _, _, t, seed in group]
+        outputs = llm.generate([{"prompt_token_ids": ids} for _, ids, _, _ in group], params, use_tqdm=False)
+        for (doc_id, ids, t, _), output in zip(group, outputs):
+            generated = list(output.outputs[0].token_ids)
+            text = tokenizer.decode(ids + generated, skip_special_tokens=True)
+            yield {"text": text, "source": doc_id, "temperature": t}, len(ids), len(generated)
+
+    return _write_records(cfg, prompts, records_of, "prompts")
 
 
 def chat_prompts(cfg: DistillConfig) -> list[tuple[str, float, int]]:
@@ -151,33 +170,20 @@ def generate_chat_corpus(cfg: DistillConfig, **engine_args) -> dict:
     """Write cfg.out with one {"messages": [user, assistant], "temperature"} record a question: the
     model's own answer, in the chat format `pagedllm finetune --data` reads (loss on the answer
     only). Returns counts and timings."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM
 
     prompts = chat_prompts(cfg)[cfg.first_prompt:]
     llm = LLM(cfg.model, **engine_args)
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cfg.out.with_name(cfg.out.name + ".tmp")
-    stats = {"prompts": 0, "prompt_tokens": 0, "generated_tokens": 0, "seconds": 0.0}
-    began = time.perf_counter()
-    with tmp.open("w", encoding="utf-8") as f:
-        for first in range(0, len(prompts), cfg.batch):
-            group = prompts[first:first + cfg.batch]
-            params = [SamplingParams(temperature=t, max_tokens=cfg.max_tokens, seed=seed if t else None) for _, t, seed in group]
-            outputs = llm.chat([[{"role": "user", "content": q}] for q, _, _ in group], params, use_tqdm=False)
-            for (question, t, _), output in zip(group, outputs):
-                answer = output.outputs[0]
-                messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer.text}]
-                f.write(json.dumps({"messages": messages, "temperature": t}) + "\n")
-                stats["prompt_tokens"] += len(output.prompt_token_ids)
-                stats["generated_tokens"] += len(answer.token_ids)
-            f.flush()
-            stats["prompts"] += len(group)
-            elapsed = time.perf_counter() - began
-            stats["seconds"] = round(elapsed, 1)
-            print(f"{stats['prompts']}/{len(prompts)} questions, {stats['generated_tokens']} tokens generated, "
-                  f"{stats['generated_tokens'] / elapsed:.0f} tok/s", flush=True)
-    tmp.replace(cfg.out)
-    return stats
+
+    def records_of(group):
+        params = [_sampling(cfg, t, seed) for _, t, seed in group]
+        outputs = llm.chat([[{"role": "user", "content": q}] for q, _, _ in group], params, use_tqdm=False)
+        for (question, t, _), output in zip(group, outputs):
+            answer = output.outputs[0]
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer.text}]
+            yield {"messages": messages, "temperature": t}, len(output.prompt_token_ids), len(answer.token_ids)
+
+    return _write_records(cfg, prompts, records_of, "questions")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
