@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_adapters import peft_greedy
+from lora_adapters import PEFT_ADAPTERS, peft_greedy
 from tiny_models import load_reference
 
 from pagedllm.entrypoints.llm import LLM
@@ -147,3 +147,24 @@ def test_the_triton_path_with_adapters(lora_base, adapters, references):
     outputs = llm.generate([{"prompt_token_ids": PROMPTS[1]}] * 2, params, use_tqdm=False, lora_request=[None, lora])
     assert references[None][1][:3] != references["mlp"][1][:3]  # (the prefix compared tells them apart)
     assert [o.outputs[0].token_ids for o in outputs] == [references[None][1][:3], references["mlp"][1][:3]]
+
+
+def test_the_fused_step_folds_every_site_of_a_wide_model(tmp_path):
+    """The fused step's folded sites where the tiny base does not reach them: an intermediate size
+    over 256 (the down projection's shrink summed from several silu items' partials, the last one
+    short) with 8 query heads over 2 KV heads (o's shrink from per-KV-head partials), and an adapter
+    on o and down only, alone in its steps (no raw gate/up panels: the down deltas' own stage).
+    Each against transformers + PEFT."""
+    from tiny_models import build_model
+
+    from lora_adapters import make_peft_adapter
+
+    base = build_model(tmp_path / "wide", "llama", intermediate_size=640, num_attention_heads=8, num_key_value_heads=2)
+    adapters = {"all": make_peft_adapter(base, tmp_path / "all", 4, 8, PEFT_ADAPTERS["all"][2], seed=3),
+                "o_down": make_peft_adapter(base, tmp_path / "o_down", 4, 8, ["o_proj", "down_proj"], seed=4)}
+    expected = {name: peft_tokens(lambda: load_reference(base), adapters.get(name)) for name in (None, "all", "o_down")}
+    assert expected["all"] != expected[None] and expected["o_down"] != expected[None]
+    llm = LLM(str(base), **LORA, max_loras=2, max_lora_rank=8, block_size=4, decode_backend="fused")
+    loras = requests_for(adapters, ("all", "o_down"))
+    assert mixed_batch(llm, loras, (None, "all")) == {name: expected[name] for name in (None, "all")}
+    assert mixed_batch(llm, loras, ("o_down",)) == {"o_down": expected["o_down"]}

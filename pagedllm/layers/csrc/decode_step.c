@@ -27,12 +27,12 @@
  *   x    += act W_down^T (+ b)                                chunks of panels
  * then rmsnorm of the sampled rows and their logits over the (tied or not) LM head's panels.
  *
- * LoRA adapters (Step.lora): after each of qkv, o and down, the rows that use an adapter get
- * its low-rank delta, (x a^T) b_t, added (pairs of float32 or bfloat16, summed in float32; a
- * (row, projection) an item: the shrink of the row, then its expand — Punica's two steps);
- * gate/up deltas go before the SiLU, so such a step computes the raw gate and up (the plain
- * panels Lora.gate_up_raw), adds the deltas, then silu(gate) * up, instead of the fused SwiGLU
- * panels.
+ * LoRA adapters (Step.lora): the rows that use an adapter get its low-rank delta, (x a^T) b_t,
+ * added to each projection it targets (pairs of float32 or bfloat16, summed in float32) —
+ * Punica's shrink then expand, folded into the stages above (see "LoRA" below: no stage a
+ * layer of its own but the SiLU after the raw gate/up panels, since the gate/up deltas go before
+ * the SiLU: such a step computes the raw gate and up (the plain panels Lora.gate_up_raw) instead
+ * of the fused SwiGLU panels).
  *
  * The arithmetic is that of the PyTorch modules (models/llama.py) in fp32, in a different order
  * of summation; results are tested against them.
@@ -101,6 +101,10 @@ typedef struct {
     /* Attention groups: rows first[g] .. first[g] + count[g] - 1 are one sequence's consecutive
      * positions (a verification, or a draft's catch-up), attended together (attend_rows). */
     int64_t *group_first, *group_count, num_groups;
+    /* LoRA steps: each row's shrinks (x a^T), xa_ld floats a row, in slots of xa_rank floats
+     * (lora_slots); NULL without adapters */
+    float *xa;
+    int64_t xa_rank, xa_ld;
 } Scratch;
 
 /* Runs of rows of one sequence at consecutive positions: the same block table, each row one
@@ -129,8 +133,9 @@ typedef struct {
     char pad[64 - 2 * sizeof(int64_t) - sizeof(void *)];
 } Stage;
 
-/* The six of every layer, then LoRA's: the deltas of qkv, o, gate/up and down, and silu * up */
-enum { STAGES_PER_LAYER = 11, LORA_QKV = 6, LORA_O_STAGE = 7, LORA_GATE_UP = 8, LORA_SILU = 9, LORA_DOWN_STAGE = 10 };
+/* The six of every layer, then LoRA's: silu * up after the raw gate/up panels, and the down deltas
+ * of a step whose adapters target down but not gate/up */
+enum { STAGES_PER_LAYER = 8, LORA_SILU = 6, LORA_DOWN_STAGE = 7 };
 enum { LORA_PROJECTIONS = 7, LORA_COLUMNS = 256, LORA_MAX_RANK = 256 };
 enum { LORA_Q = 0, LORA_O = 3, LORA_GATE = 4, LORA_DOWN = 6 };
 
@@ -262,8 +267,144 @@ static inline int tiles_for(const AmxScratch *amx, const QRows *xq, int64_t m) {
     return xq != NULL && amx->started && m >= AMX_MIN_ROWS;
 }
 
+/* ---- LoRA: Punica's shrink (xa = x a^T, rank sums of a row's inputs) and expand (y += xa b_t),
+ * folded into the stages a base step has. A step's stages are its barriers, and at two threads a
+ * single stream's extra LoRA stages (five a layer, each a few microseconds of work that one
+ * thread did while the other waited) cost more than their arithmetic: 0.72x the base's speed
+ * against 0.88-0.97x with one thread. So each shrink is an item of a stage whose inputs are
+ * complete anyway, and each expand happens where its output columns are written or read next:
+ *   q, k, v   shrink: items of the qkv stage (every thread has the normed rows);
+ *             expand: in the (row, KV head) items that rotate those very columns;
+ *   o         shrink: partial sums in the attention items (a KV head's query heads' columns);
+ *             expand: in the epilogue of the o panels' chunks (the columns a chunk writes);
+ *   gate, up  shrink: items of the raw gate/up stage; expand: in the silu items, before the SiLU;
+ *   down      shrink: partial sums in the silu items (the act columns they write);
+ *             expand: in the epilogue of the down panels' chunks.
+ * A LoRA step then has one stage more than a base one (the SiLU after the raw gate/up panels, the
+ * deltas being needed before it). */
+
+/* Element i of a pair's matrix as a float: float32 loaded, bfloat16 widened exactly (its bits in
+ * a float's upper half). With `bf16` a constant after inlining the loops below vectorise either
+ * way (the widening: a zero-extension of 16-bit lanes to 32 and a shift left by 16). */
+static inline __attribute__((always_inline)) float pair_at(const void *m, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)m)[i]) : ((const float *)m)[i];
+}
+
+/* Row r's pair of projection `proj` in layer l, or NULL (the row is the base model's, or its
+ * adapter does not target the projection). */
+static inline const LoraPair *row_pair(const Model *md, const Lora *lora, int64_t r, int64_t l, int proj) {
+    const int64_t adapter = lora->row_adapter[r];
+    if (adapter < 0) return NULL;
+    const LoraPair *p = &lora->pairs[(adapter * md->num_layers + l) * LORA_PROJECTIONS + proj];
+    return p->a != NULL ? p : NULL;
+}
+
+/* A row's shrink slots (Scratch.xa, xa_rank floats each): q, k, v; o's partial sums, one per KV
+ * head; gate, up; down's partial sums, one per LORA_COLUMNS columns of act. */
+enum { XA_QKV = 0, XA_O = 3 };
+static inline int64_t xa_gate(const Model *md) { return XA_O + md->num_kv_heads; }
+static inline int64_t down_parts(const Model *md) { return (md->intermediate + LORA_COLUMNS - 1) / LORA_COLUMNS; }
+static inline int64_t xa_down(const Model *md) { return xa_gate(md) + 2; }
+static inline int64_t lora_slots(const Model *md) { return xa_down(md) + down_parts(md); }
+static inline float *xa_of(const Scratch *sc, int64_t r, int64_t slot) { return sc->xa + r * sc->xa_ld + slot * sc->xa_rank; }
+
+/* xa[q] = sum over inputs j0 .. j1 - 1 of xr[j] a[q, j]: the whole shrink, or a part of it. Four
+ * rank rows a pass: four independent sums (one sum's chain of dependent adds was the loop's
+ * limit) over one read of the inputs. */
+static inline __attribute__((always_inline)) void shrink_as(const LoraPair *p, const float *restrict xr, int64_t k, int64_t j0,
+                                                            int64_t j1, float *restrict xa, const int bf16) {
+    int64_t q = 0;
+    for (; q + 4 <= p->rank; q += 4) {
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+        const int64_t a0 = q * k, a1 = a0 + k, a2 = a1 + k, a3 = a2 + k;
+        for (int64_t j = j0; j < j1; j++) {
+            const float x = xr[j];
+            s0 += x * pair_at(p->a, a0 + j, bf16), s1 += x * pair_at(p->a, a1 + j, bf16);
+            s2 += x * pair_at(p->a, a2 + j, bf16), s3 += x * pair_at(p->a, a3 + j, bf16);
+        }
+        xa[q] = s0, xa[q + 1] = s1, xa[q + 2] = s2, xa[q + 3] = s3;
+    }
+    for (; q < p->rank; q++) {
+        float sum = 0.0f;
+        for (int64_t j = j0; j < j1; j++) sum += xr[j] * pair_at(p->a, q * k + j, bf16);
+        xa[q] = sum;
+    }
+}
+
+static void shrink(const LoraPair *p, const float *xr, int64_t k, int64_t j0, int64_t j1, float *xa) {
+    if (p->bf16)
+        shrink_as(p, xr, k, j0, j1, xa, 1);
+    else
+        shrink_as(p, xr, k, j0, j1, xa, 0);
+}
+
+/* yr[c] += sum_q xa[q] b_t[q, c] for the pair's output columns c0 .. c1 - 1 (yr: the projection's
+ * column 0), four rank rows a pass (the output read and written a quarter as often). */
+static inline __attribute__((always_inline)) void expand_as(const LoraPair *p, const float *restrict xa, int64_t n, int64_t c0,
+                                                            int64_t c1, float *restrict yr, const int bf16) {
+    int64_t q = 0;
+    for (; q + 4 <= p->rank; q += 4) {
+        const float s0 = xa[q], s1 = xa[q + 1], s2 = xa[q + 2], s3 = xa[q + 3];
+        const int64_t b0 = q * n, b1 = b0 + n, b2 = b1 + n, b3 = b2 + n;
+        for (int64_t c = c0; c < c1; c++)
+            yr[c] += s0 * pair_at(p->b_t, b0 + c, bf16) + s1 * pair_at(p->b_t, b1 + c, bf16) +
+                     s2 * pair_at(p->b_t, b2 + c, bf16) + s3 * pair_at(p->b_t, b3 + c, bf16);
+    }
+    for (; q < p->rank; q++)
+        for (int64_t c = c0; c < c1; c++) yr[c] += xa[q] * pair_at(p->b_t, q * n + c, bf16);
+}
+
+static void expand(const LoraPair *p, const float *xa, int64_t n, int64_t c0, int64_t c1, float *yr) {
+    if (c0 >= c1) return;
+    if (p->bf16)
+        expand_as(p, xa, n, c0, c1, yr, 1);
+    else
+        expand_as(p, xa, n, c0, c1, yr, 0);
+}
+
+/* A LoRA site inside a matrix stage: `shrinks` items (row, projection first + i % count) whose
+ * inputs are x, into slot + i % count, done after the thread's panel chunks; and/or the expand of
+ * projection `proj` (its output columns the matrix's) over the columns each chunk writes, from
+ * the sum of `parts` partial shrinks at `slot`. */
+typedef struct {
+    const Model *md;
+    const Lora *lora;
+    int64_t l;
+    int first, count; /* shrink items: projections first .. first + count - 1; count 0: none */
+    const float *x;
+    int64_t ldx, slot;
+    int proj; /* the expand's projection; -1: none */
+    int64_t parts;
+} LoraSite;
+
+static void site_shrink(const LoraSite *s, const Scratch *sc, int64_t i) {
+    const int64_t r = i / s->count;
+    const int proj = s->first + (int)(i % s->count);
+    const LoraPair *p = row_pair(s->md, s->lora, r, s->l, proj);
+    if (p == NULL) return;
+    int64_t k, n, offset;
+    lora_shape(s->md, proj, &k, &n, &offset);
+    shrink(p, s->x + r * s->ldx, k, 0, k, xa_of(sc, r, s->slot + i % s->count));
+}
+
+/* The expand of the site's projection for rows 0 .. m - 1 over output columns c0 .. c1 - 1. */
+static void site_expand(const LoraSite *s, const Scratch *sc, int64_t m, float *y, int64_t ldy, int64_t c0, int64_t c1) {
+    float xa[LORA_MAX_RANK];
+    for (int64_t r = 0; r < m; r++) {
+        const LoraPair *p = row_pair(s->md, s->lora, r, s->l, s->proj);
+        if (p == NULL) continue;
+        int64_t k, n, offset;
+        lora_shape(s->md, s->proj, &k, &n, &offset);
+        const float *part = xa_of(sc, r, s->slot);
+        for (int64_t q = 0; q < p->rank; q++) xa[q] = part[q];
+        for (int64_t j = 1; j < s->parts; j++)
+            for (int64_t q = 0; q < p->rank; q++) xa[q] += part[j * sc->xa_rank + q];
+        expand(p, xa, n, c0, c1 < n ? c1 : n, y + r * ldy + offset);
+    }
+}
+
 static void matmul_stage(Stage *stage, const Scratch *sc, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *y,
-                         int64_t ldy, int mode, int pair, Ahead next, int t, int nt) {
+                         int64_t ldy, int mode, int pair, Ahead next, int t, int nt, const LoraSite *site) {
     const Chunks ch = chunks_of(w->num_panels, nt);
     Walk walk = walk_start(ch.n, t, nt);
     QRows rows;
@@ -275,8 +416,11 @@ static void matmul_stage(Stage *stage, const Scratch *sc, const Matrix *w, const
             amx_panels(w, xq, m, y, ldy, c * ch.per, hi, 0, mode, &sc->amx[t]);
         else
             matmul_panels(w, x, xq, m, ldx, y, ldy, c * ch.per, hi, mode, pair);
+        if (site != NULL && site->proj >= 0) site_expand(site, sc, m, y, ldy, c * ch.per * VW, hi * VW);
     }
-    await(stage, ch.n, next);
+    const int64_t shrinks = site != NULL ? m * site->count : 0;
+    for (int64_t i; shrinks > 0 && (i = claim(stage)) < shrinks; finish(stage)) site_shrink(site, sc, i);
+    await(stage, ch.n + shrinks, next);
 }
 
 static void swiglu_stage(Stage *stage, const Scratch *sc, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act,
@@ -297,77 +441,68 @@ static void swiglu_stage(Stage *stage, const Scratch *sc, const Matrix *w, const
     await(stage, ch.n, next);
 }
 
-/* Element i of a pair's matrix as a float: float32 loaded, bfloat16 widened exactly (its bits in
- * a float's upper half). With `bf16` a constant after inlining the loops below vectorise either
- * way (the widening: a zero-extension of 16-bit lanes to 32 and a shift left by 16). */
-static inline __attribute__((always_inline)) float pair_at(const void *m, int64_t i, const int bf16) {
-    return bf16 ? bf16_to_float(((const uint16_t *)m)[i]) : ((const float *)m)[i];
-}
-
-/* yr += (xr a^T) b_t for one pair: the shrink (rank dot products of k inputs) then the expand over
- * the pair's n columns, four rank rows a pass (the output row is read and written a quarter as
- * often); sums in float32 whatever the pair's element type. */
-static inline __attribute__((always_inline)) void lora_delta(const LoraPair *p, const float *restrict xr, int64_t k,
-                                                             int64_t n, float *restrict yr, const int bf16) {
-    float xa[LORA_MAX_RANK];
-    for (int64_t q = 0; q < p->rank; q++) {
-        float sum = 0.0f;
-        for (int64_t j = 0; j < k; j++) sum += xr[j] * pair_at(p->a, q * k + j, bf16);
-        xa[q] = sum;
-    }
-    int64_t q = 0;
-    for (; q + 4 <= p->rank; q += 4) {
-        const float s0 = xa[q], s1 = xa[q + 1], s2 = xa[q + 2], s3 = xa[q + 3];
-        const int64_t b0 = q * n, b1 = b0 + n, b2 = b1 + n, b3 = b2 + n;
-        for (int64_t c = 0; c < n; c++)
-            yr[c] += s0 * pair_at(p->b_t, b0 + c, bf16) + s1 * pair_at(p->b_t, b1 + c, bf16) +
-                     s2 * pair_at(p->b_t, b2 + c, bf16) + s3 * pair_at(p->b_t, b3 + c, bf16);
-    }
-    for (; q < p->rank; q++)
-        for (int64_t c = 0; c < n; c++) yr[c] += xa[q] * pair_at(p->b_t, q * n + c, bf16);
-}
-
-/* y[r] += (x[r] a^T) b_t for the rows using an adapter, for its pairs first .. first + count - 1
- * of layer l (one site's projections: q, k, v of qkv; gate, up of gate/up), a (row, projection)
- * an item: the pair's delta (lora_delta) — ~2 % of a row's base products at rank 8.
- * An item per projection, not per row: a single stream's q and k, v (or gate and up) go to
- * different threads, where a row an item left one thread doing the whole site while the others
- * waited (single stream 0.80x at 2 threads against 0.91x at 1). The projections write disjoint
- * columns of the row, and each item's shrink is its own: no work repeated, no extra barrier. */
-static void lora_stage(Stage *stage, const Model *md, const Lora *lora, int64_t l, int first, int count, const float *x,
-                       int64_t ldx, float *y, int64_t ldy, int64_t R, Ahead next) {
-    const int64_t items = R * count;
-    for (int64_t i; (i = claim(stage)) < items; finish(stage)) {
-        const int64_t r = i / count, adapter = lora->row_adapter[r];
-        if (adapter < 0) continue;
-        const int proj = first + (int)(i % count);
-        const LoraPair *p = &lora->pairs[(adapter * md->num_layers + l) * LORA_PROJECTIONS + proj];
-        if (p->a == NULL) continue;
+/* Row r's q, k and v deltas for KV head h's columns (its G query heads, its K and V head), added
+ * in the item that rotates them and writes K/V: the qkv stage's shrinks are done by then. */
+static void qkv_delta(const Model *md, const Lora *lora, const Scratch *sc, int64_t l, int64_t r, int64_t h) {
+    const int64_t D = md->head_dim, G = md->num_heads / md->num_kv_heads;
+    const int64_t cols[3][2] = {{h * G * D, (h + 1) * G * D}, {h * D, (h + 1) * D}, {h * D, (h + 1) * D}};
+    for (int proj = LORA_Q; proj < LORA_Q + 3; proj++) {
+        const LoraPair *p = row_pair(md, lora, r, l, proj);
+        if (p == NULL) continue;
         int64_t k, n, offset;
         lora_shape(md, proj, &k, &n, &offset);
-        if (p->bf16)
-            lora_delta(p, x + r * ldx, k, n, y + r * ldy + offset, 1);
-        else
-            lora_delta(p, x + r * ldx, k, n, y + r * ldy + offset, 0);
+        expand(p, xa_of(sc, r, XA_QKV + proj - LORA_Q), n, cols[proj - LORA_Q][0], cols[proj - LORA_Q][1],
+               sc->qkv + r * sc->qkv_ld + offset);
     }
-    await(stage, items, next);
+}
+
+/* Row r's partial o shrinks over KV heads h0 .. h1 - 1's columns of its attention output, one
+ * slot per KV head (summed by the o panels' expand). */
+static void o_partials(const Model *md, const Lora *lora, const Scratch *sc, int64_t l, int64_t r, int64_t h0, int64_t h1) {
+    const LoraPair *p = row_pair(md, lora, r, l, LORA_O);
+    if (p == NULL) return;
+    const int64_t width = md->num_heads * md->head_dim, per_head = width / md->num_kv_heads;
+    for (int64_t h = h0; h < h1; h++) shrink(p, sc->attn + r * width, width, h * per_head, (h + 1) * per_head, xa_of(sc, r, XA_O + h));
+}
+
+/* y[r] += (x[r] a^T) b_t for the rows using an adapter, for pair `proj` of layer l, a row an item:
+ * the down deltas of a step whose adapters target down but not gate/up (no silu items to hold
+ * the partial shrinks). */
+static void lora_stage(Stage *stage, const Model *md, const Lora *lora, const Scratch *sc, int64_t l, int proj, const float *x,
+                       int64_t ldx, float *y, int64_t ldy, int64_t R, Ahead next) {
+    for (int64_t r; (r = claim(stage)) < R; finish(stage)) {
+        const LoraPair *p = row_pair(md, lora, r, l, proj);
+        if (p == NULL) continue;
+        int64_t k, n, offset;
+        lora_shape(md, proj, &k, &n, &offset);
+        float *xa = xa_of(sc, r, xa_down(md));
+        shrink(p, x + r * ldx, k, 0, k, xa);
+        expand(p, xa, n, 0, n, y + r * ldy + offset);
+    }
+    await(stage, R, next);
 }
 
 /* act = silu(gate) * up from the raw gate/up rows (LoRA steps), a row's channels LORA_COLUMNS at a
- * time. The sigmoid from exp(-|g|) (kernels.h's exp_nonpositive, as the SwiGLU panels compute it):
- * a loop the compiler vectorises, where libm's expf was a scalar call per channel: 737k calls a
- * step for 16 rows of SmolLM2, about a fifth of what the adapters added to a batch's step (one
- * thread, batch over 4 adapters / base: 0.77-0.80x before, 0.81-0.82x after). */
-static void silu_stage(Stage *stage, const float *raw, int64_t I, float *act, int64_t R, Ahead next) {
-    const int64_t per_row = (I + LORA_COLUMNS - 1) / LORA_COLUMNS, items = R * per_row;
+ * time: first the gate and up deltas of those channels (the raw stage's shrinks are done), then
+ * the SiLU, then the down projection's partial shrink over the act channels just written. The
+ * sigmoid from exp(-|g|) (kernels.h's exp_nonpositive, as the SwiGLU panels compute it): a loop
+ * the compiler vectorises, where libm's expf was a scalar call per channel. */
+static void silu_stage(Stage *stage, const Model *md, const Lora *lora, const Scratch *sc, int64_t l, int64_t R, Ahead next) {
+    const int64_t I = md->intermediate, per_row = down_parts(md), items = R * per_row;
     for (int64_t i; (i = claim(stage)) < items; finish(stage)) {
         const int64_t r = i / per_row, c0 = i % per_row * LORA_COLUMNS, c1 = c0 + LORA_COLUMNS < I ? c0 + LORA_COLUMNS : I;
-        const float *restrict gate = raw + r * 2 * I, *restrict up = gate + I;
-        float *restrict out = act + r * I;
+        float *restrict gate = sc->raw + r * 2 * I, *restrict up = gate + I;
+        for (int proj = LORA_GATE; proj < LORA_GATE + 2; proj++) {
+            const LoraPair *p = row_pair(md, lora, r, l, proj);
+            if (p != NULL) expand(p, xa_of(sc, r, xa_gate(md) + proj - LORA_GATE), I, c0, c1, proj == LORA_GATE ? gate : up);
+        }
+        float *restrict out = sc->act + r * I;
         for (int64_t c = c0; c < c1; c++) {
             const float g = gate[c], e = exp_nonpositive(g < 0.0f ? g : -g);
             out[c] = g * (g < 0.0f ? e : 1.0f) / (1.0f + e) * up[c];
         }
+        const LoraPair *down = row_pair(md, lora, r, l, LORA_DOWN);
+        if (down != NULL) shrink(down, out, I, c0, c1, xa_of(sc, r, xa_down(md) + i % per_row));
     }
     await(stage, items, next);
 }
@@ -384,12 +519,15 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
 
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->input_norm, H, md->eps, norm + r * H);
     const Ahead o_ahead = ahead_of(&ly->o, 0, t, nt);
-    matmul_stage(&stages[0], sc, &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, pair, o_ahead, t, nt);
     const Lora *lora = st->lora;
     const int64_t l = ly - md->layers, I = md->intermediate;
-    if (lora != NULL) lora_stage(&stages[LORA_QKV], md, lora, l, LORA_Q, 3, norm, H, sc->qkv, sc->qkv_ld, R, o_ahead);
-    for (int64_t i; (i = claim(&stages[1])) < R * Hkv; finish(&stages[1]))
+    const LoraSite qkv_site = {md, lora, l, LORA_Q, 3, norm, H, XA_QKV, -1, 0};
+    matmul_stage(&stages[0], sc, &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, pair, o_ahead, t, nt,
+                 lora != NULL ? &qkv_site : NULL);
+    for (int64_t i; (i = claim(&stages[1])) < R * Hkv; finish(&stages[1])) {
+        if (lora != NULL) qkv_delta(md, lora, sc, l, i / Hkv, i % Hkv);
         prepare_head(md, ly, st, sc->qkv, sc->qkv_ld, i / Hkv, i % Hkv);
+    }
     await(&stages[1], R * Hkv, o_ahead);
     /* An item is a sequence's KV heads `per` at a time: one at a time while there are few
      * sequences, so the threads share the work evenly; all of them once there are many, so a
@@ -402,24 +540,29 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
                                        ly->k_cache, ly->v_cache, st->block_tables + r * st->max_blocks, ly->window,
                                        md->attn_scale, shape, h, h + per, sc->attn + r * q_width, q_width);
         failed = worse_status(failed, status);
+        for (int64_t j = 0; lora != NULL && j < sc->group_count[g]; j++) o_partials(md, lora, sc, l, r + j, h, h + per);
     }
     await(&stages[2], items, o_ahead);
     /* a LoRA step with gate/up deltas reads the raw gate/up panels: those are what to read ahead */
     const int raw = lora != NULL && lora->gate_up_raw != NULL;
     const Ahead up_ahead = raw ? ahead_of(&lora->gate_up_raw[l], 0, t, nt) : ahead_of(&ly->gate_up, 1, t, nt);
-    const Ahead down_ahead = ahead_of(&ly->down, 0, t, nt);
-    matmul_stage(&stages[3], sc, &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, pair, up_ahead, t, nt);
-    if (lora != NULL) lora_stage(&stages[LORA_O_STAGE], md, lora, l, LORA_O, 1, sc->attn, q_width, sc->x, H, R, up_ahead);
+    const Ahead down_ahead = ahead_of(&ly->down, 0, t, nt), next_ahead = ahead_of(next, 0, t, nt);
+    const LoraSite o_site = {md, lora, l, 0, 0, NULL, 0, XA_O, LORA_O, Hkv};
+    matmul_stage(&stages[3], sc, &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, pair, up_ahead, t, nt,
+                 lora != NULL ? &o_site : NULL);
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->post_norm, H, md->eps, norm + r * H);
     if (raw) {
-        matmul_stage(&stages[4], sc, &lora->gate_up_raw[l], norm, R, H, sc->raw, 2 * I, STORE, pair, down_ahead, t, nt);
-        lora_stage(&stages[LORA_GATE_UP], md, lora, l, LORA_GATE, 2, norm, H, sc->raw, 2 * I, R, down_ahead);
-        silu_stage(&stages[LORA_SILU], sc->raw, I, sc->act, R, down_ahead);
+        const LoraSite gate_up_site = {md, lora, l, LORA_GATE, 2, norm, H, xa_gate(md), -1, 0};
+        matmul_stage(&stages[4], sc, &lora->gate_up_raw[l], norm, R, H, sc->raw, 2 * I, STORE, pair, down_ahead, t, nt,
+                     &gate_up_site);
+        silu_stage(&stages[LORA_SILU], md, lora, sc, l, R, down_ahead);
     } else {
         swiglu_stage(&stages[4], sc, &ly->gate_up, norm, R, H, sc->act, I, pair, down_ahead, t, nt);
     }
-    matmul_stage(&stages[5], sc, &ly->down, sc->act, R, I, sc->x, H, ACCUMULATE, pair, ahead_of(next, 0, t, nt), t, nt);
-    if (lora != NULL) lora_stage(&stages[LORA_DOWN_STAGE], md, lora, l, LORA_DOWN, 1, sc->act, I, sc->x, H, R, ahead_of(next, 0, t, nt));
+    /* the down deltas: from the silu items' partial shrinks, or (no raw gate/up) a stage of their own */
+    const LoraSite down_site = {md, lora, l, 0, 0, NULL, 0, xa_down(md), LORA_DOWN, down_parts(md)};
+    matmul_stage(&stages[5], sc, &ly->down, sc->act, R, I, sc->x, H, ACCUMULATE, pair, next_ahead, t, nt, raw ? &down_site : NULL);
+    if (lora != NULL && !raw) lora_stage(&stages[LORA_DOWN_STAGE], md, lora, sc, l, LORA_DOWN, sc->act, I, sc->x, H, R, next_ahead);
     return failed;
 }
 
@@ -523,6 +666,14 @@ int check_step(const Model *md, const Step *st, int64_t extra) {
     return check_lora(md, st);
 }
 
+/* The highest rank of the step's pairs (the stride of a row's shrink slots; checked <= LORA_MAX_RANK). */
+static int64_t lora_max_rank(const Model *md, const Lora *lora) {
+    int64_t rank = 1;
+    for (int64_t i = 0; lora != NULL && i < lora->num_adapters * md->num_layers * LORA_PROJECTIONS; i++)
+        if (lora->pairs[i].a != NULL && lora->pairs[i].rank > rank) rank = lora->pairs[i].rank;
+    return rank;
+}
+
 int decode_step(const Model *md, const Step *st, int num_threads) {
     const int64_t R = st->rows, H = md->hidden, D = md->head_dim;
     if (md->num_heads <= 0 || md->num_kv_heads <= 0 || D <= 0 || D % 8 != 0 || md->num_heads % md->num_kv_heads != 0)
@@ -537,8 +688,10 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
      * (more than the rows where several samples of one prompt position each take its logits) */
     sc.norm_ld = (st->num_logits > R ? st->num_logits : R) * H;
     const int64_t raw_floats = st->lora != NULL && st->lora->gate_up_raw != NULL ? R * 2 * md->intermediate : 0;
+    sc.xa_rank = lora_max_rank(md, st->lora);
+    sc.xa_ld = st->lora != NULL ? lora_slots(md) * sc.xa_rank : 0;
     const int64_t floats = R * H + num_threads * sc.norm_ld + R * sc.qkv_ld + R * md->num_heads * D + R * md->intermediate +
-                           raw_floats;
+                           raw_floats + R * sc.xa_ld;
     float *scratch = malloc(sizeof(float) * floats);
     const int64_t num_stages = md->num_layers * STAGES_PER_LAYER + 1, max_chunks = MAX_CHUNKS_PER_THREAD * num_threads;
     Stage *stages = calloc(num_stages, sizeof(Stage));
@@ -579,6 +732,7 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     sc.attn = sc.qkv + R * sc.qkv_ld;
     sc.act = sc.attn + R * md->num_heads * D;
     sc.raw = sc.act + R * md->intermediate;
+    sc.xa = st->lora != NULL ? sc.raw + raw_floats : NULL;
     for (int64_t r = 0; r < R; r++) memcpy(sc.x + r * H, md->embed + st->token_ids[r] * H, sizeof(float) * H);
     const int pair = fits_in_cache(model_bytes(md));
 
@@ -595,7 +749,7 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
         float *norm = sc.norm + t * sc.norm_ld;
         for (int64_t i = 0; i < st->num_logits; i++) rmsnorm(sc.x + st->logit_rows[i] * H, md->final_norm, H, md->eps, norm + i * H);
         matmul_stage(&stages[md->num_layers * STAGES_PER_LAYER], &sc, md->lm_head, norm, st->num_logits, H, st->logits, md->vocab,
-                     STORE, pair, NOTHING_AHEAD, t, nt);
+                     STORE, pair, NOTHING_AHEAD, t, nt, NULL);
         amx_stop(&sc.amx[t]);
     }
     free(sc.amx);
