@@ -106,5 +106,5 @@ class LoRAManager:
 
     def set_rows(self, groups: list[tuple[AdapterWeights, slice | torch.Tensor]]) -> None:
         """The rows of the step about to run that use each adapter ([] after it: base rows only)."""
-        self.step.groups = groups
+        self.step.set(groups)
 
