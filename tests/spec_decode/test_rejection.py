@@ -187,3 +187,26 @@ def test_a_rejected_proposal_is_never_the_replacement_token():
         assert (first == 1) == (bonus >= 0)
         rejected += first != 1
     assert 5 < rejected < 30
+
+
+def test_plain_greedy_verification_skips_the_log_softmax_and_keeps_the_logprobs(monkeypatch):
+    """Plain greedy rows (no random rows, penalties, masks or logprob ranks) take the sampler's greedy
+    kernel: the emitted tokens' logprobs are still the raw log-softmax's, and no whole-vocabulary
+    log-softmax is computed (the fast path's reason: ~4 ms of a 4-row SmolLM2 verification)."""
+    import pagedllm.spec_decode.rejection as rejection
+
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3))
+    argmax = logits.argmax(dim=-1)
+    proposals = torch.tensor([int(argmax[0]), int(argmax[1]), int(argmax[2]) + 1, -1])  # kept, kept, rejected
+    batch = VerifyBatch([VerifySpan(0, 3, True)], proposals, torch.zeros(4, dtype=torch.long), torch.arange(4),
+                        torch.tensor([0]), torch.tensor([False]))
+    expected_tokens = [int(argmax[0]), int(argmax[1]), int(argmax[2]), -1]
+    expected_logprobs = torch.log_softmax(logits, dim=-1).gather(1, argmax.unsqueeze(1)).squeeze(1)[:3]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("plain greedy verification computed a whole log-softmax")
+
+    monkeypatch.setattr(rejection.torch, "log_softmax", refuse)
+    out = rejection_sample(Sampler(0, CPU), logits, SamplingMetadata(4), batch)
+    assert out.token_ids.tolist() == expected_tokens
+    torch.testing.assert_close(out.logprobs[:3], expected_logprobs)
