@@ -73,6 +73,13 @@ def fused_lora(model, groups: list, num_rows: int) -> tuple[object, list] | None
         raws = _raw_matrices(model)
         if raws is None:
             return None
+    return describe(groups, num_rows, num_layers, raws)
+
+
+def describe(groups: list, num_rows: int, num_layers: int, raws=None) -> tuple[object, list]:
+    """(the Lora struct of `groups` over `num_rows` rows, what it points into): the fused step's,
+    and the prefill's `lora_delta` (lora/layers.py, no raw gate/up panels). The adapters must be
+    fusable."""
     size = num_layers * PROJECTIONS * ctypes.sizeof(LoraPair)
     pairs = (LoraPair * (num_layers * PROJECTIONS * len(groups)))()
     row_adapter = torch.full((num_rows,), -1, dtype=torch.int64)

@@ -15,6 +15,7 @@ fused C decode step already do.)
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
@@ -39,17 +40,37 @@ class LoRAStep:
 
     groups: list[tuple[AdapterWeights, Rows]] = field(default_factory=list)
     masks: dict = field(default_factory=dict)
+    described: dict = field(default_factory=dict)  # rows -> the C kernel's Lora struct of this step
 
     def set(self, groups: list[tuple[AdapterWeights, Rows]]) -> None:
-        self.groups, self.masks = groups, {}
+        self.groups, self.masks, self.described = groups, {}, {}
+
+    def c_struct(self, num_rows: int, num_layers: int):
+        """The Lora struct of this step's adapters over `num_rows` rows (lora/fused.describe), built
+        once a step; None when the C kernel cannot take them (pairs of another dtype or rank)."""
+        if num_rows not in self.described:
+            from pagedllm.lora.fused import describe, fusable
+
+            ok = all(fusable(weights) for weights, _ in self.groups)
+            self.described[num_rows] = describe(self.groups, num_rows, num_layers) if ok else None
+        found = self.described[num_rows]
+        return found[0] if found is not None else None
+
+
+# a site -> its first projection in the C kernels' order (q, k, v, o, gate, up, down)
+FIRST_PROJECTION = {"qkv_proj": 0, "o_proj": 3, "gate_up_proj": 4, "down_proj": 6}
 
 
 class LoRASite:
-    """One projection of one layer (`key` = (layer index, site name)) that adapters may target."""
+    """One projection of one layer (`key` = (layer index, site name)) that adapters may target;
+    `shape` (its inputs, its shards' outputs) and the model's `num_layers` let the C kernel take
+    its deltas."""
 
-    def __init__(self, key: tuple[int, str], step: LoRAStep):
+    def __init__(self, key: tuple[int, str], step: LoRAStep, shape=None, num_layers: int = 0):
         self.key = key
         self.step = step
+        self.shape, self.num_layers = shape, num_layers
+        self._shapes: torch.Tensor | None = None
 
     @property
     def active(self) -> bool:
@@ -59,6 +80,8 @@ class LoRASite:
         """`out` (the base projection of `x`) with each adapter group's delta added to its rows:
         several groups of a small total rank through one stacked pair (`_stacked_delta`); else per
         group, in place (addmm_ on the rows' view) when they are one slice, index_add_ otherwise."""
+        if self._c_delta(x, out):
+            return out
         present = [(weights, rows, weights.sites[self.key]) for weights, rows in self.step.groups if self.key in weights.sites]
         if len(present) > 1 and sum(d.a_t.shape[1] for _, _, d in present) <= STACKED_MAX_RANK and out.dim() == 2:
             return self._stacked_delta(x, out, present)
@@ -68,6 +91,31 @@ class LoRASite:
             else:
                 out.index_add_(0, rows, (x.index_select(0, rows) @ delta.a_t) @ delta.b_t)
         return out
+
+    def _c_delta(self, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """The deltas in one C call (csrc/decode_step.c's lora_delta: the fused step's shrink and
+        expand, the rows over the threads), where it takes them: float32 rows on the CPU, pairs
+        the fused step reads. False: the PyTorch ops below."""
+        from pagedllm.layers import kernels
+
+        if (self.shape is None or x.device.type != "cpu" or x.dtype != torch.float32 or out.dtype != torch.float32
+                or out.dim() != 2 or not out.is_contiguous()):
+            return False
+        library = kernels.load()
+        struct = self.step.c_struct(out.shape[0], self.num_layers) if library is not None else None
+        if struct is None:
+            return False
+        if self._shapes is None:
+            sizes = self.shape.shard_sizes
+            self._shapes = torch.tensor([[self.shape.in_features, n, sum(sizes[:i])] for i, n in enumerate(sizes)],
+                                        dtype=torch.int64)
+        inputs = x.contiguous()
+        layer, site = self.key
+        status = library.lora_delta(ctypes.byref(struct), self.num_layers, layer, FIRST_PROJECTION[site], len(self._shapes),
+                                    self._shapes.data_ptr(), inputs.data_ptr(), inputs.shape[0], inputs.shape[1], inputs.numel(),
+                                    out.data_ptr(), out.shape[1], out.numel(), torch.get_num_threads())
+        kernels.check_status(status, library, "LoRA delta")
+        return True
 
     def _stacked_delta(self, x: torch.Tensor, out: torch.Tensor, present: list) -> torch.Tensor:
         """out += ((x @ [a_t of every group]) * mask) @ [b_t of every group]: the mask keeps each row's

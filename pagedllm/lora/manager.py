@@ -36,14 +36,15 @@ def pair_dtype(lora_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 def attach_sites(model: nn.Module, step: LoRAStep) -> dict[tuple[int, str], SiteShape]:
     """Give every adaptable projection of `model`'s decoder layers a LoRASite; returns their shapes."""
     shapes = {}
+    num_layers = len(model.model.layers)
     for index, layer in enumerate(model.model.layers):
         modules = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj}
         for name in ("gate_up_proj", "down_proj"):  # dense MLPs only (a MoE layer has experts instead)
             if hasattr(layer.mlp, name):
                 modules[name] = getattr(layer.mlp, name)
         for name, linear in modules.items():
-            linear.lora = LoRASite((index, name), step)
             shapes[(index, name)] = SiteShape(linear.in_features, tuple(linear.shard_sizes or (linear.out_features,)))
+            linear.lora = LoRASite((index, name), step, shapes[(index, name)], num_layers)
     return shapes
 
 

@@ -350,3 +350,38 @@ def test_the_fused_step_refuses_lora_indices_and_ranks_it_cannot_take(decoder):
     assert run() == kernels.KERNEL_REFUSED and b"has rank 300" in fused.library.kernel_last_error()
     pairs[0], pairs[4] = STRUCTS["LoraPair"](), pair(b=4 * 128)  # gate_proj (refused before anything is read)
     assert run() == kernels.KERNEL_REFUSED and b"without the raw gate/up panels" in fused.library.kernel_last_error()
+
+
+def test_the_prefill_lora_delta_refuses_what_lies_outside_its_buffers():
+    """lora_delta (a prefill's site deltas, csrc/decode_step.c): a pair smaller than its rank and
+    shape say, a row naming an adapter past the struct's, inputs or outputs shorter than the rows
+    and columns asked — each refused by name before anything is read; the delta itself is added
+    to the adapter rows only, equal to PyTorch's (x a^T) b_t."""
+    from pagedllm.layers.kernel_interface import STRUCTS
+
+    library = kernels.load()
+    gen = torch.Generator().manual_seed(0)
+    a, b_t = torch.randn(4, 64, generator=gen), torch.randn(4, 32, generator=gen)  # one layer's o_proj: 64 -> 32
+    x, y = torch.randn(3, 64, generator=gen), torch.randn(3, 32, generator=gen)
+    rows = torch.tensor([0, -1, 0], dtype=torch.int64)
+    pairs = (STRUCTS["LoraPair"] * 7)()
+    pairs[3] = STRUCTS["LoraPair"](a=a.data_ptr(), b_t=b_t.data_ptr(), rank=4, a_capacity=a.numel(), b_capacity=b_t.numel())
+    lora = STRUCTS["Lora"](num_adapters=1, row_adapter=rows.data_ptr(), pairs=pairs, gate_up_raw=None)
+    shapes = torch.tensor([[64, 32, 0]], dtype=torch.int64)
+
+    def run(m=3, x_capacity=x.numel(), y_capacity=y.numel()) -> int:
+        return library.lora_delta(ctypes.byref(lora), 1, 0, 3, 1, shapes.data_ptr(), x.data_ptr(), m, 64, x_capacity,
+                                  y.data_ptr(), 32, y_capacity, 2)
+
+    expected = y.clone()
+    expected[[0, 2]] += (x[[0, 2]] @ a.t()) @ b_t
+    assert run() == kernels.KERNEL_OK
+    torch.testing.assert_close(y, expected)
+    assert run(x_capacity=x.numel() - 1) == kernels.KERNEL_REFUSED and b"in 191 and 96 floats" in library.kernel_last_error()
+    assert run(y_capacity=95) == kernels.KERNEL_REFUSED and b"in 192 and 95 floats" in library.kernel_last_error()
+    pairs[3].b_capacity = b_t.numel() - 1
+    assert run() == kernels.KERNEL_REFUSED and b"needs [r, 64] and [r, 32] elements" in library.kernel_last_error()
+    pairs[3].b_capacity = b_t.numel()
+    rows[1] = 1
+    assert run() == kernels.KERNEL_REFUSED and b"row 1 uses adapter 1 of 1" in library.kernel_last_error()
+    torch.testing.assert_close(y, expected)  # nothing written by a refused call

@@ -183,6 +183,14 @@ int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, int64_
  * the logits of st->logit_rows (decode_step.c). KERNEL_BAD_SHAPE for the head shape;
  * KERNEL_REFUSED: a size or index of the model or the step outside its buffer, nothing computed. */
 int decode_step(const Model *md, const Step *st, int num_threads);
+/* The LoRA deltas of one projection site for m rows (a prefill through the modules, lora/layers.py),
+ * the fused step's shrink and expand: a row r with lora->row_adapter[r] = g >= 0 gets (x[r] a^T) b_t
+ * of adapter g's pair at `layer` (of num_layers) for projections first .. first + count - 1, added to
+ * y[r]'s columns offset .. offset + n - 1; shapes [count * 3]: each projection's k, n, offset. Rows
+ * split over the threads (decode_step.c). KERNEL_REFUSED: a size, rank or index outside its buffer. */
+int lora_delta(const Lora *lora, int64_t num_layers, int64_t layer, int64_t first, int64_t count, const int64_t *shapes,
+               const float *x, int64_t m, int64_t ldx, int64_t x_capacity, float *y, int64_t ldy, int64_t y_capacity,
+               int num_threads);
 
 /* num_steps greedy decode steps of the same rows, each row's argmax fed back as its next input:
  * tokens and logprobs [num_steps, rows] (out_capacity entries each); step s on threads[s]
