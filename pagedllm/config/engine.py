@@ -125,7 +125,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     # the adapters' low-rank pairs' element type (vLLM's lora_dtype): float32 (exact: PEFT's
     # tokens), bfloat16 (half the bytes a decode step reads for them, the sums still in float32),
-    # or auto (the model's dtype; lora/manager.pair_dtype says why bfloat16 is not the default)
+    # or auto (bfloat16 for a float32 model on the CPU, else the model's dtype; lora/manager.pair_dtype)
     lora_dtype: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -53,7 +53,7 @@ HELP = {
     "max_lora_rank": "highest LoRA rank an adapter may have",
     "max_cpu_loras": "LoRA adapters kept loaded in host memory, least recently used dropped (None: max_loras)",
     "lora_dtype": ("LoRA pairs' element type: float32 (exact, PEFT's tokens), bfloat16 (half the bytes, sums in float32) or "
-                   "auto (the model's dtype)"),
+                   "auto (bfloat16 for a float32 model on the CPU, else the model's dtype)"),
 }
 # Flags whose values are a fixed set: argparse names them in --help and refuses others early.
 _CHOICES = {"preemption_policy": PREEMPTION_POLICIES, "preemption_mode": ("recompute", "swap"),

@@ -20,16 +20,17 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.lora.weights import AdapterWeights, LoRAError, SiteShape, load_weights
 
 
-def pair_dtype(lora_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+def pair_dtype(lora_dtype: str, model_dtype: torch.dtype, device_type: str = "cpu") -> torch.dtype:
     """The element type the adapters' pairs are kept in (EngineConfig.lora_dtype): float32 or
-    bfloat16 as named, "auto" the model's dtype (vLLM's meaning). bfloat16 pairs for a float32
-    model are the option, not the default: their quality cost measured nil (0 of 32 greedy
-    sequences changed, at most 0.13 in a logit) but at the default two threads they were no
-    faster (idle A/B 2026-11-28: batch 0.76x vs 0.75x, single 0.73x vs 0.72x of the base; +3-9 %
-    single at one thread), and the modules keep a float32 copy of each site beside them
-    (docs/benchmarks.md, "pagedllm bench lora"). float32 is the exact path, PEFT's tokens."""
+    bfloat16 as named; "auto" bfloat16 for a float32 model on the CPU (the fused C step reads the
+    pairs: half the bytes, summed in float32), else the model's dtype (vLLM's meaning). Quality
+    measured nil (0 of 32 greedy SmolLM2 sequences changed against float32 pairs or transformers +
+    PEFT; at most 0.13 in a logit), speed: a batch of 16 over 4 adapters 0.77-0.78x of the base
+    with float32 pairs, 0.81-0.83x with bfloat16 (2026-11-28 23:20, after the prefill's C deltas;
+    docs/benchmarks.md, "pagedllm bench lora"). float32 is the exact path, PEFT's tokens: every
+    PEFT identity test names it."""
     if lora_dtype == "auto":
-        return model_dtype
+        return torch.bfloat16 if model_dtype == torch.float32 and device_type == "cpu" else model_dtype
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[lora_dtype]
 
 

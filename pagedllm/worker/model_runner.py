@@ -99,7 +99,7 @@ class ModelRunner:
             attn.bind_cache(*(self.offload.buffer(0) if self.offload else self.kv_cache.layer(index)))
         # LoRA adapters (lora/manager.py): sites on the projections, the adapter of each sequence
         self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, self.device, self.dtype,
-                                pair_dtype(config.lora_dtype, self.dtype)) if config.enable_lora else None
+                                pair_dtype(config.lora_dtype, self.dtype, self.device.type)) if config.enable_lora else None
         self.lora_of: dict[int, LoRARequest] = {}
         self.fuse_lora = True  # adapter rows in the fused C step (False: always the modules, the reference)
         if self.triton_attention and self.device.type == "cuda":  # (Triton's interpreter would only be slower)

@@ -106,7 +106,8 @@ def test_pair_dtype_names_and_auto():
     """auto: the model's dtype (vLLM's meaning; bfloat16 pairs were no faster at two threads)."""
     assert pair_dtype("float32", torch.float32) == torch.float32
     assert pair_dtype("bfloat16", torch.float32) == torch.bfloat16
-    assert pair_dtype("auto", torch.float32) == torch.float32
+    assert pair_dtype("auto", torch.float32) == torch.bfloat16  # the fused C step's half-size pairs
+    assert pair_dtype("auto", torch.float32, "cuda") == torch.float32  # no C step there: the model's
     assert pair_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert pair_dtype("auto", torch.float16) == torch.float16
 
