@@ -12,7 +12,7 @@ import ctypes
 import torch
 
 from pagedllm.layers.kernel_interface import STRUCTS
-from pagedllm.lora.layers import raw_panels
+from pagedllm.lora.raw_panels import raw_panels
 from pagedllm.lora.weights import AdapterWeights
 
 LoraPair, LoraStruct, Matrix = STRUCTS["LoraPair"], STRUCTS["Lora"], STRUCTS["Matrix"]
