@@ -325,7 +325,7 @@ def test_the_fused_step_refuses_lora_indices_and_ranks_it_cannot_take(decoder):
     a, b_t = torch.zeros(4, 64), torch.zeros(4, 64)  # layer 0's q_proj: 64 -> 64
     rows = torch.tensor([0, -1], dtype=torch.int64)
     pairs = (STRUCTS["LoraPair"] * (num_layers * 7))()
-    lora = STRUCTS["Lora"](num_adapters=1, row_adapter=rows.data_ptr(), pairs=pairs, gate_up_raw=None)
+    lora = STRUCTS["Lora"](num_adapters=1, row_adapter=rows.data_ptr(), pairs=pairs)
 
     def run(**change) -> int:
         a = step_arrays()
@@ -366,7 +366,7 @@ def test_the_prefill_lora_delta_refuses_what_lies_outside_its_buffers():
     rows = torch.tensor([0, -1, 0], dtype=torch.int64)
     pairs = (STRUCTS["LoraPair"] * 7)()
     pairs[3] = STRUCTS["LoraPair"](a=a.data_ptr(), b_t=b_t.data_ptr(), rank=4, a_capacity=a.numel(), b_capacity=b_t.numel())
-    lora = STRUCTS["Lora"](num_adapters=1, row_adapter=rows.data_ptr(), pairs=pairs, gate_up_raw=None)
+    lora = STRUCTS["Lora"](num_adapters=1, row_adapter=rows.data_ptr(), pairs=pairs)
     shapes = torch.tensor([[64, 32, 0]], dtype=torch.int64)
 
     def run(m=3, x_capacity=x.numel(), y_capacity=y.numel()) -> int:
