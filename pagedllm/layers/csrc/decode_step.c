@@ -107,6 +107,10 @@ typedef struct {
      * rows, or once act is complete, so no stage waits for them */
     float *own;
     int64_t own_ld;
+    /* LoRA steps: each thread's gate and up deltas of the rows over its current SwiGLU chunk's
+     * channels (2 * intermediate floats a row, rows * that a thread) */
+    float *gate_up;
+    int64_t gate_up_ld;
 } Scratch;
 
 /* Runs of rows of one sequence at consecutive positions: the same block table, each row one
@@ -303,9 +307,10 @@ static inline const LoraPair *row_pair(const Model *md, const Lora *lora, int64_
 }
 
 /* A row's shrink slots (Scratch.xa, xa_rank floats each): q, k, v; o's partial sums, one per KV
- * head (gate, up and down: each thread's own, Scratch.own). */
+ * head; down's partial sums, one per SwiGLU chunk (gate and up: each thread's own, Scratch.own). */
 enum { XA_QKV = 0, XA_O = 3 };
-static inline int64_t lora_slots(const Model *md) { return XA_O + md->num_kv_heads; }
+static inline int64_t xa_down(const Model *md) { return XA_O + md->num_kv_heads; }
+static inline int64_t lora_slots(const Model *md) { return xa_down(md) + (md->intermediate + VW - 1) / VW; }
 static inline float *xa_of(const Scratch *sc, int64_t r, int64_t slot) { return sc->xa + r * sc->xa_ld + slot * sc->xa_rank; }
 
 /* xa[q] = sum over inputs j0 .. j1 - 1 of xr[j] a[q, j]: the whole shrink, or a part of it. Four
@@ -364,32 +369,60 @@ static void expand(const LoraPair *p, const float *xa, int64_t n, int64_t c0, in
 }
 
 /* Thread t's own shrink slots of row r (Scratch.own). */
-enum { OWN_GATE = 0, OWN_DOWN = 2, OWN_SLOTS = 3 };
+enum { OWN_GATE = 0, OWN_SLOTS = 2 };
 static inline float *own_of(const Scratch *sc, int t, int64_t r, int slot) {
     return sc->own + t * sc->own_ld + (r * OWN_SLOTS + slot) * sc->xa_rank;
 }
 
-/* The gate and up deltas of a SwiGLU panel pair's channels (GateUpDelta.add), from the calling
- * thread's own shrinks. */
+/* The gate and up deltas of a thread's SwiGLU chunk: expanded for the chunk's channels c0 .. c1 - 1
+ * before its panels (whole rows of b_t read in order: expanding 16 channels a panel as the panels
+ * asked left each call waiting on 16 cache lines, +0.4 ms a single-stream step), then added to
+ * each panel pair's lanes (GateUpDelta.add). */
 typedef struct {
     const Model *md;
     const Lora *lora;
     const Scratch *sc;
     int64_t l;
     int t;
+    int64_t c0; /* the current chunk's first channel */
 } GateUpSite;
 
-static void gate_up_delta(const void *ctx, int64_t r, int64_t c0, int64_t c1, float *gate, float *up) {
+static inline float *gate_up_of(const GateUpSite *s, int64_t r, int j) {
+    return s->sc->gate_up + s->t * s->sc->gate_up_ld + (2 * r + j) * s->md->intermediate;
+}
+
+static void gate_up_chunk(GateUpSite *s, int64_t m, int64_t c0, int64_t c1) {
+    s->c0 = c0;
+    for (int64_t r = 0; r < m; r++)
+        for (int j = 0; j < 2; j++) {
+            const LoraPair *p = row_pair(s->md, s->lora, r, s->l, LORA_GATE + j);
+            if (p == NULL || c0 >= c1) continue;
+            float *out = gate_up_of(s, r, j);
+            memset(out, 0, sizeof(float) * (c1 - c0));
+            const float *xa = own_of(s->sc, s->t, r, OWN_GATE + j);
+            if (p->bf16)
+                expand_as(p, xa, s->md->intermediate, c0, c1, out, 1);
+            else
+                expand_as(p, xa, s->md->intermediate, c0, c1, out, 0);
+        }
+}
+
+/* Each row's partial down shrink over the act channels c0 .. c1 - 1 that SwiGLU chunk c just
+ * wrote, into the row's down slot c (summed by the down panels' expand). */
+static void down_partials(const GateUpSite *s, const float *act, int64_t ldact, int64_t m, int64_t c, int64_t c0, int64_t c1) {
+    for (int64_t r = 0; r < m; r++) {
+        const LoraPair *p = row_pair(s->md, s->lora, r, s->l, LORA_DOWN);
+        if (p != NULL) shrink(p, act + r * ldact, s->md->intermediate, c0, c1, xa_of(s->sc, r, xa_down(s->md) + c));
+    }
+}
+
+static void gate_up_add(const void *ctx, int64_t r, int64_t c0, int64_t c1, float *gate, float *up) {
     const GateUpSite *s = ctx;
-    for (int proj = LORA_GATE; proj < LORA_GATE + 2; proj++) {
-        const LoraPair *p = row_pair(s->md, s->lora, r, s->l, proj);
-        if (p == NULL || c0 >= c1) continue;
-        const float *xa = own_of(s->sc, s->t, r, OWN_GATE + proj - LORA_GATE);
-        float *out = proj == LORA_GATE ? gate : up;
-        if (p->bf16)
-            expand_as(p, xa, s->md->intermediate, c0, c1, out, 1);
-        else
-            expand_as(p, xa, s->md->intermediate, c0, c1, out, 0);
+    for (int j = 0; j < 2; j++) {
+        if (row_pair(s->md, s->lora, r, s->l, LORA_GATE + j) == NULL) continue;
+        const float *restrict d = gate_up_of(s, r, j) + (c0 - s->c0);
+        float *restrict out = j == 0 ? gate : up;
+        for (int64_t c = 0; c < c1 - c0; c++) out[c] += d[c];
     }
 }
 
@@ -467,7 +500,8 @@ static void matmul_stage(Stage *stage, const Scratch *sc, const Matrix *w, const
 }
 
 static void swiglu_stage(Stage *stage, const Scratch *sc, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act,
-                         int64_t ldact, int pair, Ahead next, int t, int nt, const GateUpDelta *delta) {
+                         int64_t ldact, int pair, Ahead next, int t, int nt, GateUpSite *site) {
+    const GateUpDelta gate_up = {gate_up_add, site}, *delta = site != NULL ? &gate_up : NULL;
     const int64_t pairs = w->num_panels / 2;
     const Chunks ch = chunks_of(pairs, nt);
     Walk walk = walk_start(ch.n, t, nt);
@@ -476,10 +510,12 @@ static void swiglu_stage(Stage *stage, const Scratch *sc, const Matrix *w, const
     for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage)) {
         if (xq == NULL) xq = quantize_input(sc, w, x, m, ldx, t, &rows);
         const int64_t hi = (c + 1) * ch.per < pairs ? (c + 1) * ch.per : pairs;
+        if (site != NULL) gate_up_chunk(site, m, c * ch.per * VW, hi * VW < w->n / 2 ? hi * VW : w->n / 2);
         if (tiles_for(&sc->amx[t], xq, m))
             amx_panels(w, xq, m, act, ldact, c * ch.per, hi, 1, STORE, delta, &sc->amx[t]);
         else
             swiglu_panels(w, x, xq, m, ldx, act, ldact, c * ch.per, hi, pair, delta);
+        if (site != NULL) down_partials(site, act, ldact, m, c, c * ch.per * VW, hi * VW < w->n / 2 ? hi * VW : w->n / 2);
     }
     await(stage, ch.n, next);
 }
@@ -553,14 +589,10 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
     /* gate/up: this thread's own shrinks of its own normed rows, the deltas added in the SwiGLU
      * panels before the SiLU */
     if (lora != NULL) own_shrinks(md, lora, sc, l, LORA_GATE, 2, norm, H, R, OWN_GATE, t);
-    const GateUpSite gate_up_site = {md, lora, sc, l, t};
-    const GateUpDelta gate_up_delta_of = {gate_up_delta, &gate_up_site};
-    swiglu_stage(&stages[4], sc, &ly->gate_up, norm, R, H, sc->act, I, pair, down_ahead, t, nt,
-                 lora != NULL ? &gate_up_delta_of : NULL);
-    /* down: act is complete after the SwiGLU stage's wait; each thread shrinks every row itself
-     * (rank x intermediate MACs a row) and expands the columns of its down chunks */
-    if (lora != NULL) own_shrinks(md, lora, sc, l, LORA_DOWN, 1, sc->act, I, R, OWN_DOWN, t);
-    const LoraSite down_site = {md, lora, l, 0, 0, NULL, 0, 0, LORA_DOWN, 1, OWN_DOWN};
+    GateUpSite gate_up_site = {md, lora, sc, l, t, 0};
+    swiglu_stage(&stages[4], sc, &ly->gate_up, norm, R, H, sc->act, I, pair, down_ahead, t, nt, lora != NULL ? &gate_up_site : NULL);
+    /* down: the partial shrinks of the SwiGLU chunks, summed where the down chunks expand */
+    const LoraSite down_site = {md, lora, l, 0, 0, NULL, 0, xa_down(md), LORA_DOWN, chunks_of(ly->gate_up.num_panels / 2, nt).n, -1};
     matmul_stage(&stages[5], sc, &ly->down, sc->act, R, I, sc->x, H, ACCUMULATE, pair, next_ahead, t, nt,
                  lora != NULL ? &down_site : NULL);
     return failed;
@@ -683,8 +715,9 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     sc.xa_rank = lora_max_rank(md, st->lora);
     sc.xa_ld = st->lora != NULL ? lora_slots(md) * sc.xa_rank : 0;
     sc.own_ld = st->lora != NULL ? R * OWN_SLOTS * sc.xa_rank : 0;
+    sc.gate_up_ld = st->lora != NULL ? R * 2 * md->intermediate : 0;
     const int64_t floats = R * H + num_threads * sc.norm_ld + R * sc.qkv_ld + R * md->num_heads * D + R * md->intermediate +
-                           R * sc.xa_ld + num_threads * sc.own_ld;
+                           R * sc.xa_ld + num_threads * sc.own_ld + num_threads * sc.gate_up_ld;
     float *scratch = malloc(sizeof(float) * floats);
     const int64_t num_stages = md->num_layers * STAGES_PER_LAYER + 1, max_chunks = MAX_CHUNKS_PER_THREAD * num_threads;
     Stage *stages = calloc(num_stages, sizeof(Stage));
@@ -726,6 +759,7 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     sc.act = sc.attn + R * md->num_heads * D;
     sc.xa = st->lora != NULL ? sc.act + R * md->intermediate : NULL;
     sc.own = st->lora != NULL ? sc.xa + R * sc.xa_ld : NULL;
+    sc.gate_up = st->lora != NULL ? sc.own + num_threads * sc.own_ld : NULL;
     for (int64_t r = 0; r < R; r++) memcpy(sc.x + r * H, md->embed + st->token_ids[r] * H, sizeof(float) * H);
     const int pair = fits_in_cache(model_bytes(md));
 
