@@ -12,9 +12,10 @@ import ctypes
 import torch
 
 from pagedllm.layers.kernel_interface import STRUCTS
+from pagedllm.lora.layers import raw_panels
 from pagedllm.lora.weights import AdapterWeights
 
-LoraPair, LoraStruct = STRUCTS["LoraPair"], STRUCTS["Lora"]
+LoraPair, LoraStruct, Matrix = STRUCTS["LoraPair"], STRUCTS["Lora"], STRUCTS["Matrix"]
 PROJECTIONS = 7  # q, k, v, o, gate, up, down per layer: lora/weights.TARGETS' order, the C step's
 MAX_RANK = 256  # csrc/decode_step.c's LORA_MAX_RANK: an adapter of a higher rank runs the modules
 
@@ -32,39 +33,58 @@ def _pairs(weights: AdapterWeights, num_layers: int):
     return cached
 
 
+def _raw_matrices(model):
+    """Every layer's raw gate/up panels as C structs, built once per int8-activations setting
+    (decode steps may multiply int8 activations, and the struct carries the flag)."""
+    layers = model.model.layers
+    on = bool(layers[0].mlp.gate_up_proj.small.int8_activations)
+    cache = model.__dict__.setdefault("_lora_raw_matrices", {})
+    if on not in cache:
+        panels = [raw_panels(layer.mlp.gate_up_proj) for layer in layers]
+        cache[on] = None if any(p is None for p in panels) else ((Matrix * len(layers))(*[p.struct() for p in panels]), panels)
+    return cache[on][0] if cache[on] is not None else None
+
+
 def fusable(weights: AdapterWeights) -> bool:
     """Pairs the C step reads: on CPU, float32 or bfloat16 (lora_dtype), of a rank its stack takes."""
     return _facts(weights)[0]
 
 
-def _facts(weights: AdapterWeights) -> tuple[bool]:
-    """(fusable,) of an adapter, found once per weights object: every step asks, and walking a
-    SmolLM2 adapter's 210 pairs each time cost ~0.3 ms a step per adapter."""
+def _facts(weights: AdapterWeights) -> tuple[bool, bool]:
+    """(fusable, targets gate/up) of an adapter, found once per weights object: every step asks,
+    and walking a SmolLM2 adapter's 210 pairs each time cost ~0.3 ms a step per adapter."""
     cached = getattr(weights, "_c_facts", None)
     if cached is None:
         ok = all(a.dtype == b.dtype and a.dtype in (torch.float32, torch.bfloat16) and a.device.type == "cpu"
                  and a.shape[0] <= MAX_RANK for a, b in weights.projections.values())
-        cached = weights._c_facts = (ok,)
+        cached = weights._c_facts = (ok, any(site == "gate_up_proj" for _, site in weights.sites))
     return cached
 
 
 def fused_lora(model, groups: list, num_rows: int) -> tuple[object, list] | None:
     """(the Lora struct, what it points into) for a step of `num_rows` rows whose adapter rows are
     `groups`; None when the C step cannot take them (then the modules run the step)."""
+    layers = model.model.layers
+    num_layers = len(layers)
     if not all(fusable(weights) for weights, _ in groups):
         return None
-    return describe(groups, num_rows, len(model.model.layers))
+    raws = None
+    if any(_facts(weights)[1] for weights, _ in groups):
+        raws = _raw_matrices(model)
+        if raws is None:
+            return None
+    return describe(groups, num_rows, num_layers, raws)
 
 
-def describe(groups: list, num_rows: int, num_layers: int) -> tuple[object, list]:
-    """(the Lora struct of `groups` over `num_rows` rows, what it points into): the fused step's
-    (the gate/up deltas added inside its SwiGLU panels) and the prefill's `lora_delta`
-    (lora/layers.py). The adapters must be fusable."""
+def describe(groups: list, num_rows: int, num_layers: int, raws=None) -> tuple[object, list]:
+    """(the Lora struct of `groups` over `num_rows` rows, what it points into): the fused step's,
+    and the prefill's `lora_delta` (lora/layers.py, no raw gate/up panels). The adapters must be
+    fusable."""
     size = num_layers * PROJECTIONS * ctypes.sizeof(LoraPair)
     pairs = (LoraPair * (num_layers * PROJECTIONS * len(groups)))()
     row_adapter = torch.full((num_rows,), -1, dtype=torch.int64)
     for index, (weights, rows) in enumerate(groups):
         ctypes.memmove(ctypes.addressof(pairs) + index * size, _pairs(weights, num_layers), size)
         row_adapter[rows] = index
-    struct = LoraStruct(num_adapters=len(groups), row_adapter=row_adapter.data_ptr(), pairs=pairs)
-    return struct, [row_adapter, pairs, [w for w, _ in groups]]
+    struct = LoraStruct(num_adapters=len(groups), row_adapter=row_adapter.data_ptr(), pairs=pairs, gate_up_raw=raws)
+    return struct, [row_adapter, pairs, raws, [w for w, _ in groups]]

@@ -317,7 +317,7 @@ def test_the_fused_step_checks_int8_activation_matrices_too(q4_decoder):
 
 def test_the_fused_step_refuses_lora_indices_and_ranks_it_cannot_take(decoder):
     """Step.lora (csrc/decode_step.c): a row naming an adapter past the step's, a pair of rank
-    above the stack buffer, or a gate pair shorter than its shape is refused by name."""
+    above the stack buffer, or a gate/up pair without the raw gate/up panels is refused by name."""
     from pagedllm.layers.kernel_interface import STRUCTS
 
     fused, model = decoder
@@ -325,7 +325,7 @@ def test_the_fused_step_refuses_lora_indices_and_ranks_it_cannot_take(decoder):
     a, b_t = torch.zeros(4, 64), torch.zeros(4, 64)  # layer 0's q_proj: 64 -> 64
     rows = torch.tensor([0, -1], dtype=torch.int64)
     pairs = (STRUCTS["LoraPair"] * (num_layers * 7))()
-    lora = STRUCTS["Lora"](num_adapters=1, row_adapter=rows.data_ptr(), pairs=pairs)
+    lora = STRUCTS["Lora"](num_adapters=1, row_adapter=rows.data_ptr(), pairs=pairs, gate_up_raw=None)
 
     def run(**change) -> int:
         a = step_arrays()
@@ -348,10 +348,8 @@ def test_the_fused_step_refuses_lora_indices_and_ranks_it_cannot_take(decoder):
     rows[0] = 0
     pairs[0] = pair(rank=300)
     assert run() == kernels.KERNEL_REFUSED and b"has rank 300" in fused.library.kernel_last_error()
-    pairs[0], pairs[4] = STRUCTS["LoraPair"](), pair(b=4 * 128)  # gate_proj: its deltas go inside the SwiGLU panels
-    assert run() == kernels.KERNEL_OK
-    pairs[4] = pair(b=4 * 128 - 1)  # refused before anything is read
-    assert run() == kernels.KERNEL_REFUSED and b"needs [r, 64] and [r, 128] elements" in fused.library.kernel_last_error()
+    pairs[0], pairs[4] = STRUCTS["LoraPair"](), pair(b=4 * 128)  # gate_proj (refused before anything is read)
+    assert run() == kernels.KERNEL_REFUSED and b"without the raw gate/up panels" in fused.library.kernel_last_error()
 
 
 def test_the_prefill_lora_delta_refuses_what_lies_outside_its_buffers():
@@ -368,7 +366,7 @@ def test_the_prefill_lora_delta_refuses_what_lies_outside_its_buffers():
     rows = torch.tensor([0, -1, 0], dtype=torch.int64)
     pairs = (STRUCTS["LoraPair"] * 7)()
     pairs[3] = STRUCTS["LoraPair"](a=a.data_ptr(), b_t=b_t.data_ptr(), rank=4, a_capacity=a.numel(), b_capacity=b_t.numel())
-    lora = STRUCTS["Lora"](num_adapters=1, row_adapter=rows.data_ptr(), pairs=pairs)
+    lora = STRUCTS["Lora"](num_adapters=1, row_adapter=rows.data_ptr(), pairs=pairs, gate_up_raw=None)
     shapes = torch.tensor([[64, 32, 0]], dtype=torch.int64)
 
     def run(m=3, x_capacity=x.numel(), y_capacity=y.numel()) -> int:

@@ -151,10 +151,10 @@ def test_the_triton_path_with_adapters(lora_base, adapters, references):
 
 def test_the_fused_step_folds_every_site_of_a_wide_model(tmp_path):
     """The fused step's folded sites where the tiny base does not reach them: an intermediate size
-    over 256 (gate/up deltas added in several SwiGLU panel pairs, the down shrink over a wide act)
-    with 8 query heads over 2 KV heads (o's shrink from per-KV-head partials), and an adapter on o
-    and down only, alone in its steps (the gate/up delta hook finds no pairs). Each against
-    transformers + PEFT."""
+    over 256 (the down projection's shrink summed from several silu items' partials, the last one
+    short) with 8 query heads over 2 KV heads (o's shrink from per-KV-head partials), and an adapter
+    on o and down only, alone in its steps (no raw gate/up panels: the down deltas' own stage).
+    Each against transformers + PEFT."""
     from tiny_models import build_model
 
     from lora_adapters import make_peft_adapter

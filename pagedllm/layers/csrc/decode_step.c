@@ -30,7 +30,9 @@
  * LoRA adapters (Step.lora): the rows that use an adapter get its low-rank delta, (x a^T) b_t,
  * added to each projection it targets (pairs of float32 or bfloat16, summed in float32) —
  * Punica's shrink then expand, folded into the stages above (see "LoRA" below: no stage a
- * layer of its own: a LoRA step has a base step's stages).
+ * layer of its own but the SiLU after the raw gate/up panels, since the gate/up deltas go before
+ * the SiLU: such a step computes the raw gate and up (the plain panels Lora.gate_up_raw) instead
+ * of the fused SwiGLU panels).
  *
  * The arithmetic is that of the PyTorch modules (models/llama.py) in fp32, in a different order
  * of summation; results are tested against them.
@@ -89,6 +91,7 @@ static void prepare_head(const Model *md, const Layer *ly, const Step *st, float
 
 typedef struct {
     float *x, *norm, *qkv, *attn, *act;
+    float *raw; /* [rows, 2 * intermediate]: gate and up before the SiLU (LoRA steps with gate/up deltas) */
     int64_t qkv_ld, norm_ld;
     /* each thread's buffer for a matrix's input rows quantized to int8 (int8_activations), of
      * qrows_bytes(q_rows, q_k) bytes, q_ld apart; NULL when no matrix needs it */
@@ -102,15 +105,6 @@ typedef struct {
      * (lora_slots); NULL without adapters */
     float *xa;
     int64_t xa_rank, xa_ld;
-    /* LoRA steps: each thread's own gate, up and down shrinks of every row (OWN_SLOTS slots of
-     * xa_rank floats a row, own_ld floats a thread): computed by each thread from its own normed
-     * rows, or once act is complete, so no stage waits for them */
-    float *own;
-    int64_t own_ld;
-    /* LoRA steps: each thread's gate and up deltas of the rows over its current SwiGLU chunk's
-     * channels (2 * intermediate floats a row, rows * that a thread) */
-    float *gate_up;
-    int64_t gate_up_ld;
 } Scratch;
 
 /* Runs of rows of one sequence at consecutive positions: the same block table, each row one
@@ -139,13 +133,14 @@ typedef struct {
     char pad[64 - 2 * sizeof(int64_t) - sizeof(void *)];
 } Stage;
 
-/* The six of every layer (a LoRA step's too) */
-enum { STAGES_PER_LAYER = 6 };
-enum { LORA_PROJECTIONS = 7, LORA_MAX_RANK = 256 };
+/* The six of every layer, then LoRA's: silu * up after the raw gate/up panels, and the down deltas
+ * of a step whose adapters target down but not gate/up */
+enum { STAGES_PER_LAYER = 8, LORA_SILU = 6, LORA_DOWN_STAGE = 7 };
+enum { LORA_PROJECTIONS = 7, LORA_COLUMNS = 256, LORA_MAX_RANK = 256 };
 enum { LORA_Q = 0, LORA_O = 3, LORA_GATE = 4, LORA_DOWN = 6 };
 
 /* Projection p's (q, k, v, o, gate, up, down) inputs, outputs and first column in its site's
- * output (q|k|v of qkv, gate|up of a prefill's raw gate/up rows). */
+ * output (q|k|v of qkv, gate|up of the raw gate/up rows). */
 static void lora_shape(const Model *md, int p, int64_t *k, int64_t *n, int64_t *offset) {
     const int64_t H = md->hidden, q = md->num_heads * md->head_dim, kv = md->num_kv_heads * md->head_dim, I = md->intermediate;
     const int64_t ks[LORA_PROJECTIONS] = {H, H, H, q, H, H, I}, ns[LORA_PROJECTIONS] = {q, kv, kv, H, I, I, H};
@@ -276,19 +271,17 @@ static inline int tiles_for(const AmxScratch *amx, const QRows *xq, int64_t m) {
  * folded into the stages a base step has. A step's stages are its barriers, and at two threads a
  * single stream's extra LoRA stages (five a layer, each a few microseconds of work that one
  * thread did while the other waited) cost more than their arithmetic: 0.72x the base's speed
- * against 0.88-0.97x with one thread. So each shrink is done where its inputs are complete anyway
- * (an item of a stage, or by every thread for itself), and each expand happens where its output
- * columns are written or read next:
+ * against 0.88-0.97x with one thread. So each shrink is an item of a stage whose inputs are
+ * complete anyway, and each expand happens where its output columns are written or read next:
  *   q, k, v   shrink: items of the qkv stage (every thread has the normed rows);
  *             expand: in the (row, KV head) items that rotate those very columns;
  *   o         shrink: partial sums in the attention items (a KV head's query heads' columns);
  *             expand: in the epilogue of the o panels' chunks (the columns a chunk writes);
- *   gate, up  shrink: by each thread of its own normed rows (Scratch.own, ~2 x rank x hidden MACs
- *             a row), before the SwiGLU stage; expand: in the SwiGLU panels (GateUpDelta), to
- *             the gate and up lanes of a panel pair before the SiLU;
- *   down      shrink: by each thread once the SwiGLU stage's wait has made act complete (rank x
- *             intermediate MACs a row); expand: in the epilogue of the down panels' chunks.
- * A LoRA step has a base step's stages and barriers (the SwiGLU panels fused as a base step's). */
+ *   gate, up  shrink: items of the raw gate/up stage; expand: in the silu items, before the SiLU;
+ *   down      shrink: partial sums in the silu items (the act columns they write);
+ *             expand: in the epilogue of the down panels' chunks.
+ * A LoRA step then has one stage more than a base one (the SiLU after the raw gate/up panels, the
+ * deltas being needed before it). */
 
 /* Element i of a pair's matrix as a float: float32 loaded, bfloat16 widened exactly (its bits in
  * a float's upper half). With `bf16` a constant after inlining the loops below vectorise either
@@ -307,10 +300,12 @@ static inline const LoraPair *row_pair(const Model *md, const Lora *lora, int64_
 }
 
 /* A row's shrink slots (Scratch.xa, xa_rank floats each): q, k, v; o's partial sums, one per KV
- * head; down's partial sums, one per SwiGLU chunk (gate and up: each thread's own, Scratch.own). */
+ * head; gate, up; down's partial sums, one per LORA_COLUMNS columns of act. */
 enum { XA_QKV = 0, XA_O = 3 };
-static inline int64_t xa_down(const Model *md) { return XA_O + md->num_kv_heads; }
-static inline int64_t lora_slots(const Model *md) { return xa_down(md) + (md->intermediate + VW - 1) / VW; }
+static inline int64_t xa_gate(const Model *md) { return XA_O + md->num_kv_heads; }
+static inline int64_t down_parts(const Model *md) { return (md->intermediate + LORA_COLUMNS - 1) / LORA_COLUMNS; }
+static inline int64_t xa_down(const Model *md) { return xa_gate(md) + 2; }
+static inline int64_t lora_slots(const Model *md) { return xa_down(md) + down_parts(md); }
 static inline float *xa_of(const Scratch *sc, int64_t r, int64_t slot) { return sc->xa + r * sc->xa_ld + slot * sc->xa_rank; }
 
 /* xa[q] = sum over inputs j0 .. j1 - 1 of xr[j] a[q, j]: the whole shrink, or a part of it. Four
@@ -343,98 +338,28 @@ static void shrink(const LoraPair *p, const float *xr, int64_t k, int64_t j0, in
         shrink_as(p, xr, k, j0, j1, xa, 0);
 }
 
-/* out[c - c0] += sum_q xa[q] b_t[q, c] for the pair's output columns c0 .. c1 - 1 (out: column
- * c0), four rank rows a pass (the output read and written a quarter as often). */
+/* yr[c] += sum_q xa[q] b_t[q, c] for the pair's output columns c0 .. c1 - 1 (yr: the projection's
+ * column 0), four rank rows a pass (the output read and written a quarter as often). */
 static inline __attribute__((always_inline)) void expand_as(const LoraPair *p, const float *restrict xa, int64_t n, int64_t c0,
-                                                            int64_t c1, float *restrict out, const int bf16) {
+                                                            int64_t c1, float *restrict yr, const int bf16) {
     int64_t q = 0;
     for (; q + 4 <= p->rank; q += 4) {
         const float s0 = xa[q], s1 = xa[q + 1], s2 = xa[q + 2], s3 = xa[q + 3];
         const int64_t b0 = q * n, b1 = b0 + n, b2 = b1 + n, b3 = b2 + n;
         for (int64_t c = c0; c < c1; c++)
-            out[c - c0] += s0 * pair_at(p->b_t, b0 + c, bf16) + s1 * pair_at(p->b_t, b1 + c, bf16) +
+            yr[c] += s0 * pair_at(p->b_t, b0 + c, bf16) + s1 * pair_at(p->b_t, b1 + c, bf16) +
                      s2 * pair_at(p->b_t, b2 + c, bf16) + s3 * pair_at(p->b_t, b3 + c, bf16);
     }
     for (; q < p->rank; q++)
-        for (int64_t c = c0; c < c1; c++) out[c - c0] += xa[q] * pair_at(p->b_t, q * n + c, bf16);
+        for (int64_t c = c0; c < c1; c++) yr[c] += xa[q] * pair_at(p->b_t, q * n + c, bf16);
 }
 
-/* yr[c] += the delta for columns c0 .. c1 - 1 (yr: the projection's column 0). */
 static void expand(const LoraPair *p, const float *xa, int64_t n, int64_t c0, int64_t c1, float *yr) {
     if (c0 >= c1) return;
     if (p->bf16)
-        expand_as(p, xa, n, c0, c1, yr + c0, 1);
+        expand_as(p, xa, n, c0, c1, yr, 1);
     else
-        expand_as(p, xa, n, c0, c1, yr + c0, 0);
-}
-
-/* Thread t's own shrink slots of row r (Scratch.own). */
-enum { OWN_GATE = 0, OWN_SLOTS = 2 };
-static inline float *own_of(const Scratch *sc, int t, int64_t r, int slot) {
-    return sc->own + t * sc->own_ld + (r * OWN_SLOTS + slot) * sc->xa_rank;
-}
-
-/* The gate and up deltas of a thread's SwiGLU chunk: expanded for the chunk's channels c0 .. c1 - 1
- * before its panels (whole rows of b_t read in order: expanding 16 channels a panel as the panels
- * asked left each call waiting on 16 cache lines, +0.4 ms a single-stream step), then added to
- * each panel pair's lanes (GateUpDelta.add). */
-typedef struct {
-    const Model *md;
-    const Lora *lora;
-    const Scratch *sc;
-    int64_t l;
-    int t;
-    int64_t c0; /* the current chunk's first channel */
-} GateUpSite;
-
-static inline float *gate_up_of(const GateUpSite *s, int64_t r, int j) {
-    return s->sc->gate_up + s->t * s->sc->gate_up_ld + (2 * r + j) * s->md->intermediate;
-}
-
-static void gate_up_chunk(GateUpSite *s, int64_t m, int64_t c0, int64_t c1) {
-    s->c0 = c0;
-    for (int64_t r = 0; r < m; r++)
-        for (int j = 0; j < 2; j++) {
-            const LoraPair *p = row_pair(s->md, s->lora, r, s->l, LORA_GATE + j);
-            if (p == NULL || c0 >= c1) continue;
-            float *out = gate_up_of(s, r, j);
-            memset(out, 0, sizeof(float) * (c1 - c0));
-            const float *xa = own_of(s->sc, s->t, r, OWN_GATE + j);
-            if (p->bf16)
-                expand_as(p, xa, s->md->intermediate, c0, c1, out, 1);
-            else
-                expand_as(p, xa, s->md->intermediate, c0, c1, out, 0);
-        }
-}
-
-/* Each row's partial down shrink over the act channels c0 .. c1 - 1 that SwiGLU chunk c just
- * wrote, into the row's down slot c (summed by the down panels' expand). */
-static void down_partials(const GateUpSite *s, const float *act, int64_t ldact, int64_t m, int64_t c, int64_t c0, int64_t c1) {
-    for (int64_t r = 0; r < m; r++) {
-        const LoraPair *p = row_pair(s->md, s->lora, r, s->l, LORA_DOWN);
-        if (p != NULL) shrink(p, act + r * ldact, s->md->intermediate, c0, c1, xa_of(s->sc, r, xa_down(s->md) + c));
-    }
-}
-
-static void gate_up_add(const void *ctx, int64_t r, int64_t c0, int64_t c1, float *gate, float *up) {
-    const GateUpSite *s = ctx;
-    for (int j = 0; j < 2; j++) {
-        if (row_pair(s->md, s->lora, r, s->l, LORA_GATE + j) == NULL) continue;
-        const float *restrict d = gate_up_of(s, r, j) + (c0 - s->c0);
-        float *restrict out = j == 0 ? gate : up;
-        for (int64_t c = 0; c < c1 - c0; c++) out[c] += d[c];
-    }
-}
-
-/* Thread t's own shrinks of projections first .. first + count - 1 (own slots slot ..) for every
- * row, from inputs x (k wide): no other thread waits for them. */
-static void own_shrinks(const Model *md, const Lora *lora, const Scratch *sc, int64_t l, int first, int count, const float *x,
-                        int64_t k, int64_t R, int slot, int t) {
-    for (int64_t r = 0; r < R; r++)
-        for (int j = 0; j < count; j++) {
-            const LoraPair *p = row_pair(md, lora, r, l, first + j);
-            if (p != NULL) shrink(p, x + r * k, k, 0, k, own_of(sc, t, r, slot + j));
-        }
+        expand_as(p, xa, n, c0, c1, yr, 0);
 }
 
 /* A LoRA site inside a matrix stage: `shrinks` items (row, projection first + i % count) whose
@@ -450,7 +375,6 @@ typedef struct {
     int64_t ldx, slot;
     int proj; /* the expand's projection; -1: none */
     int64_t parts;
-    int own; /* >= 0: the expand's shrinks are the thread's own (Scratch.own) slot `own`, not slot */
 } LoraSite;
 
 static void site_shrink(const LoraSite *s, const Scratch *sc, int64_t i) {
@@ -464,14 +388,14 @@ static void site_shrink(const LoraSite *s, const Scratch *sc, int64_t i) {
 }
 
 /* The expand of the site's projection for rows 0 .. m - 1 over output columns c0 .. c1 - 1. */
-static void site_expand(const LoraSite *s, const Scratch *sc, int t, int64_t m, float *y, int64_t ldy, int64_t c0, int64_t c1) {
+static void site_expand(const LoraSite *s, const Scratch *sc, int64_t m, float *y, int64_t ldy, int64_t c0, int64_t c1) {
     float xa[LORA_MAX_RANK];
     for (int64_t r = 0; r < m; r++) {
         const LoraPair *p = row_pair(s->md, s->lora, r, s->l, s->proj);
         if (p == NULL) continue;
         int64_t k, n, offset;
         lora_shape(s->md, s->proj, &k, &n, &offset);
-        const float *part = s->own >= 0 ? own_of(sc, t, r, s->own) : xa_of(sc, r, s->slot);
+        const float *part = xa_of(sc, r, s->slot);
         for (int64_t q = 0; q < p->rank; q++) xa[q] = part[q];
         for (int64_t j = 1; j < s->parts; j++)
             for (int64_t q = 0; q < p->rank; q++) xa[q] += part[j * sc->xa_rank + q];
@@ -489,10 +413,10 @@ static void matmul_stage(Stage *stage, const Scratch *sc, const Matrix *w, const
         if (xq == NULL) xq = quantize_input(sc, w, x, m, ldx, t, &rows);
         const int64_t hi = (c + 1) * ch.per < w->num_panels ? (c + 1) * ch.per : w->num_panels;
         if (tiles_for(&sc->amx[t], xq, m))
-            amx_panels(w, xq, m, y, ldy, c * ch.per, hi, 0, mode, NULL, &sc->amx[t]);
+            amx_panels(w, xq, m, y, ldy, c * ch.per, hi, 0, mode, &sc->amx[t]);
         else
             matmul_panels(w, x, xq, m, ldx, y, ldy, c * ch.per, hi, mode, pair);
-        if (site != NULL && site->proj >= 0) site_expand(site, sc, t, m, y, ldy, c * ch.per * VW, hi * VW);
+        if (site != NULL && site->proj >= 0) site_expand(site, sc, m, y, ldy, c * ch.per * VW, hi * VW);
     }
     const int64_t shrinks = site != NULL ? m * site->count : 0;
     for (int64_t i; shrinks > 0 && (i = claim(stage)) < shrinks; finish(stage)) site_shrink(site, sc, i);
@@ -500,8 +424,7 @@ static void matmul_stage(Stage *stage, const Scratch *sc, const Matrix *w, const
 }
 
 static void swiglu_stage(Stage *stage, const Scratch *sc, const Matrix *w, const float *x, int64_t m, int64_t ldx, float *act,
-                         int64_t ldact, int pair, Ahead next, int t, int nt, GateUpSite *site) {
-    const GateUpDelta gate_up = {gate_up_add, site}, *delta = site != NULL ? &gate_up : NULL;
+                         int64_t ldact, int pair, Ahead next, int t, int nt) {
     const int64_t pairs = w->num_panels / 2;
     const Chunks ch = chunks_of(pairs, nt);
     Walk walk = walk_start(ch.n, t, nt);
@@ -510,12 +433,10 @@ static void swiglu_stage(Stage *stage, const Scratch *sc, const Matrix *w, const
     for (int64_t c; (c = next_chunk(stage, &walk)) >= 0; finish(stage)) {
         if (xq == NULL) xq = quantize_input(sc, w, x, m, ldx, t, &rows);
         const int64_t hi = (c + 1) * ch.per < pairs ? (c + 1) * ch.per : pairs;
-        if (site != NULL) gate_up_chunk(site, m, c * ch.per * VW, hi * VW < w->n / 2 ? hi * VW : w->n / 2);
         if (tiles_for(&sc->amx[t], xq, m))
-            amx_panels(w, xq, m, act, ldact, c * ch.per, hi, 1, STORE, delta, &sc->amx[t]);
+            amx_panels(w, xq, m, act, ldact, c * ch.per, hi, 1, STORE, &sc->amx[t]);
         else
-            swiglu_panels(w, x, xq, m, ldx, act, ldact, c * ch.per, hi, pair, delta);
-        if (site != NULL) down_partials(site, act, ldact, m, c, c * ch.per * VW, hi * VW < w->n / 2 ? hi * VW : w->n / 2);
+            swiglu_panels(w, x, xq, m, ldx, act, ldact, c * ch.per, hi, pair);
     }
     await(stage, ch.n, next);
 }
@@ -544,6 +465,48 @@ static void o_partials(const Model *md, const Lora *lora, const Scratch *sc, int
     for (int64_t h = h0; h < h1; h++) shrink(p, sc->attn + r * width, width, h * per_head, (h + 1) * per_head, xa_of(sc, r, XA_O + h));
 }
 
+/* y[r] += (x[r] a^T) b_t for the rows using an adapter, for pair `proj` of layer l, a row an item:
+ * the down deltas of a step whose adapters target down but not gate/up (no silu items to hold
+ * the partial shrinks). */
+static void lora_stage(Stage *stage, const Model *md, const Lora *lora, const Scratch *sc, int64_t l, int proj, const float *x,
+                       int64_t ldx, float *y, int64_t ldy, int64_t R, Ahead next) {
+    for (int64_t r; (r = claim(stage)) < R; finish(stage)) {
+        const LoraPair *p = row_pair(md, lora, r, l, proj);
+        if (p == NULL) continue;
+        int64_t k, n, offset;
+        lora_shape(md, proj, &k, &n, &offset);
+        float *xa = xa_of(sc, r, xa_down(md));
+        shrink(p, x + r * ldx, k, 0, k, xa);
+        expand(p, xa, n, 0, n, y + r * ldy + offset);
+    }
+    await(stage, R, next);
+}
+
+/* act = silu(gate) * up from the raw gate/up rows (LoRA steps), a row's channels LORA_COLUMNS at a
+ * time: first the gate and up deltas of those channels (the raw stage's shrinks are done), then
+ * the SiLU, then the down projection's partial shrink over the act channels just written. The
+ * sigmoid from exp(-|g|) (kernels.h's exp_nonpositive, as the SwiGLU panels compute it): a loop
+ * the compiler vectorises, where libm's expf was a scalar call per channel. */
+static void silu_stage(Stage *stage, const Model *md, const Lora *lora, const Scratch *sc, int64_t l, int64_t R, Ahead next) {
+    const int64_t I = md->intermediate, per_row = down_parts(md), items = R * per_row;
+    for (int64_t i; (i = claim(stage)) < items; finish(stage)) {
+        const int64_t r = i / per_row, c0 = i % per_row * LORA_COLUMNS, c1 = c0 + LORA_COLUMNS < I ? c0 + LORA_COLUMNS : I;
+        float *restrict gate = sc->raw + r * 2 * I, *restrict up = gate + I;
+        for (int proj = LORA_GATE; proj < LORA_GATE + 2; proj++) {
+            const LoraPair *p = row_pair(md, lora, r, l, proj);
+            if (p != NULL) expand(p, xa_of(sc, r, xa_gate(md) + proj - LORA_GATE), I, c0, c1, proj == LORA_GATE ? gate : up);
+        }
+        float *restrict out = sc->act + r * I;
+        for (int64_t c = c0; c < c1; c++) {
+            const float g = gate[c], e = exp_nonpositive(g < 0.0f ? g : -g);
+            out[c] = g * (g < 0.0f ? e : 1.0f) / (1.0f + e) * up[c];
+        }
+        const LoraPair *down = row_pair(md, lora, r, l, LORA_DOWN);
+        if (down != NULL) shrink(down, out, I, c0, c1, xa_of(sc, r, xa_down(md) + i % per_row));
+    }
+    await(stage, items, next);
+}
+
 /* One layer, run by every thread of the region; `next` is the matrix that follows the layer (the
  * next layer's qkv, or the LM head). KERNEL_OK, or KERNEL_NO_MEMORY if attention ran out of memory. */
 static int layer_step(const Model *md, const Layer *ly, const Matrix *next, const Step *st, const Scratch *sc, Stage *stages,
@@ -558,7 +521,7 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
     const Ahead o_ahead = ahead_of(&ly->o, 0, t, nt);
     const Lora *lora = st->lora;
     const int64_t l = ly - md->layers, I = md->intermediate;
-    const LoraSite qkv_site = {md, lora, l, LORA_Q, 3, norm, H, XA_QKV, -1, 0, -1};
+    const LoraSite qkv_site = {md, lora, l, LORA_Q, 3, norm, H, XA_QKV, -1, 0};
     matmul_stage(&stages[0], sc, &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, pair, o_ahead, t, nt,
                  lora != NULL ? &qkv_site : NULL);
     for (int64_t i; (i = claim(&stages[1])) < R * Hkv; finish(&stages[1])) {
@@ -580,21 +543,26 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
         for (int64_t j = 0; lora != NULL && j < sc->group_count[g]; j++) o_partials(md, lora, sc, l, r + j, h, h + per);
     }
     await(&stages[2], items, o_ahead);
-    const Ahead up_ahead = ahead_of(&ly->gate_up, 1, t, nt), down_ahead = ahead_of(&ly->down, 0, t, nt);
-    const Ahead next_ahead = ahead_of(next, 0, t, nt);
-    const LoraSite o_site = {md, lora, l, 0, 0, NULL, 0, XA_O, LORA_O, Hkv, -1};
+    /* a LoRA step with gate/up deltas reads the raw gate/up panels: those are what to read ahead */
+    const int raw = lora != NULL && lora->gate_up_raw != NULL;
+    const Ahead up_ahead = raw ? ahead_of(&lora->gate_up_raw[l], 0, t, nt) : ahead_of(&ly->gate_up, 1, t, nt);
+    const Ahead down_ahead = ahead_of(&ly->down, 0, t, nt), next_ahead = ahead_of(next, 0, t, nt);
+    const LoraSite o_site = {md, lora, l, 0, 0, NULL, 0, XA_O, LORA_O, Hkv};
     matmul_stage(&stages[3], sc, &ly->o, sc->attn, R, q_width, sc->x, H, ACCUMULATE, pair, up_ahead, t, nt,
                  lora != NULL ? &o_site : NULL);
     for (int64_t r = 0; r < R; r++) rmsnorm(sc->x + r * H, ly->post_norm, H, md->eps, norm + r * H);
-    /* gate/up: this thread's own shrinks of its own normed rows, the deltas added in the SwiGLU
-     * panels before the SiLU */
-    if (lora != NULL) own_shrinks(md, lora, sc, l, LORA_GATE, 2, norm, H, R, OWN_GATE, t);
-    GateUpSite gate_up_site = {md, lora, sc, l, t, 0};
-    swiglu_stage(&stages[4], sc, &ly->gate_up, norm, R, H, sc->act, I, pair, down_ahead, t, nt, lora != NULL ? &gate_up_site : NULL);
-    /* down: the partial shrinks of the SwiGLU chunks, summed where the down chunks expand */
-    const LoraSite down_site = {md, lora, l, 0, 0, NULL, 0, xa_down(md), LORA_DOWN, chunks_of(ly->gate_up.num_panels / 2, nt).n, -1};
-    matmul_stage(&stages[5], sc, &ly->down, sc->act, R, I, sc->x, H, ACCUMULATE, pair, next_ahead, t, nt,
-                 lora != NULL ? &down_site : NULL);
+    if (raw) {
+        const LoraSite gate_up_site = {md, lora, l, LORA_GATE, 2, norm, H, xa_gate(md), -1, 0};
+        matmul_stage(&stages[4], sc, &lora->gate_up_raw[l], norm, R, H, sc->raw, 2 * I, STORE, pair, down_ahead, t, nt,
+                     &gate_up_site);
+        silu_stage(&stages[LORA_SILU], md, lora, sc, l, R, down_ahead);
+    } else {
+        swiglu_stage(&stages[4], sc, &ly->gate_up, norm, R, H, sc->act, I, pair, down_ahead, t, nt);
+    }
+    /* the down deltas: from the silu items' partial shrinks, or (no raw gate/up) a stage of their own */
+    const LoraSite down_site = {md, lora, l, 0, 0, NULL, 0, xa_down(md), LORA_DOWN, down_parts(md)};
+    matmul_stage(&stages[5], sc, &ly->down, sc->act, R, I, sc->x, H, ACCUMULATE, pair, next_ahead, t, nt, raw ? &down_site : NULL);
+    if (lora != NULL && !raw) lora_stage(&stages[LORA_DOWN_STAGE], md, lora, sc, l, LORA_DOWN, sc->act, I, sc->x, H, R, next_ahead);
     return failed;
 }
 
@@ -639,7 +607,8 @@ int check_model(const Model *md) {
     return status;
 }
 
-/* A step's adapters: every row's index among them, every pair's rank within the stack buffer. */
+/* A step's adapters: every row's index among them, every pair's rank within the stack buffer,
+ * and raw gate/up panels of each layer's shape where an adapter targets gate/up. */
 static int check_lora(const Model *md, const Step *st) {
     const Lora *lora = st->lora;
     if (lora == NULL) return KERNEL_OK;
@@ -661,6 +630,12 @@ static int check_lora(const Model *md, const Step *st) {
         REQUIRE(p->a == NULL || (k * p->rank <= p->a_capacity && p->rank * n <= p->b_capacity),
                 "decode step: LoRA pair %lld of rank %lld needs [r, %lld] and [r, %lld] elements, it has %lld and %lld",
                 (long long)i, (long long)p->rank, (long long)k, (long long)n, (long long)p->a_capacity, (long long)p->b_capacity);
+        REQUIRE(p->a == NULL || (proj != LORA_GATE && proj != LORA_GATE + 1) || lora->gate_up_raw != NULL,
+                "decode step: LoRA pair %lld targets gate/up without the raw gate/up panels", (long long)i);
+    }
+    for (int64_t l = 0; lora->gate_up_raw != NULL && l < md->num_layers; l++) {
+        const int status = check_shape(&lora->gate_up_raw[l], 2 * md->intermediate, md->hidden, "raw gate_up", l);
+        if (status) return status;
     }
     return KERNEL_OK;
 }
@@ -712,12 +687,11 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     /* each thread's copy of a norm: of the step's rows in a layer, of the logit rows at the end
      * (more than the rows where several samples of one prompt position each take its logits) */
     sc.norm_ld = (st->num_logits > R ? st->num_logits : R) * H;
+    const int64_t raw_floats = st->lora != NULL && st->lora->gate_up_raw != NULL ? R * 2 * md->intermediate : 0;
     sc.xa_rank = lora_max_rank(md, st->lora);
     sc.xa_ld = st->lora != NULL ? lora_slots(md) * sc.xa_rank : 0;
-    sc.own_ld = st->lora != NULL ? R * OWN_SLOTS * sc.xa_rank : 0;
-    sc.gate_up_ld = st->lora != NULL ? R * 2 * md->intermediate : 0;
     const int64_t floats = R * H + num_threads * sc.norm_ld + R * sc.qkv_ld + R * md->num_heads * D + R * md->intermediate +
-                           R * sc.xa_ld + num_threads * sc.own_ld + num_threads * sc.gate_up_ld;
+                           raw_floats + R * sc.xa_ld;
     float *scratch = malloc(sizeof(float) * floats);
     const int64_t num_stages = md->num_layers * STAGES_PER_LAYER + 1, max_chunks = MAX_CHUNKS_PER_THREAD * num_threads;
     Stage *stages = calloc(num_stages, sizeof(Stage));
@@ -757,9 +731,8 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     sc.qkv = sc.norm + num_threads * sc.norm_ld;
     sc.attn = sc.qkv + R * sc.qkv_ld;
     sc.act = sc.attn + R * md->num_heads * D;
-    sc.xa = st->lora != NULL ? sc.act + R * md->intermediate : NULL;
-    sc.own = st->lora != NULL ? sc.xa + R * sc.xa_ld : NULL;
-    sc.gate_up = st->lora != NULL ? sc.own + num_threads * sc.own_ld : NULL;
+    sc.raw = sc.act + R * md->intermediate;
+    sc.xa = st->lora != NULL ? sc.raw + raw_floats : NULL;
     for (int64_t r = 0; r < R; r++) memcpy(sc.x + r * H, md->embed + st->token_ids[r] * H, sizeof(float) * H);
     const int pair = fits_in_cache(model_bytes(md));
 

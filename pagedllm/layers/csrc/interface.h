@@ -95,11 +95,14 @@ typedef struct {
 
 /* The adapters of a fused step's rows (decode_step.c): pairs [num_adapters * num_layers * 7],
  * each layer's q, k, v, o, gate, up and down pairs in that order; row_adapter [rows], an index into
- * the adapters or -1 (the base model). */
+ * the adapters or -1 (the base model); gate_up_raw [num_layers]: each layer's gate/up panels as
+ * a plain matrix (gate channels, then up), which the rows' gate/up deltas need before the SiLU;
+ * NULL when no adapter of the step targets gate/up. */
 typedef struct {
     int64_t num_adapters;
     const int64_t *row_adapter;
     const LoraPair *pairs;
+    const Matrix *gate_up_raw;
 } Lora;
 
 typedef struct {

@@ -199,17 +199,9 @@ void quantize_rows(const float *x, int64_t m, int64_t ldx, const QRows *xq);
  * (quantize_rows) when int8_activations(w), else ignored (may be NULL). */
 void matmul_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, int64_t ldx, float *y, int64_t ldy, int64_t p0,
                    int64_t p1, int mode, int pair);
-/* Something added to row `row`'s gate and up channels [c0, c1) before the SiLU (gate, up: those
- * channels, from c0): the decode step's LoRA deltas, so an adapter's gate/up pairs need no raw
- * gate/up panels and no SiLU pass of their own. */
-typedef struct {
-    void (*add)(const void *ctx, int64_t row, int64_t c0, int64_t c1, float *gate, float *up);
-    const void *ctx;
-} GateUpDelta;
-/* act[m][c] = silu(gate + delta) * (up + delta) for the channels of gate/up panel pairs [j0, j1)
- * (delta: NULL for none). */
+/* act[m][c] = silu(gate) * up for the channels of gate/up panel pairs [j0, j1). */
 void swiglu_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, int64_t ldx, float *act, int64_t ldact,
-                   int64_t j0, int64_t j1, int pair, const GateUpDelta *delta);
+                   int64_t j0, int64_t j1, int pair);
 /* AMX (amx_int8.c): the integer sums of int8-activation matmuls over many rows in tiles of 16
  * rows x 16 channels x one block of 32 inputs, where the build targets AMX-INT8 (and AVX-512
  * VBMI, for relay4) and the kernel lets this process use the tiles. */
@@ -249,7 +241,7 @@ void amx_stop(AmxScratch *s);
  * (gate/up pairs) [p0, p1) through the tiles, k <= the k amx_start was given: the bits of
  * matmul_panels/swiglu_panels. xq holds amx_rows_of(m) rows, zero past m. */
 void amx_panels(const Matrix *w, const QRows *xq, int64_t m, float *y, int64_t ldy, int64_t p0, int64_t p1, int swiglu, int mode,
-                const GateUpDelta *delta, const AmxScratch *s);
+                const AmxScratch *s);
 /* The rows a QRows buffer holds for m rows of a matmul that may take the tiles: whole tiles. */
 static inline int64_t amx_rows_of(int64_t m) { return m >= AMX_MIN_ROWS ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m; }
 

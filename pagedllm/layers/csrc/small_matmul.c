@@ -718,16 +718,8 @@ static inline vf silu(vf g) {
     return loadv(lanes);
 }
 
-/* The delta's additions to a row's gate and up lanes of the panel pair at channel c0. */
-static inline void add_delta(const GateUpDelta *d, int64_t row, int64_t c0, int64_t width, vf *gate, vf *up) {
-    float g[VW], u[VW];
-    storev(g, *gate), storev(u, *up);
-    d->add(d->ctx, row, c0, c0 + VW < width ? c0 + VW : width, g, u);
-    *gate = loadv(g), *up = loadv(u);
-}
-
 void swiglu_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, int64_t ldx, float *act, int64_t ldact,
-                   int64_t j0, int64_t j1, int pair, const GateUpDelta *delta) {
+                   int64_t j0, int64_t j1, int pair) {
     vf gate[MB], up[MB];
     const int64_t width = w->n / 2; /* channels of the activation */
     if (paired(w, pair, m)) {
@@ -738,7 +730,6 @@ void swiglu_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, 
                 int mb;
                 pass_rows(m, passes, i, &r0, &mb);
                 panel_pair(w, 2 * j, 2 * j + 1, x + r0 * ldx, ldx, mb, gate, up);
-                for (int r = 0; delta != NULL && r < mb; r++) add_delta(delta, r0 + r, j * VW, width, &gate[r], &up[r]);
                 for (int r = 0; r < mb; r++) put(act + (r0 + r) * ldact + j * VW, silu(gate[r]) * up[r], width - j * VW, STORE);
             }
         }
@@ -749,7 +740,6 @@ void swiglu_panels(const Matrix *w, const float *x, const QRows *xq, int64_t m, 
             const int mb = m - r0 < MB ? (int)(m - r0) : MB;
             panel_block(w, 2 * j, x + r0 * ldx, xq, r0, ldx, mb, gate);
             panel_block(w, 2 * j + 1, x + r0 * ldx, xq, r0, ldx, mb, up);
-            for (int r = 0; delta != NULL && r < mb; r++) add_delta(delta, r0 + r, j * VW, width, &gate[r], &up[r]);
             for (int r = 0; r < mb; r++) put(act + (r0 + r) * ldact + j * VW, silu(gate[r]) * up[r], width - j * VW, STORE);
         }
     }
@@ -848,14 +838,13 @@ static void amx_panel(const Matrix *w, int64_t p, const QRows *xq, int64_t m, co
 /* Rows [0, m) of x W^T (or silu(gate) * up) for the panels [p0, p1) (gate/up pairs when swiglu),
  * m <= ROW_TILE. */
 static void amx_tile(const Matrix *w, const QRows *xq, int64_t m, float *y, int64_t ldy, int64_t p0, int64_t p1, int swiglu,
-                     int mode, const GateUpDelta *delta, int64_t row0, const AmxScratch *s) {
+                     int mode, const AmxScratch *s) {
     vf out[ROW_TILE], up[ROW_TILE];
     const int64_t width = swiglu ? w->n / 2 : w->n;
     for (int64_t p = p0; p < p1; p++) {
         amx_panel(w, swiglu ? 2 * p : p, xq, m, s, out);
         if (swiglu) {
             amx_panel(w, 2 * p + 1, xq, m, s, up);
-            for (int64_t r = 0; delta != NULL && r < m; r++) add_delta(delta, row0 + r, p * VW, width, &out[r], &up[r]);
             for (int64_t r = 0; r < m; r++) out[r] = silu(out[r]) * up[r];
         }
         for (int64_t r = 0; r < m; r++) put(y + r * ldy + p * VW, out[r], width - p * VW, mode);
@@ -863,10 +852,10 @@ static void amx_tile(const Matrix *w, const QRows *xq, int64_t m, float *y, int6
 }
 
 void amx_panels(const Matrix *w, const QRows *xq, int64_t m, float *y, int64_t ldy, int64_t p0, int64_t p1, int swiglu, int mode,
-                const GateUpDelta *delta, const AmxScratch *s) {
+                const AmxScratch *s) {
     for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
         const QRows rows = qrows_from(xq, r0);
-        amx_tile(w, &rows, m - r0 < ROW_TILE ? m - r0 : ROW_TILE, y + r0 * ldy, ldy, p0, p1, swiglu, mode, delta, r0, s);
+        amx_tile(w, &rows, m - r0 < ROW_TILE ? m - r0 : ROW_TILE, y + r0 * ldy, ldy, p0, p1, swiglu, mode, s);
     }
 }
 #else
@@ -877,8 +866,8 @@ int amx_start(AmxScratch *s, int64_t k) {
 }
 void amx_stop(AmxScratch *s) { (void)s; }
 void amx_panels(const Matrix *w, const QRows *xq, int64_t m, float *y, int64_t ldy, int64_t p0, int64_t p1, int swiglu, int mode,
-                const GateUpDelta *delta, const AmxScratch *s) {
-    (void)w, (void)xq, (void)m, (void)y, (void)ldy, (void)p0, (void)p1, (void)swiglu, (void)mode, (void)delta, (void)s;
+                const AmxScratch *s) {
+    (void)w, (void)xq, (void)m, (void)y, (void)ldy, (void)p0, (void)p1, (void)swiglu, (void)mode, (void)s;
 }
 #endif
 
@@ -931,9 +920,9 @@ int small_matmul(const Matrix *w, const float *x, int64_t m, int64_t ldx, int64_
             const QRows tile = quantized ? qrows_from(&xq, r0) : xq;
             const QRows *tq = quantized ? &tile : NULL;
             if (amx && rows >= AMX_MIN_ROWS)
-                amx_panels(w, tq, rows, y + r0 * ldy, ldy, lo, hi, swiglu, STORE, NULL, &scratch);
+                amx_panels(w, tq, rows, y + r0 * ldy, ldy, lo, hi, swiglu, STORE, &scratch);
             else if (swiglu)
-                swiglu_panels(w, x + r0 * ldx, tq, rows, ldx, y + r0 * ldy, ldy, lo, hi, pair, NULL);
+                swiglu_panels(w, x + r0 * ldx, tq, rows, ldx, y + r0 * ldy, ldy, lo, hi, pair);
             else
                 matmul_panels(w, x + r0 * ldx, tq, rows, ldx, y + r0 * ldy, ldy, lo, hi, STORE, pair);
         }
