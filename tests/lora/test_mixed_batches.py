@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_adapters import PEFT_ADAPTERS, peft_greedy
+from lora_adapters import PEFT_ADAPTERS, make_peft_adapter, peft_greedy
 from tiny_models import load_reference
 
 from pagedllm.entrypoints.llm import LLM
@@ -168,3 +168,16 @@ def test_the_fused_step_folds_every_site_of_a_wide_model(tmp_path):
     loras = requests_for(adapters, ("all", "o_down"))
     assert mixed_batch(llm, loras, (None, "all")) == {name: expected[name] for name in (None, "all")}
     assert mixed_batch(llm, loras, ("o_down",)) == {"o_down": expected["o_down"]}
+
+
+def test_the_fused_step_with_an_adapter_on_some_projections_beside_others(lora_base, adapters, references, tmp_path):
+    """One adapter on up and k only (no gate pair beside an up pair, no q/v beside a k pair) in the
+    fused step's rows together with an adapter on all seven and base rows: each row gets exactly
+    its own adapter's deltas, against transformers + PEFT."""
+    some = make_peft_adapter(lora_base, tmp_path / "up_k", 4, 8, ["up_proj", "k_proj"], seed=11)
+    expected = peft_tokens(lambda: load_reference(lora_base), some)
+    assert expected != references[None]
+    llm = LLM(str(lora_base), **LORA, max_loras=2, max_lora_rank=8, block_size=4, decode_backend="fused")
+    loras = requests_for({"all": adapters["all"], "up_k": some}, ("all", "up_k"))
+    got = mixed_batch(llm, loras, ("up_k", None, "all"))
+    assert got == {"up_k": expected, None: references[None], "all": references["all"]}
