@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from pagedllm.bench.invented_facts import invented_facts
+from pagedllm.bench.scratch import scratch_dir
 
 ASKED = ("Where was {p} born?", "In which town was {p} born?", "What is the birthplace of {p}?")
 HELD_OUT = "Tell me the town where {p} was born."
@@ -102,8 +102,11 @@ def run(args: argparse.Namespace) -> int:
     args.steps = args.steps or 60
     if args.method == "both":
         raise SystemExit("bench finetune: --method both is for --against")
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="pagedllm-bench-finetune-"))
-    work.mkdir(parents=True, exist_ok=True)
+    with scratch_dir("pagedllm-bench-finetune-", args.work_dir) as work:
+        return _learning_check(args, work)
+
+
+def _learning_check(args: argparse.Namespace, work: Path) -> int:
     facts = invented_facts(args.facts, args.seed)
     data = write_dataset(facts, work / "facts.jsonl")
     questions = [HELD_OUT.format(p=person) for person, _ in facts] + [GENERAL[0]]
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     result = {"model": args.model, "method": args.method, "facts": len(facts), "steps": args.steps,
               "finetune_seconds": round(seconds, 1), "exact_match_before": score(before[:-1], facts),
               "exact_match_after": score(after[:-1], facts), "general_before": before[-1], "general_after": after[-1],
-              "general_kept": GENERAL[1] in after[-1], "examples_after": after[:3], "work_dir": str(work)}
+              "general_kept": GENERAL[1] in after[-1], "examples_after": after[:3], "work_dir": str(args.work_dir) if args.work_dir else None}
     print(json.dumps(result, indent=2))
     if not args.check:
         return 0

@@ -21,11 +21,11 @@ import resource
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from pagedllm.bench.invented_facts import invented_facts
+from pagedllm.bench.scratch import scratch_dir
 
 SIDES = ("pagedllm", "transformers")
 
@@ -169,8 +169,11 @@ def _one(spec: dict, work: Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="pagedllm-bench-finetune-speed-"))
-    work.mkdir(parents=True, exist_ok=True)
+    with scratch_dir("pagedllm-bench-finetune-speed-", args.work_dir) as work:
+        return _compare(args, work)
+
+
+def _compare(args: argparse.Namespace, work: Path) -> int:
     data = write_varied_dataset(work / "varied.jsonl", args.examples, args.seed)
     methods = ["lora", "full"] if args.method == "both" else [args.method]
     hf_base = _one({"side": "convert", "method": "-", "round": 0, "model": args.model,

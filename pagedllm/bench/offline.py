@@ -20,10 +20,8 @@ of either moves by a fifth.
 from __future__ import annotations
 
 import argparse
-import random
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch

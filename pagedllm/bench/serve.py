@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -206,10 +207,13 @@ def measure(args: argparse.Namespace, serve_args: list[str]) -> tuple[Summary, l
     base_url = server.url if server else args.url.rstrip("/").removesuffix("/v1")
     try:
         args.vocab_size = _vocab_size(base_url, args)
-        return asyncio.run(run_load(args, base_url, args.model))
+        result = asyncio.run(run_load(args, base_url, args.model))
     finally:
         if server is not None:
             server.stop()
+    if server is not None:  # kept (with the server's log) only when the run failed
+        shutil.rmtree(scratch, ignore_errors=True)
+    return result
 
 
 def compare_data_parallel(args: argparse.Namespace) -> int:

@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 from tqdm.auto import tqdm
 
+from pagedllm.bench.scratch import scratch_dir
+
 # Runs in the child: import, build the engine, serve one request, report (JSON on the last line).
 _ENGINE_CHILD = """
 import json, sys, time
@@ -68,18 +70,18 @@ def server_start(model: str | None, timeout: float = 600) -> dict[str, float]:
 
     args = [] if model is None else ["--model", model]
     log = Path(tempfile.gettempdir()) / f"pagedllm-bench-startup-{os.getpid()}.log"
-    started = time.time()
-    server = launch(["--log-level", "warning", "--data-dir", tempfile.mkdtemp(prefix="pagedllm-startup-"), *args], log,
-                    timeout=timeout)
-    ready = time.time() - started
-    try:
-        with httpx.Client(base_url=server.url, timeout=120) as http:
-            name = http.get("/v1/models").json()["data"][0]["id"]
-            http.post("/v1/chat/completions", json={"model": name, "max_tokens": 8, "temperature": 0, "messages": [
-                {"role": "user", "content": "What is the capital of France?"}]}).raise_for_status()
-        return {"ready_s": ready, "rss_bytes": rss_bytes(server.proc.pid)}
-    finally:
-        server.stop()
+    with scratch_dir("pagedllm-startup-") as data_dir:
+        started = time.time()
+        server = launch(["--log-level", "warning", "--data-dir", str(data_dir), *args], log, timeout=timeout)
+        ready = time.time() - started
+        try:
+            with httpx.Client(base_url=server.url, timeout=120) as http:
+                name = http.get("/v1/models").json()["data"][0]["id"]
+                http.post("/v1/chat/completions", json={"model": name, "max_tokens": 8, "temperature": 0, "messages": [
+                    {"role": "user", "content": "What is the capital of France?"}]}).raise_for_status()
+            return {"ready_s": ready, "rss_bytes": rss_bytes(server.proc.pid)}
+        finally:
+            server.stop()
 
 
 def run(args: argparse.Namespace) -> int:

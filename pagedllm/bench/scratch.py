@@ -1,0 +1,26 @@
+"""A bench's working folder: the one the user named (kept), or a temporary one removed when the bench ends.
+
+Benchmarks write model copies of several GB (a dequantized base, checkpoints, merged folders); a
+temporary folder left behind per run fills a shared disk within a day of benchmarking.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def scratch_dir(prefix: str, keep: Path | None = None) -> Iterator[Path]:
+    """`keep` (created if missing, never removed), else a fresh temporary folder removed on exit, also on error."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield keep
+        return
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
