@@ -237,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     library = kernels.load()
     print(f"model: {args.model or 'random SmolLM2-135M shape'}; prompt {args.prompt_len} tokens, {args.new_tokens} greedy tokens; "
-          f"{torch.get_num_threads()} threads; kernels: {kernels.isa(library) if library else 'none (no compiler)'}")
+          f"{torch.get_num_threads()} threads; kernels: {kernels.isa(library) if library else 'none (no compiler)'}; "
+          f"CPU: {kernels.cpu_model() or 'unknown'}")
     bandwidth, peaks = read_bandwidth(), {int8: measure_cpu_peak(int8) for int8 in (False, True)}
     engine_args = {"decode_backend": args.decode_backend, "max_num_seqs": max(batches)}
     if args.quantization:
@@ -318,7 +319,7 @@ def _llama_cpp_engine(args: argparse.Namespace, llm) -> tuple[str, _LlamaCpp]:
     llama = llama_cpp.load(str(args.model), torch.get_num_threads(), max(args.prompt_len + args.new_tokens, args.prefill_len) + 16)
     engine = _LlamaCpp(llama, args, llm.llm_engine.model_config.vocab_size)
     engine(1)  # warm-up
-    return f"llama.cpp ({Path(args.model).name}, {torch.get_num_threads()} threads)", engine
+    return f"llama.cpp ({Path(args.model).name}, {torch.get_num_threads()} threads, {llama_cpp.build_features()})", engine
 
 
 def _prefill(args: argparse.Namespace, llm, llama) -> None:

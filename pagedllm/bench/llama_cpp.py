@@ -34,6 +34,16 @@ def load(path: str, threads: int, context: int):
     return Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=context, n_batch=512, verbose=False)
 
 
+def build_features() -> str:
+    """The instruction sets this llama.cpp build uses ("AVX2 FMA F16C ..."), from its system info:
+    an AVX2-only build (for an AVX2 machine's figures) and the native one print differently."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()  # "CPU : SSE3 = 1 | AVX2 = 1 | ..."
+    flags = [part.split("=")[0].split(":")[-1].strip() for part in info.split("|") if part.strip().endswith("= 1")]
+    return " ".join(flag for flag in flags if flag.startswith(("AVX", "AMX")))
+
+
 def decode_rate(llm, prompt: list[int], new_tokens: int) -> float:
     """Greedy tokens/s from the first generated token to the last."""
     llm.reset()

@@ -114,13 +114,25 @@ def _prepare(folder: Path, private: bool) -> None:
             os.chmod(owned, 0o700)
 
 
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), "" where there is none."""
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo, "" where there is none."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return ""
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")
+    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == field), "")
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), "" where there is none."""
+    return _cpuinfo("vendor_id")
+
+
+def cpu_model() -> str:
+    """/proc/cpuinfo's model name with its family and model numbers (benchmarks print it beside their
+    figures; a VM may name only "AMD EPYC", and family 23 / 25 / 26 tell Zen 2 / 3-4 / 5 apart)."""
+    name, family, model = _cpuinfo("model name"), _cpuinfo("cpu family"), _cpuinfo("model")
+    return f"{name} (family {family}, model {model})" if family else name
 
 
 def _cpu_signature() -> bytes:

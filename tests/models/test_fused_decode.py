@@ -211,12 +211,19 @@ def test_row_counts_past_16_share_their_timings():
     assert tuner.plan(50) == [2]
 
 
+# (architecture, table blocks, the first row's position): rows within one 128-position part of
+# the context, and (a sliding window of 48 too) rows on both sides of the part boundary at 256
+PLACES = [("llama", 8, 8 * 16 - MAX_ROWS - 1), ("llama", 24, 250), ("mistral", 24, 250)]
+
+
+@pytest.mark.parametrize("arch,blocks,start", PLACES, ids=["one-part", "two-parts", "two-parts-window"])
 @pytest.mark.parametrize("build", [(), kernels.ISA_FLAGS["avx2"]], ids=["native", "avx2"])
-def test_a_verification_row_gets_the_bits_of_a_1_row_step(model_dir, monkeypatch, build):
+def test_a_verification_row_gets_the_bits_of_a_1_row_step(model_dir, monkeypatch, build, arch, blocks, start):
     """Greedy speculative decoding is token-identical to plain decoding only because a
     verification row's logits are a 1-row step's, bit for bit: a step of 1-16 rows at
     positions p, p+1, ... against 1-row steps at each position (the matmuls take other paths
-    for different row counts, small_matmul.c)."""
+    for different row counts, small_matmul.c; a context attended in parts is merged in the same
+    order whatever part the step's other rows reach)."""
     import ctypes
 
     import torch
@@ -225,18 +232,18 @@ def test_a_verification_row_gets_the_bits_of_a_1_row_step(model_dir, monkeypatch
 
     library = kernels.load(build)
     monkeypatch.setattr(kernels, "load", lambda extra_flags=(): library)  # the weights packed for its panel width
-    llm = LLM(str(model_dir("llama")), decode_backend="fused")
+    llm = LLM(str(model_dir(arch)), decode_backend="fused")
     model = llm.llm_engine.runner.model
     decoder = FusedDecoder(model, library)
     layers = model.attention_layers()
-    block_size = layers[0].k_cache.shape[1]
+    assert layers[0].k_cache.shape[1] == 16 and start + MAX_ROWS <= blocks * 16
+    block_size = 16
     gen = torch.Generator().manual_seed(5)
     for layer in layers:
         for cache in (layer.k_cache, layer.v_cache):
-            cache[:8].copy_(torch.randn(cache[:8].shape, generator=gen))
-    table = torch.arange(8, dtype=torch.int64)
+            cache[:blocks].copy_(torch.randn(cache[:blocks].shape, generator=gen))
+    table = torch.arange(blocks, dtype=torch.int64)
     tokens = torch.randint(3, decoder.vocab_size, (MAX_ROWS,), generator=gen)
-    start = 8 * block_size - MAX_ROWS - 1
 
     def step(first: int, rows: int) -> torch.Tensor:
         pos = torch.arange(start + first, start + first + rows, dtype=torch.int64)
@@ -251,6 +258,26 @@ def test_a_verification_row_gets_the_bits_of_a_1_row_step(model_dir, monkeypatch
     alone = torch.cat([step(i, 1) for i in range(MAX_ROWS)])
     for rows in range(2, MAX_ROWS + 1):
         assert torch.equal(step(0, rows), alone[:rows]), f"rows={rows}"
+
+
+# prompts whose decodes cross the 128-, 256- and 384-position boundaries of the attention's parts
+LONG_PROMPTS = [[3 + (13 * i + j) % 300 for j in range(length)] for i, length in enumerate((40, 120, 250, 300, 370))]
+LONG_PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3) for _ in LONG_PROMPTS]
+
+
+@pytest.mark.parametrize("arch,build", [("llama", ()), ("mistral", ()), ("qwen3", ()), ("llama", kernels.ISA_FLAGS["avx2"])],
+                         ids=["llama", "mistral-window", "qwen3-norms", "llama-avx2"])
+def test_contexts_attended_in_parts_match_the_modules(arch, build, model_dir, monkeypatch, run):
+    """Contexts longer than a part (128 positions) are attended in parts by both threads and
+    merged: tokens and logprobs as the modules' whole-context attention gives them, for contexts
+    in one to four parts, a sliding window crossing a part boundary, and q/k norms (which the
+    attention items apply to their own copy of the queries)."""
+    library = kernels.load(build)
+    monkeypatch.setattr(kernels, "load", lambda extra_flags=(): library)
+    fused, calls = run(model_dir(arch), prompts=LONG_PROMPTS, params=LONG_PARAMS, decode_backend="fused")
+    reference, none = run(model_dir(arch), prompts=LONG_PROMPTS, params=LONG_PARAMS, decode_backend="torch")
+    assert calls and not none
+    assert_same(fused, reference)
 
 
 def test_a_short_prompt_chunk_runs_as_one_fused_step(model_dir, run):

@@ -65,18 +65,25 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t dim) {
     }
 }
 
-/* q/k norms, rotary and the K/V writes for row r's KV head h (and its G query heads). */
-static void prepare_head(const Model *md, const Layer *ly, const Step *st, float *qkv, int64_t ld, int64_t r, int64_t h) {
-    const int64_t D = md->head_dim, G = md->num_heads / md->num_kv_heads, Hkv = md->num_kv_heads;
+/* Row r's queries of KV head h (its G query heads, G * D floats at q): q norm (Qwen3) and rotary,
+ * in place. */
+static void prepare_queries(const Model *md, const Layer *ly, const Step *st, float *q, int64_t r) {
+    const int64_t D = md->head_dim, G = md->num_heads / md->num_kv_heads;
+    const float *cos = md->cos + st->positions[r] * D, *sin = md->sin + st->positions[r] * D;
+    for (int64_t g = 0; g < G; g++, q += D) {
+        if (ly->q_norm != NULL) rmsnorm(q, ly->q_norm, D, md->eps, q);
+        rotate(q, cos, sin, D);
+    }
+}
+
+/* Row r's key of KV head h normed (Qwen3) and rotated in place, and its key and value written to
+ * the row's slot. */
+static void write_kv(const Model *md, const Layer *ly, const Step *st, float *qkv, int64_t ld, int64_t r, int64_t h) {
+    const int64_t D = md->head_dim, Hkv = md->num_kv_heads;
     float *row = qkv + r * ld;
     float *k = row + md->num_heads * D + h * D;
     const float *v = row + (md->num_heads + Hkv) * D + h * D;
     const float *cos = md->cos + st->positions[r] * D, *sin = md->sin + st->positions[r] * D;
-    for (int64_t g = 0; g < G; g++) {
-        float *q = row + (h * G + g) * D;
-        if (ly->q_norm != NULL) rmsnorm(q, ly->q_norm, D, md->eps, q);
-        rotate(q, cos, sin, D);
-    }
     if (ly->k_norm != NULL) rmsnorm(k, ly->k_norm, D, md->eps, k);
     rotate(k, cos, sin, D);
     const int64_t at = (st->slots[r] * Hkv + h) * D;
@@ -88,6 +95,20 @@ static void prepare_head(const Model *md, const Layer *ly, const Step *st, float
         memcpy((float *)ly->v_cache + at, v, sizeof(float) * D);
     }
 }
+
+/* q/k norms, rotary and the K/V writes for row r's KV head h (and its G query heads), in place. */
+static void prepare_head(const Model *md, const Layer *ly, const Step *st, float *qkv, int64_t ld, int64_t r, int64_t h) {
+    const int64_t G = md->num_heads / md->num_kv_heads;
+    prepare_queries(md, ly, st, qkv + r * ld + h * G * md->head_dim, r);
+    write_kv(md, ly, st, qkv, ld, r, h);
+}
+
+/* A sequence's context is attended in parts of this many positions (attend_part), merged after
+ * (merge_parts): a single stream's three KV heads were three items for two threads, one thread
+ * doing two while the other waited — attention took ~28 % of a single-stream step at ~230
+ * positions. The parts are fixed positions of the context, not a share of the step's rows, so a
+ * row's result depends on its context alone (batch invariance) whatever else is in the step. */
+enum { ATTEND_PART = 128 };
 
 typedef struct {
     float *x, *norm, *qkv, *attn, *act;
@@ -105,7 +126,23 @@ typedef struct {
      * (lora_slots); NULL without adapters */
     float *xa;
     int64_t xa_rank, xa_ld;
+    /* Attention in parts of a context: row r's part p's output at parts + (r max_parts + p) q_width
+     * and its (largest score, sum) per query head at part_stats + (r max_parts + p) 2 num_heads;
+     * parts_done[l num_groups + g]: group g's parts finished in layer l */
+    float *parts, *part_stats;
+    int64_t max_parts;
+    float *queries; /* each thread's copy of the queries its attention items read (R rows of num_heads * head_dim) */
+    _Atomic int64_t *parts_done;
 } Scratch;
+
+/* The parts [*first, *end) of group g's context that layer attention (window: its sliding window,
+ * <= 0 none) reads: from the first row's first visible position to the last row's last. */
+static void context_parts(const Step *st, const Scratch *sc, int64_t window, int64_t g, int64_t *first, int64_t *end) {
+    const int64_t r = sc->group_first[g], len = st->ctx_lens[r + sc->group_count[g] - 1];
+    const int64_t start = window > 0 && st->ctx_lens[r] > window ? st->ctx_lens[r] - window : 0;
+    *first = start / ATTEND_PART;
+    *end = (len + ATTEND_PART - 1) / ATTEND_PART;
+}
 
 /* Runs of rows of one sequence at consecutive positions: the same block table, each row one
  * position (and one context row) past the one before. */
@@ -511,7 +548,7 @@ static void silu_stage(Stage *stage, const Model *md, const Lora *lora, const Sc
  * next layer's qkv, or the LM head). KERNEL_OK, or KERNEL_NO_MEMORY if attention ran out of memory. */
 static int layer_step(const Model *md, const Layer *ly, const Matrix *next, const Step *st, const Scratch *sc, Stage *stages,
                       int pair, int t, int nt) {
-    const int64_t R = st->rows, H = md->hidden, D = md->head_dim, Hkv = md->num_kv_heads;
+    const int64_t R = st->rows, H = md->hidden, D = md->head_dim, Hkv = md->num_kv_heads, G = md->num_heads / Hkv;
     const int64_t q_width = md->num_heads * D;
     const Shape shape = {md->block_size, Hkv, md->num_heads / Hkv, D, md->kv_bf16 != 0};
     float *norm = sc->norm + t * sc->norm_ld;
@@ -524,23 +561,69 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
     const LoraSite qkv_site = {md, lora, l, LORA_Q, 3, norm, H, XA_QKV, -1, 0};
     matmul_stage(&stages[0], sc, &ly->qkv, norm, R, H, sc->qkv, sc->qkv_ld, STORE, pair, o_ahead, t, nt,
                  lora != NULL ? &qkv_site : NULL);
-    for (int64_t i; (i = claim(&stages[1])) < R * Hkv; finish(&stages[1])) {
+    /* A step of one sequence without adapters: its attention items prepare what they read
+     * themselves — each its own copy of the rows' queries (several parts read them), and the keys
+     * and values of the rows whose positions lie in its part (the part that reads them) — with no
+     * stage of their own. Otherwise the rotary stage runs first: with several groups, rows of one
+     * sequence may form more than one (a draft's catch-up rows) and read each other's keys, and
+     * with adapters the q/k/v deltas go in before the rotation. */
+    const int own = lora == NULL && sc->num_groups == 1;
+    for (int64_t i; !own && (i = claim(&stages[1])) < R * Hkv; finish(&stages[1])) {
         if (lora != NULL) qkv_delta(md, lora, sc, l, i / Hkv, i % Hkv);
         prepare_head(md, ly, st, sc->qkv, sc->qkv_ld, i / Hkv, i % Hkv);
     }
-    await(&stages[1], R * Hkv, o_ahead);
+    if (!own) await(&stages[1], R * Hkv, o_ahead);
+    float *queries = sc->queries + t * R * q_width;
     /* An item is a sequence's KV heads `per` at a time: one at a time while there are few
      * sequences, so the threads share the work evenly; all of them once there are many, so a
      * sequence's K/V rows (every KV head's side by side) are read once, not once per head by
      * whichever threads take its heads (at ~40 sequences attention took 45 % of the step) */
-    const int64_t per = sc->num_groups >= ATTEND_WHOLE_ROWS * nt ? Hkv : 1, items = sc->num_groups * (Hkv / per);
-    for (int64_t i; (i = claim(&stages[2])) < items; finish(&stages[2])) {
-        const int64_t g = i / (Hkv / per), r = sc->group_first[g], h = i % (Hkv / per) * per;
-        const int status = attend_rows(sc->qkv + r * sc->qkv_ld, sc->qkv_ld, sc->group_count[g], st->ctx_lens + r,
-                                       ly->k_cache, ly->v_cache, st->block_tables + r * st->max_blocks, ly->window,
-                                       md->attn_scale, shape, h, h + per, sc->attn + r * q_width, q_width);
-        failed = worse_status(failed, status);
-        for (int64_t j = 0; lora != NULL && j < sc->group_count[g]; j++) o_partials(md, lora, sc, l, r + j, h, h + per);
+    const int64_t per = sc->num_groups >= ATTEND_WHOLE_ROWS * nt ? Hkv : 1, sets = Hkv / per;
+    int64_t start[sc->num_groups + 1], first_part[sc->num_groups];
+    start[0] = 0;
+    for (int64_t g = 0; g < sc->num_groups; g++) {
+        int64_t end;
+        context_parts(st, sc, ly->window, g, &first_part[g], &end);
+        start[g + 1] = start[g] + sets * (end - first_part[g]);
+    }
+    const int64_t items = start[sc->num_groups];
+    for (int64_t i, g = 0; (i = claim(&stages[2])) < items; finish(&stages[2])) {
+        while (i >= start[g + 1]) g++; /* items are claimed in ascending order */
+        const int64_t parts = (start[g + 1] - start[g]) / sets, part = (i - start[g]) / sets, h = (i - start[g]) % sets * per;
+        const int64_t r = sc->group_first[g], rows = sc->group_count[g];
+        const int64_t p0 = (first_part[g] + part) * ATTEND_PART, p1 = parts == 1 ? INT64_MAX : p0 + ATTEND_PART;
+        const float *q = sc->qkv + r * sc->qkv_ld;
+        int64_t q_stride = sc->qkv_ld;
+        if (own) {
+            for (int64_t j = 0; j < rows; j++)
+                for (int64_t head = h; head < h + per; head++) {
+                    float *mine = queries + j * q_width + head * G * D;
+                    memcpy(mine, sc->qkv + (r + j) * sc->qkv_ld + head * G * D, sizeof(float) * G * D);
+                    prepare_queries(md, ly, st, mine, r + j);
+                    if (st->positions[r + j] >= p0 && st->positions[r + j] < p1) write_kv(md, ly, st, sc->qkv, sc->qkv_ld, r + j, head);
+                }
+            q = queries, q_stride = q_width;
+        }
+        const int64_t *table = st->block_tables + r * st->max_blocks;
+        if (parts == 1) {
+            failed = worse_status(failed, attend_rows(q, q_stride, rows, st->ctx_lens + r, ly->k_cache, ly->v_cache, table,
+                                                      ly->window, md->attn_scale, shape, h, h + per, sc->attn + r * q_width,
+                                                      q_width));
+            for (int64_t j = 0; lora != NULL && j < rows; j++) o_partials(md, lora, sc, l, r + j, h, h + per);
+            continue;
+        }
+        const int64_t slot = r * sc->max_parts + part;
+        failed = worse_status(failed, attend_part(q, q_stride, rows, st->ctx_lens + r, ly->k_cache, ly->v_cache, table,
+                                                  ly->window, md->attn_scale, shape, h, h + per, sc->parts + slot * q_width,
+                                                  sc->max_parts * q_width, p0, p0 + ATTEND_PART, sc->part_stats + slot * 2 * md->num_heads,
+                                                  sc->max_parts * 2 * md->num_heads));
+        /* the group's last part to finish merges them (its writes are complete: release/acquire) */
+        if (atomic_fetch_add_explicit(&sc->parts_done[l * sc->num_groups + g], 1, memory_order_acq_rel) == parts * sets - 1)
+            for (int64_t j = r; j < r + rows; j++) {
+                merge_parts(sc->parts + j * sc->max_parts * q_width, sc->part_stats + j * sc->max_parts * 2 * md->num_heads, parts,
+                            md->num_heads, D, sc->attn + j * q_width);
+                if (lora != NULL) o_partials(md, lora, sc, l, j, 0, Hkv);
+            }
     }
     await(&stages[2], items, o_ahead);
     /* a LoRA step with gate/up deltas reads the raw gate/up panels: those are what to read ahead */
@@ -690,9 +773,16 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     const int64_t raw_floats = st->lora != NULL && st->lora->gate_up_raw != NULL ? R * 2 * md->intermediate : 0;
     sc.xa_rank = lora_max_rank(md, st->lora);
     sc.xa_ld = st->lora != NULL ? lora_slots(md) * sc.xa_rank : 0;
+    sc.max_parts = 1;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t parts = (st->ctx_lens[r] + ATTEND_PART - 1) / ATTEND_PART;
+        sc.max_parts = parts > sc.max_parts ? parts : sc.max_parts;
+    }
+    const int64_t part_floats = R * sc.max_parts * (md->num_heads * D + 2 * md->num_heads) + num_threads * R * md->num_heads * D;
     const int64_t floats = R * H + num_threads * sc.norm_ld + R * sc.qkv_ld + R * md->num_heads * D + R * md->intermediate +
-                           raw_floats + R * sc.xa_ld;
+                           raw_floats + R * sc.xa_ld + part_floats;
     float *scratch = malloc(sizeof(float) * floats);
+    sc.parts_done = calloc(md->num_layers * R, sizeof(*sc.parts_done));
     const int64_t num_stages = md->num_layers * STAGES_PER_LAYER + 1, max_chunks = MAX_CHUNKS_PER_THREAD * num_threads;
     Stage *stages = calloc(num_stages, sizeof(Stage));
     _Atomic unsigned char *taken = calloc(num_stages * max_chunks, 1);
@@ -714,7 +804,9 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     if (any_int8) no_memory = (sc.quantized = malloc(num_threads * sc.q_ld)) == NULL;
     const int tiles = any_int8 && sc.q_rows >= AMX_MIN_ROWS && amx_usable();
     sc.amx = calloc(num_threads, sizeof(AmxScratch));
-    if (scratch == NULL || stages == NULL || taken == NULL || groups == NULL || no_memory || sc.amx == NULL) {
+    if (scratch == NULL || stages == NULL || taken == NULL || groups == NULL || no_memory || sc.amx == NULL ||
+        sc.parts_done == NULL) {
+        free((void *)sc.parts_done);
         free(sc.amx);
         free(sc.quantized);
         free(scratch);
@@ -733,6 +825,9 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     sc.act = sc.attn + R * md->num_heads * D;
     sc.raw = sc.act + R * md->intermediate;
     sc.xa = st->lora != NULL ? sc.raw + raw_floats : NULL;
+    sc.parts = sc.raw + raw_floats + R * sc.xa_ld;
+    sc.part_stats = sc.parts + R * sc.max_parts * md->num_heads * D;
+    sc.queries = sc.part_stats + R * sc.max_parts * 2 * md->num_heads;
     for (int64_t r = 0; r < R; r++) memcpy(sc.x + r * H, md->embed + st->token_ids[r] * H, sizeof(float) * H);
     const int pair = fits_in_cache(model_bytes(md));
 
@@ -752,6 +847,7 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
                      STORE, pair, NOTHING_AHEAD, t, nt, NULL);
         amx_stop(&sc.amx[t]);
     }
+    free((void *)sc.parts_done);
     free(sc.amx);
     free(sc.quantized);
     free(groups);

@@ -334,6 +334,18 @@ int attend_sequence(const float *q, const void *k_cache, const void *v_cache, co
 int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *lens, const void *k_cache, const void *v_cache,
                 const int64_t *table, int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out,
                 int64_t out_stride);
+/* attend_rows over the positions [p0, p1) of the context alone (a part; rows not reaching p0 get
+ * nothing), each row's output normalised over the part, and its (largest score, sum of
+ * exponentials) per query head written to stats (row j's at stats + j * stats_stride, query head
+ * qh's pair at 2 qh; an empty part: -inf, 0) for merge_parts. */
+int attend_part(const float *q, int64_t q_stride, int64_t rows, const int64_t *lens, const void *k_cache, const void *v_cache,
+                const int64_t *table, int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out,
+                int64_t out_stride, int64_t p0, int64_t p1, float *stats, int64_t stats_stride);
+/* One row's attention output from its parts' (attend_part): parts [num_parts, heads * head_dim] and
+ * stats [num_parts, heads, 2] in the order of the positions, each part weighed by its sum of
+ * exponentials scaled to the largest score of all (a fixed order of summation: the result depends
+ * on the row's context alone). */
+void merge_parts(const float *parts, const float *stats, int64_t num_parts, int64_t heads, int64_t head_dim, float *out);
 
 /* Each row's argmax (torch.argmax's tie and NaN rule) and its log-probability (greedy.c); the
  * unchecked loop the fused calls use on their own buffers (greedy_rows is the exported one). */

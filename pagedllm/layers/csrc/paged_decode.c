@@ -41,6 +41,9 @@
  * block_tables: [B, max_blocks]; ctx_lens: [B];
  * window <= 0: no window.
  *
+ * attend_part() is attend_rows() over a part of the context (positions [p0, p1)), returning what
+ * merge_parts() needs to combine a context's parts (the fused step's threads share a long context
+ * that way: decode_step.c, ATTEND_PART).
  * attend_sequence() is the work of one sequence for a range of KV heads; attend_rows() that of
  * several query rows of one sequence at consecutive positions (a speculative verification: the
  * newest token and its proposals), each attending up to its own position, with every K/V row read
@@ -273,6 +276,8 @@ typedef struct {
     int64_t rows, q_stride, out_stride; /* query rows sharing the context (row j: q + j * q_stride) */
     float scale;
     Shape s;
+    float *stats;         /* NULL, or each row's (largest score, sum of exponentials) per query head, a row stats_stride floats */
+    int64_t stats_stride; /* apart, head qh's pair at 2 qh: what merge_parts weighs a part of the context by */
 } Pass;
 
 /* Calls `call` with the constant count of query heads from g0 on in a group of G, clipped to QC:
@@ -402,10 +407,16 @@ static inline vf first_lanes(vf x, int64_t count) {
  * n .. stride - 1 (past its context, and the padding) 0; returns 1 / their sum, the normalisation
  * applied to the weighted sum at the end (once a head rather than once a score). Whole vectors
  * throughout (stride >= n rounded up to VW), the lanes past n taken as -inf. */
-static float exponentiate(float *p, int64_t n, int64_t stride) {
+static float exponentiate(float *p, int64_t n, int64_t stride, float *largest) {
+    if (n <= 0) { /* a part of the context this row does not reach: weight 0 when parts are merged */
+        memset(p, 0, sizeof(float) * stride);
+        *largest = -INFINITY;
+        return 0.0f;
+    }
     vf top = splat(-INFINITY), sum = {0};
     for (int64_t c = 0; c < n; c += VW) top = vmax(top, first_lanes(loadv(p + c), n - c));
     const float max = fold(top, 0);
+    *largest = max;
     int64_t c = 0;
     for (; c < n; c += VW) {
         const vf e = exp_lanes(first_lanes(loadv(p + c), n - c) - max);
@@ -425,10 +436,16 @@ static ALWAYS_INLINE void attend_passes(const Pass *p, const void *k_cache, cons
     Tile t;
     for (Walk w = walk(k_cache, table, p->first, len, s); next_tile(&w, &t);) score_tile(p, &t, bf16);
     const int64_t block_bytes = s.block_size * s.num_kv_heads * D * (int64_t)kv_bytes(bf16);
-    prefetch_rows((const char *)v_cache + table[p->first / s.block_size] * block_bytes, block_bytes); /* meanwhile */
+    if (p->n > 0) prefetch_rows((const char *)v_cache + table[p->first / s.block_size] * block_bytes, block_bytes); /* meanwhile */
     for (int64_t j = 0; j < p->rows; j++) {
-        for (int64_t i = 0; i < heads; i++)
-            p->inv[j * heads + i] = exponentiate(p->scores + (j * heads + i) * p->stride, p->lens[j] - p->first, p->stride);
+        for (int64_t i = 0; i < heads; i++) {
+            float largest;
+            p->inv[j * heads + i] = exponentiate(p->scores + (j * heads + i) * p->stride, p->lens[j] - p->first, p->stride, &largest);
+            if (p->stats != NULL) {
+                float *stat = p->stats + j * p->stats_stride + (p->h0 * s.group + i) * 2;
+                stat[0] = largest, stat[1] = p->inv[j * heads + i] > 0.0f ? 1.0f / p->inv[j * heads + i] : 0.0f;
+            }
+        }
         memset(p->out + j * p->out_stride + p->h0 * s.group * D, 0, sizeof(float) * heads * D);
     }
     for (Walk w = walk(v_cache, table, p->first, len, s); next_tile(&w, &t);) weigh_tile(p, &t, bf16);
@@ -439,29 +456,68 @@ static ALWAYS_INLINE void attend_passes(const Pass *p, const void *k_cache, cons
         }
 }
 
-int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *lens, const void *k_cache, const void *v_cache,
+int attend_part(const float *q, int64_t q_stride, int64_t rows, const int64_t *lens, const void *k_cache, const void *v_cache,
                 const int64_t *table, int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out,
-                int64_t out_stride) {
-    const int64_t len = lens[rows - 1];
-    const int64_t first = window > 0 && len > window ? len - window : 0;
-    if (first > 0 && rows > 1) { /* each row's window starts elsewhere: one row at a time */
+                int64_t out_stride, int64_t p0, int64_t p1, float *stats, int64_t stats_stride) {
+    const int64_t whole = lens[rows - 1];
+    const int64_t start = window > 0 && whole > window ? whole - window : 0;
+    if (start > 0 && rows > 1) { /* each row's window starts elsewhere: one row at a time */
         for (int64_t j = 0; j < rows; j++)
-            if (attend_rows(q + j * q_stride, q_stride, 1, lens + j, k_cache, v_cache, table, window, scale, s, h0, h1,
-                            out + j * out_stride, out_stride))
+            if (attend_part(q + j * q_stride, q_stride, 1, lens + j, k_cache, v_cache, table, window, scale, s, h0, h1,
+                            out + j * out_stride, out_stride, p0, p1, stats == NULL ? NULL : stats + j * stats_stride, stats_stride))
                 return KERNEL_NO_MEMORY;
         return KERNEL_OK;
     }
-    const int64_t heads = (h1 - h0) * s.group, stride = len - first + VW;
-    float *scores = malloc(sizeof(float) * (rows * heads * (stride + 1) - PAGEDLLM_TEST_OFF_BY_ONE));
-    if (scores == NULL) return KERNEL_NO_MEMORY;
-    const Pass pass = {q,  scores, out,  lens,     first,      len - first, stride, scores + rows * heads * stride,
-                       h0, h1,     rows, q_stride, out_stride, scale,       s};
+    const int64_t first = start > p0 ? start : p0, len = whole < p1 ? whole : p1;
+    const int64_t heads = (h1 - h0) * s.group, n = len > first ? len - first : 0, stride = n + VW;
+    /* each row's end within [p0, p1), then the scores (the int64s first: aligned as malloc's block is) */
+    int64_t *clipped = malloc(sizeof(int64_t) * rows + sizeof(float) * (rows * heads * (stride + 1) - PAGEDLLM_TEST_OFF_BY_ONE));
+    if (clipped == NULL) return KERNEL_NO_MEMORY;
+    float *scores = (float *)(clipped + rows);
+    for (int64_t j = 0; j < rows; j++) clipped[j] = lens[j] < p1 ? lens[j] : p1;
+    const Pass pass = {q,  scores,   out,           clipped, first, n,     stride, scores + rows * heads * stride,
+                       h0, h1,       rows,          q_stride, out_stride, scale, s, stats, stats_stride};
     if (s.kv_bf16)
         attend_passes(&pass, k_cache, v_cache, table, 1);
     else
         attend_passes(&pass, k_cache, v_cache, table, 0);
-    free(scores);
+    free(clipped);
     return KERNEL_OK;
+}
+
+void merge_parts(const float *parts, const float *stats, int64_t num_parts, int64_t heads, int64_t head_dim, float *out) {
+    const int64_t width = heads * head_dim;
+    int64_t reached = 0, only = 0; /* a row whose context lies in one part: that part's bits, as when it is computed whole */
+    for (int64_t c = 0; c < num_parts; c++)
+        if (stats[c * 2 * heads + 1] != 0.0f) reached++, only = c;
+    if (reached == 1) {
+        memcpy(out, parts + only * width, sizeof(float) * width);
+        return;
+    }
+    for (int64_t qh = 0; qh < heads; qh++) {
+        float top = -INFINITY;
+        for (int64_t c = 0; c < num_parts; c++) top = stats[c * 2 * heads + 2 * qh] > top ? stats[c * 2 * heads + 2 * qh] : top;
+        float total = 0.0f;
+        float *o = out + qh * head_dim;
+        memset(o, 0, sizeof(float) * head_dim);
+        for (int64_t c = 0; c < num_parts; c++) {
+            const float *stat = stats + c * 2 * heads + 2 * qh;
+            if (stat[1] == 0.0f) continue; /* a part the row does not reach */
+            const float w = stat[1] * exp_nonpositive(stat[0] - top);
+            total += w;
+            const float *part = parts + c * width + qh * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) o[d] += w * part[d];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t d = 0; d < head_dim; d++) o[d] *= inv;
+    }
+}
+
+int attend_rows(const float *q, int64_t q_stride, int64_t rows, const int64_t *lens, const void *k_cache, const void *v_cache,
+                const int64_t *table, int64_t window, float scale, Shape s, int64_t h0, int64_t h1, float *out,
+                int64_t out_stride) {
+    return attend_part(q, q_stride, rows, lens, k_cache, v_cache, table, window, scale, s, h0, h1, out, out_stride, 0,
+                       INT64_MAX, NULL, 0);
 }
 
 int attend_sequence(const float *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
