@@ -262,7 +262,8 @@ def test_a_verification_row_gets_the_bits_of_a_1_row_step(model_dir, monkeypatch
 
 # prompts whose decodes cross the 128-, 256- and 384-position boundaries of the attention's parts
 LONG_PROMPTS = [[3 + (13 * i + j) % 300 for j in range(length)] for i, length in enumerate((40, 120, 250, 300, 370))]
-LONG_PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3) for _ in LONG_PROMPTS]
+# (the longest prompt decodes its last 8 tokens alone: a single sequence's parts, every KV head an item)
+LONG_PARAMS = [SamplingParams(temperature=0, max_tokens=8 + 8 * i, ignore_eos=True, logprobs=3) for i in range(len(LONG_PROMPTS))]
 
 
 @pytest.mark.parametrize("arch,build", [("llama", ()), ("mistral", ()), ("qwen3", ()), ("llama", kernels.ISA_FLAGS["avx2"])],
