@@ -20,8 +20,10 @@
  *
  * A layer's stages, for rows r (each thread first computes its own copy of a norm it needs):
  *   qkv   = rmsnorm(x) W_qkv^T (+ b)                         chunks of panels
- *   per (row, KV head): q/k RMSNorm (Qwen3), rotary, K/V written to the row's slot
- *   per (row, KV head): paged attention over the row's context (paged_decode.c)
+ *   per (row, KV head): q/k RMSNorm (Qwen3), rotary, K/V written to the row's slot (a step of
+ *                       one sequence without adapters does this in the attention items instead)
+ *   per (sequence, KV heads, part of its context): paged attention (paged_decode.c), a context
+ *                       longer than ATTEND_PART positions in parts merged by the last to finish
  *   x    += attn W_o^T (+ b)                                  chunks of panels
  *   act   = silu(h W_gate^T) * (h W_up^T), h = rmsnorm(x)    chunks of gate/up panel pairs
  *   x    += act W_down^T (+ b)                                chunks of panels
