@@ -13,14 +13,20 @@ from pathlib import Path
 
 
 @contextmanager
-def scratch_dir(prefix: str, keep: Path | None = None) -> Iterator[Path]:
-    """`keep` (created if missing, never removed), else a fresh temporary folder removed on exit, also on error."""
+def scratch_dir(prefix: str, keep: Path | None = None, keep_failed: bool = False) -> Iterator[Path]:
+    """`keep` (created if missing, never removed), else a fresh temporary folder removed on exit —
+    also on error, unless `keep_failed` (a failed run's logs are what its user reads next)."""
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
         yield keep
         return
     folder = Path(tempfile.mkdtemp(prefix=prefix))
+    failed = False
     try:
         yield folder
+    except BaseException:
+        failed = True
+        raise
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        if not (failed and keep_failed):
+            shutil.rmtree(folder, ignore_errors=True)

@@ -21,15 +21,15 @@ import argparse
 import asyncio
 import json
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+from pagedllm.bench.scratch import scratch_dir
 
 
 @dataclass
@@ -194,26 +194,26 @@ def run(args: argparse.Namespace) -> int:
 
 def measure(args: argparse.Namespace, serve_args: list[str]) -> tuple[Summary, list[RequestResult]]:
     """The load against --url, or against a server of its own started with `serve_args` added."""
-    server = None
-    if args.model_path:
-        from pagedllm.entrypoints.serve import launch
+    if not args.model_path:
+        return _load(args, args.url.rstrip("/").removesuffix("/v1"))
+    from pagedllm.entrypoints.serve import launch
 
-        scratch = Path(tempfile.mkdtemp(prefix="pagedllm-bench-"))
+    # the server's folder is kept (with its log) only when the run fails
+    with scratch_dir("pagedllm-bench-", keep_failed=True) as scratch:
         log = scratch / "server.log"
         extra = [arg for item in args.serve_arg for arg in item.split()] + serve_args
         print(f"starting pagedllm serve --model {args.model_path} {' '.join(extra)} (log: {log})", file=sys.stderr)
         # its own (empty) training job store: a benchmark must not touch the user's
         server = launch(["--model", args.model_path, "--log-level", "warning", "--data-dir", str(scratch / "data"), *extra], log)
-    base_url = server.url if server else args.url.rstrip("/").removesuffix("/v1")
-    try:
-        args.vocab_size = _vocab_size(base_url, args)
-        result = asyncio.run(run_load(args, base_url, args.model))
-    finally:
-        if server is not None:
+        try:
+            return _load(args, server.url)
+        finally:
             server.stop()
-    if server is not None:  # kept (with the server's log) only when the run failed
-        shutil.rmtree(scratch, ignore_errors=True)
-    return result
+
+
+def _load(args: argparse.Namespace, base_url: str) -> tuple[Summary, list[RequestResult]]:
+    args.vocab_size = _vocab_size(base_url, args)
+    return asyncio.run(run_load(args, base_url, args.model))
 
 
 def compare_data_parallel(args: argparse.Namespace) -> int:

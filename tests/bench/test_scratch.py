@@ -21,3 +21,16 @@ def test_a_folder_the_user_named_is_created_and_kept(tmp_path: Path):
     with scratch_dir("pagedllm-test-scratch-", named) as folder:
         (folder / "adapter_config.json").write_text("{}")
     assert folder == named and (named / "adapter_config.json").exists()
+
+
+def test_a_failed_run_keeps_its_folder_when_asked():
+    with pytest.raises(RuntimeError), scratch_dir("pagedllm-test-scratch-", keep_failed=True) as failed:
+        (failed / "server.log").write_text("the server's last words")
+        raise RuntimeError("bench failed")
+    assert (failed / "server.log").exists()
+    import shutil
+
+    shutil.rmtree(failed)
+    with scratch_dir("pagedllm-test-scratch-", keep_failed=True) as passed:
+        pass
+    assert not passed.exists()

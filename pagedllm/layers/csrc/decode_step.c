@@ -582,20 +582,19 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
      * (every KV head's side by side) is read whole by one item, not a head's 256 bytes of it by
      * each of three (at ~40 sequences attention took 45 % of the step; a single stream at 129-328
      * positions took 7.6 % less a step than with a head an item) */
-    int64_t start[sc->num_groups + 1], first_part[sc->num_groups], one_end;
-    context_parts(st, sc, ly->window, 0, &first_part[0], &one_end);
-    const int64_t per = sc->num_groups >= ATTEND_WHOLE_ROWS * nt || (sc->num_groups == 1 && one_end - first_part[0] >= nt) ? Hkv : 1,
+    int64_t start[sc->num_groups + 1], first_part[sc->num_groups], num_parts[sc->num_groups];
+    for (int64_t g = 0; g < sc->num_groups; g++) {
+        context_parts(st, sc, ly->window, g, &first_part[g], &num_parts[g]);
+        num_parts[g] -= first_part[g];
+    }
+    const int64_t per = sc->num_groups >= ATTEND_WHOLE_ROWS * nt || (sc->num_groups == 1 && num_parts[0] >= nt) ? Hkv : 1,
                   sets = Hkv / per;
     start[0] = 0;
-    for (int64_t g = 0; g < sc->num_groups; g++) {
-        int64_t end;
-        context_parts(st, sc, ly->window, g, &first_part[g], &end);
-        start[g + 1] = start[g] + sets * (end - first_part[g]);
-    }
+    for (int64_t g = 0; g < sc->num_groups; g++) start[g + 1] = start[g] + sets * num_parts[g];
     const int64_t items = start[sc->num_groups];
     for (int64_t i, g = 0; (i = claim(&stages[2])) < items; finish(&stages[2])) {
         while (i >= start[g + 1]) g++; /* items are claimed in ascending order */
-        const int64_t parts = (start[g + 1] - start[g]) / sets, part = (i - start[g]) / sets, h = (i - start[g]) % sets * per;
+        const int64_t parts = num_parts[g], part = (i - start[g]) / sets, h = (i - start[g]) % sets * per;
         const int64_t r = sc->group_first[g], rows = sc->group_count[g];
         const int64_t p0 = (first_part[g] + part) * ATTEND_PART, p1 = parts == 1 ? INT64_MAX : p0 + ATTEND_PART;
         const float *q = sc->qkv + r * sc->qkv_ld;
