@@ -75,12 +75,11 @@ class ModelRunner:
         panels_library = kernels.load() if planner.small_matmul_panels else None
         self.model = load_model(model_config, max_model_len, self.dtype, self.device, group, quantization=config.quantization,
                                 panel_width=panels_library.panel_width() if panels_library is not None else None)
-        # Block-quantized panels multiply int8-quantized activations (small_matmul.c) in decode
-        # steps; steps that process prompts keep fp32 activations (_activations_for)
+        # Block-quantized panels multiply int8-quantized activations (small_matmul.c) in every
+        # step, prompts included; pooled embeddings keep fp32 (_activations_for)
         self.int8_activations = bool(config.int8_activations)
-        self.int8_every_step = False  # measurement only: prompts too (the quality bound docs/engine.md quotes)
         self._int8_now: bool | None = None
-        self._activations_for(self.int8_activations)
+        self._activations_for(True)
         self.speculator = speculator
         self.states = SequenceStates()
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
@@ -218,8 +217,7 @@ class ModelRunner:
         started = time.perf_counter()
         self._apply(sched)
         chunks = [self._batch_chunk(chunk) for chunk in sched.chunks]
-        if self.int8_activations:  # a decode verifying proposals is still one token per sequence
-            self._activations_for(all(chunk.is_decode for chunk in chunks))
+        self._activations_for(True)
         rows = self._sample_rows(sched, chunks)
         if self.offload is not None:
             sched, chunks = self._offload_step(sched, chunks)
@@ -246,16 +244,15 @@ class ModelRunner:
                                 self._generator)
         return ReadyResults(result)
 
-    def _activations_for(self, decode_only: bool) -> None:
-        """int8 activations in steps of one token per sequence (decodes, multi-step bursts) only.
+    def _activations_for(self, step: bool) -> None:
+        """int8 activations (when on) in every step, prompts included — llama.cpp's arithmetic;
+        fp32 for pooled embeddings (`step` False), which score no tokens.
 
-        Quantizing a row's activations to int8 magnifies the last-bit differences between the
-        paths that process a prompt (one modules pass, fused chunks, a prefix-cache hit's tail)
-        into a visible change: the default model's first token after "What is the capital of
-        France?" is a near-tie (0.08 nats) that flipped to a wrong answer on the repeated
-        question. With prompts in fp32 a prompt's KV and its first token do not depend on how it
-        was split or cached, and decode steps, where int8 pays (weights read per token), keep it."""
-        on = self.int8_activations and (decode_only or self.int8_every_step)
+        Rounding a row to int8 magnifies any last-bit difference in its input, so a prompt's rows
+        must get the same bits however the prompt is split (one pass, chunks, a prefix-cache hit's
+        tail): every prompt chunk goes through the modules, whose every op is row-deterministic
+        (_short_chunks_as_rows), never the fused decode step's own attention and norms."""
+        on = self.int8_activations and step
         if on == self._int8_now:
             return
         for linear in self.model.linears():
@@ -391,8 +388,11 @@ class ModelRunner:
     def _short_chunks_as_rows(self, chunks: list[BatchChunk]) -> list[BatchChunk]:
         """When the planner says all of a step's positions fit one fused step, its prompt chunks
         too are laid out as decode rows: the end of a prompt found in the prefix cache, or a short
-        prompt, costs about a decode step."""
-        if not self.planner.decode_rows_fit(sum(c.num_tokens for c in chunks)):
+        prompt, costs about a decode step. Not with int8 activations: the fused step's attention
+        and norms give a prompt row other last bits than the modules' pass over a longer chunk,
+        and int8 rounding would make a prompt's answer depend on how it was split or cached
+        (measured: 0.15-0.20 nats on the default model's chat prompts)."""
+        if self.int8_activations or not self.planner.decode_rows_fit(sum(c.num_tokens for c in chunks)):
             return chunks
         return [c if c.is_decode else replace(c, num_spec=c.num_tokens - 1) for c in chunks]
 
