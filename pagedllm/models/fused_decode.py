@@ -8,7 +8,7 @@ matmuls stop short of the memory's speed. This module describes the model to the
 (pointers to the packed weights of layers/small_matmul.py, the norms, the rotary tables, the KV
 pools) and then runs each qualifying step with one call: steps whose rows are all decodes
 (plain decodes and speculative verification rows), at most `MAX_ROWS` of them (`TILE_ROWS` where
-int8 activations go through AMX tiles), attended with the C decode kernel. Everything else — prefills, mixed steps, larger batches — runs through the
+every matrix multiplies int8 activations), attended with the C decode kernel. Everything else — prefills, mixed steps, larger batches — runs through the
 modules, which stay the reference the fused step is tested against (tests/models/test_fused_decode.py).
 """
 from __future__ import annotations
@@ -26,10 +26,11 @@ from pagedllm.layers.kernel_interface import Model as ModelStruct
 from pagedllm.layers.kernel_interface import Step as StepStruct
 from pagedllm.layers.small_matmul import MAX_ROWS, WEIGHT_Q4, WEIGHT_Q8_0, PackedWeight
 
-# The most rows a fused step takes where every matrix multiplies int8 activations through AMX
-# tiles (csrc/amx_int8.c): its matmuls of 16 rows or more are then the tiles', as the modules'
-# would be, and one call saves the modules' per-op dispatch of every layer (docs/engine.md, "AMX
-# tiles"). Elsewhere MAX_ROWS, the decode sizes the small-M kernels are for.
+# The most rows a fused step takes where every matrix multiplies int8 activations: its matmuls
+# are then the same integer kernels the modules' would run at any row count (AMX tiles for 16
+# rows or more where the CPU has them, csrc/amx_int8.c; the VNNI or AVX2 loops elsewhere), and
+# one call saves the modules' per-op dispatch of every layer (docs/engine.md, "Fused steps of
+# many rows"). With fp32 activations MAX_ROWS, the decode sizes the small-M kernels are for.
 TILE_ROWS = 256
 
 
@@ -104,14 +105,6 @@ class ThreadCount:
         return min(self.candidates, key=lambda c: self._median(rows, c))
 
 
-def _all_through_tiles(model, library: ctypes.CDLL) -> bool:
-    """Whether every matrix of the step multiplies int8 activations, and the library's integer
-    sums of many rows are AMX tiles'."""
-    linears = [model.lm_head] + [m for layer in model.model.layers for m in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    return library.int8_dot_product().decode() == "amx" and all(_packed(m).struct().int8_activations for m in linears)
-
-
 def _packed(linear) -> PackedWeight:
     if linear.small is None:
         raise ValueError("the fused decode step needs every linear packed for small-M matmuls")
@@ -145,7 +138,7 @@ class FusedDecoder:
         self._layers = (LayerStruct * len(layers))(*layers)
         self._lm_head = _packed(model.lm_head).struct()
         self.threads = ThreadCount(torch.get_num_threads())
-        self.max_rows = TILE_ROWS if _all_through_tiles(model, library) else MAX_ROWS
+        self.max_rows = self._max_rows()
         rotary = model.model.rotary
         k_cache = model.model.layers[0].self_attn.attn.k_cache
         _check_model(model, k_cache, rotary)
@@ -164,6 +157,12 @@ class FusedDecoder:
             for name in ("qkv", "o", "gate_up", "down"):
                 _set_int8(getattr(layer, name), on)
         _set_int8(self._lm_head, on)
+        self.max_rows = self._max_rows()
+
+    def _max_rows(self) -> int:
+        """TILE_ROWS while every matrix multiplies int8 activations, else MAX_ROWS."""
+        matrices = [self._lm_head, *(getattr(layer, name) for layer in self._layers for name in ("qkv", "o", "gate_up", "down"))]
+        return TILE_ROWS if all(m.int8_activations for m in matrices) else MAX_ROWS
 
     def accepts(self, meta: AttentionMetadata, num_rows: int) -> bool:
         """All rows decodes attended by the C kernel (one bucket), at most max_rows of them."""

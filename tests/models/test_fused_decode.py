@@ -105,36 +105,39 @@ MANY_PARAMS = [SamplingParams(temperature=0, max_tokens=3 + i % 7, ignore_eos=Tr
 TILE_ARGS = {"quantization": "q4", "int8_activations": True, "max_num_seqs": 64}
 
 
-def test_many_rows_go_through_the_fused_step_where_amx_tiles_run(model_dir, monkeypatch, run):
-    """Kept blocks with int8 activations where the kernels sum them with AMX tiles: steps of up to
-    TILE_ROWS rows are fused (40 here, shrinking), their matmuls of 16 rows or more through the
-    tiles. The same steps through the build without tiles (VNNI) give the same bits. Against the
-    modules, not the same tokens and logprobs within 1e-4: the two paths' activations differ in
-    their last bits (summation order), which now and then moves an activation's int8 code by one
-    (a logprob by 0.018 here, and one near-tie of this random model's to the other token). So:
-    each sequence's tokens up to where it parts ways with the modules' (>= 90 % of them; measured
-    221 of 235), and their logprobs within 0.05."""
-    if kernels.load().int8_dot_product().decode() != "amx":
-        pytest.skip("this machine's kernels do not use AMX tiles")
+def test_many_rows_go_through_the_fused_step_with_int8_activations(model_dir, monkeypatch, run):
+    """Kept blocks with int8 activations: steps of up to TILE_ROWS rows are fused (40 here,
+    shrinking) — their matmuls the integer kernels the modules' run at any row count (AMX tiles for
+    16 rows or more where the CPU has them, else the VNNI or AVX2 loops). Against the modules, not
+    the same tokens and logprobs within 1e-4: the two paths' activations differ in their last bits
+    (summation order), which now and then moves an activation's int8 code by one (a logprob by
+    0.018 here, and one near-tie of this random model's to the other token). So: each sequence's
+    tokens up to where it parts ways with the modules' (>= 90 % of them; measured 221 of 235 with
+    the tiles), and their logprobs within 0.05. Where the tiles run, the build without them (VNNI)
+    gives the same bits. With fp32 activations (the exact path) a step takes at most MAX_ROWS."""
     assert TILE_ROWS >= 40
-    tiles, calls = run(model_dir("llama3"), MANY_PROMPTS, MANY_PARAMS, decode_backend="fused", **TILE_ARGS)
+    fused, calls = run(model_dir("llama3"), MANY_PROMPTS, MANY_PARAMS, decode_backend="fused", **TILE_ARGS)
     assert max(calls) == 40 and min(calls) < 16
     reference, _ = run(model_dir("llama3"), MANY_PROMPTS, MANY_PARAMS, decode_backend="torch", **TILE_ARGS)
     agree = total = 0
-    for a, b in zip(tiles, reference):
+    for a, b in zip(fused, reference):
         ours, theirs = a.outputs[0].token_ids, b.outputs[0].token_ids
         same = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), len(ours))
         agree, total = agree + same, total + len(ours)
         for mine, other in zip(a.outputs[0].logprobs[:same], b.outputs[0].logprobs[:same]):
             assert all(abs(entry.logprob - other[token].logprob) < 0.05 for token, entry in mine.items() if token in other)
-    print(f"\n[fused tiles vs modules] {agree} of {total} tokens agree")
+    print(f"\n[fused ({kernels.load().int8_dot_product().decode()}) vs modules] {agree} of {total} tokens agree")
     assert agree >= 0.9 * total, f"{agree} of {total} tokens"
+    _, exact_calls = run(model_dir("llama3"), MANY_PROMPTS, MANY_PARAMS, decode_backend="fused",
+                         **{**TILE_ARGS, "int8_activations": False})
+    assert max(exact_calls) == MAX_ROWS
+    if kernels.load().int8_dot_product().decode() != "amx":
+        return
     vnni = kernels.load(("-mno-amx-tile", "-mno-amx-int8"))
     monkeypatch.setattr(kernels, "load", lambda extra_flags=(): vnni)
-    monkeypatch.setattr(fused_decode, "_all_through_tiles", lambda model, library: True)
     without, vnni_calls = run(model_dir("llama3"), MANY_PROMPTS, MANY_PARAMS, decode_backend="fused", **TILE_ARGS)
     assert vnni_calls == calls
-    for a, b in zip(tiles, without):
+    for a, b in zip(fused, without):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
