@@ -42,7 +42,8 @@ class ThreadCount:
     idle machine two threads read the weights up to twice as fast. The thread count does not
     change a result (every chunk is computed the same way by whichever thread takes it).
 
-    Each candidate is tried `warmup` steps, then the one with the lower recent median runs and
+    Each candidate is tried `warmup` steps (a new row count starts from the nearest warmed-up
+    count's times instead: `_seeded`), then the one with the lower recent median runs and
     the other is re-tried for one step now and then (a probe; in a multi-step call, its first
     step) so a change in the machine's load is noticed. A probe costs a step at the slower
     count, so the interval between probes doubles, from `probe_every` up to `max_probe_every`
@@ -62,7 +63,9 @@ class ThreadCount:
     def plan(self, rows: int, steps: int = 1) -> list[int]:
         """The thread count of each of the next `steps` steps of this many rows."""
         rows = self._key(rows)
-        times = self.times.setdefault(rows, {c: [] for c in self.candidates})
+        times = self.times.get(rows)
+        if times is None:
+            times = self.times[rows] = self._seeded(rows)
         untried = [c for c in self.candidates if len(times[c]) < self.warmup]
         if untried:
             return [untried[0]] * steps
@@ -74,6 +77,18 @@ class ThreadCount:
             return [best] * steps
         other = next(c for c in self.candidates if c != best)
         return [other] + [best] * (steps - 1)
+
+    def _seeded(self, rows: Hashable) -> dict[int, list[float]]:
+        """A new row count's first times: copies of the nearest warmed-up count's, so it starts
+        with that count's choice instead of `warmup` steps at each candidate — a batch draining
+        from 16 rows to 1 would otherwise spend 3 steps of every count at the slower one. Its own
+        times replace the copies as it runs, and its probes correct a wrong start."""
+        warmed = [key for key, times in self.times.items() if isinstance(key, int)
+                  and all(len(times[c]) >= self.warmup for c in self.candidates)]
+        if not isinstance(rows, int) or not warmed:
+            return {c: [] for c in self.candidates}
+        nearest = min(warmed, key=lambda key: (abs(key - rows), key))
+        return {c: list(recent) for c, recent in self.times[nearest].items()}
 
     def record(self, rows: int, threads: list[int], seconds: list[float]) -> None:
         """The measured time of each step `plan` gave."""

@@ -196,9 +196,25 @@ def test_the_thread_count_follows_the_measured_step_times():
     assert run({1: 0.016, 2: 0.010}, 3, steps=8) == [1] + [2] * 7 + [2] * 8 + [1] + [2] * 7
     # loaded again: the choice's own times show it within the call, and the next call switches
     assert run({1: 0.016, 2: 0.030}, 2, steps=8) == [2] * 8 + [1] * 8
-    # a new batch size is tried with each count for a whole call (then the first probe is due)
-    assert run({1: 0.016, 2: 0.010}, 3, steps=8, rows=2) == [1] * 8 + [2] * 8 + [1] + [2] * 7
+    # a new batch size starts from the nearest warmed-up one's times (one thread, just chosen for
+    # 1 row), its first probe due at once in a call longer than probe_every: two threads win it
+    assert run({1: 0.016, 2: 0.010}, 3, steps=8, rows=2) == [2] + [1] * 7 + [2] * 8 + [1] + [2] * 7
     assert ThreadCount(1).plan(rows=3, steps=2) == [1, 1]
+
+
+def test_a_new_row_count_starts_from_the_nearest_warmed_up_one():
+    """A batch draining from 16 rows to 1 would spend `warmup` steps of every count at each
+    candidate (measured: most of an offline run's small steps); a new count starts from the
+    nearest warmed-up count's choice instead, and its probes still try the other."""
+    tuner = ThreadCount(2, warmup=2, probe_every=4)
+    for _ in range(4):  # 5 rows: each count tried twice, two threads faster
+        plan = tuner.plan(5)
+        tuner.record(5, plan, [0.01 if plan[0] == 2 else 0.02])
+    assert tuner.plan(5) == [2]
+    assert tuner.plan(4, steps=3) == [2, 2, 2]  # never seen: two threads at once, 5's choice
+    tuner.record(4, [2, 2, 2], [0.009] * 3)
+    assert tuner.plan(4, steps=2) == [1, 2]  # its first probe is due after probe_every steps
+    assert tuner.plan((3, 4)) == [1]  # speculation cycles' keys warm up on their own
 
 
 def test_row_counts_past_16_share_their_timings():
