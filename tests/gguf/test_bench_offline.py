@@ -29,6 +29,20 @@ def test_offline_bench_on_a_gguf_against_transformers_in_turns(tiny_gguf, temp_d
     assert status == 0
     assert "pagedllm output tok/s each round: " in out and "transformers output tok/s each round: " in out
     assert "speed-up over transformers: " in out
+    assert "pagedllm KV pool: " in out and "requests preempted each run: 0, 0" in out
+
+
+def test_against_vllm_both_engines_get_the_same_kv_memory():
+    """vLLM's worker gets --kv-cache-gib (VLLM_CPU_KVCACHE_SPACE) and pagedllm the same bytes as
+    kv_cache_memory: its default pool (one full context) preempted 27 of the long workload's 64
+    requests where vLLM's 4 GiB held them all. A pool the engine arguments size wins; 0 keeps
+    pagedllm's default."""
+    from pagedllm.bench.offline import _with_kv_memory
+
+    assert _with_kv_memory({}, 4) == {"kv_cache_memory": 4 << 30}
+    for sized in ({"kv_cache_memory": 1 << 30}, {"num_kv_blocks": 64}, {"kv_cache_memory_fraction": 0.5}):
+        assert _with_kv_memory(sized, 4) == sized
+    assert _with_kv_memory({"max_num_seqs": 8}, 0) == {"max_num_seqs": 8}
 
 
 def test_the_dequantized_folder_holds_the_files_weights_once(tiny_gguf, temp_dir):
