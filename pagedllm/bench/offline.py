@@ -20,6 +20,7 @@ of either moves by a fifth.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -221,10 +222,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cuda: also run transformers' padded generate in batches of 64")
     parser.add_argument("--engine-arg", action="append", metavar="NAME=VALUE",
                         help="an extra engine argument for pagedllm (repeatable)")
-    parser.add_argument("--kv-cache-gib", type=int, default=4,
+    parser.add_argument("--kv-cache-gib", type=int, default=None,
                         help="--against vllm: the KV memory of each engine, in GiB: pagedllm's kv_cache_memory and "
-                             "vLLM's VLLM_CPU_KVCACHE_SPACE (default %(default)s, the same for both); 0: pagedllm's "
-                             "own default pool (one full context), vLLM's 4. An --engine-arg that sizes the pool wins")
+                             "vLLM's VLLM_CPU_KVCACHE_SPACE, the same for both (default: $VLLM_CPU_KVCACHE_SPACE, else "
+                             "4); 0: pagedllm's own default pool (one full context), vLLM's 4. An --engine-arg that "
+                             "sizes pagedllm's pool wins")
 
 
 def _workload_defaults(args: argparse.Namespace) -> None:
@@ -255,6 +257,10 @@ def run(args: argparse.Namespace) -> int:
     engine_args = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     engine_args.update(parse_engine_args(args.engine_arg))
     if args.against == "vllm" and not args.skip_transformers:
+        from pagedllm.bench.vllm_cpu import KV_CACHE_GIB
+
+        if args.kv_cache_gib is None:
+            args.kv_cache_gib = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB))
         engine_args = _with_kv_memory(engine_args, args.kv_cache_gib)
     times = _turns(args, folder, workload, engine_args)
     ours = min(times["pagedllm"])
@@ -321,7 +327,7 @@ def _turns(args: argparse.Namespace, folder: Path, workload: Workload, engine_ar
             python = vllm_cpu.python_of(args.vllm_python)
             reference = dequantized_folder(folder) if gguf else folder
             for dtype in VLLM_BEST_DTYPES if args.vllm_dtype == "best" else (args.vllm_dtype,):
-                engine = vllm_cpu.VllmCpu(python, reference, workload, dtype, kv_cache_gib=args.kv_cache_gib or vllm_cpu.KV_CACHE_GIB)
+                engine = vllm_cpu.VllmCpu(python, reference, workload, dtype, kv_cache_gib=args.kv_cache_gib or None)
                 engines[f"vLLM {engine.info['version']} CPU ({engine.info['dtype']})"] = engine
         elif against == "transformers":
             engines["transformers"] = TransformersGenerate(dequantized_folder(folder) if gguf else folder, workload)

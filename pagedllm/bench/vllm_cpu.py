@@ -51,10 +51,10 @@ class VllmCpu:
     """vLLM's engine in its own process, loaded once; each call times one run of the workload."""
 
     def __init__(self, python: str, folder: Path, workload: Workload, dtype: str = "auto", lora: dict | None = None,
-                 kv_cache_gib: int = KV_CACHE_GIB):
+                 kv_cache_gib: int | None = None):
         """`lora` ({"adapters": [PEFT folders], "max_lora_rank": R}) builds vLLM with `enable_lora`
         and one slot per adapter, for `run(count, adapters)` (bench lora). `kv_cache_gib`: its KV
-        space (VLLM_CPU_KVCACHE_SPACE), unless that is set in the environment."""
+        space (VLLM_CPU_KVCACHE_SPACE); None: the environment's, else KV_CACHE_GIB."""
         self._workload_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
         json.dump({"prompts": workload.prompts, "output_lens": workload.output_lens, **({"lora": lora} if lora else {})},
                   self._workload_file)
@@ -63,7 +63,9 @@ class VllmCpu:
         self.expected = workload.output_tokens
         threads = torch.get_num_threads()
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        if kv_cache_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self._log = tempfile.TemporaryFile("w+")
         self._process = subprocess.Popen([python, str(WORKER), str(folder), self._workload_file.name, dtype], env=env,
