@@ -92,6 +92,10 @@ class StepPlanner:
     draft_kernel_attention: bool = False  # the draft model attends with the C kernels
     draft_fused_decode: bool = False  # the draft's one-token passes run as fused decode steps
     fused_spec_cycles: bool = False  # greedy speculation cycles in one C call
+    # Prompt chunks that fit one fused step run as its decode rows; not with int8 activations,
+    # whose prompts take the modules' row-deterministic ops so their bits do not depend on the
+    # split (the fused step's own attention and norms differ in the last bits, which int8 magnifies)
+    prompt_rows_fused: bool = True
     # The next step scheduled while the device runs this one (engine/scheduler.py, async scheduling)
     async_scheduling: bool = False
     # What the operator asked for and does not get, and why (the server prints it at start)
@@ -126,7 +130,7 @@ class StepPlanner:
         planner = cls(max_model_len, config.tensor_parallel_size, config.kv_offload, attention, fused, panels, graphs,
                       config.num_scheduler_steps if fused or device_bursts else 1,
                       MAX_ROWS if fused else config.max_num_seqs, config.speculative_config, async_scheduling=overlap,
-                      notices=notices)
+                      notices=notices, prompt_rows_fused=not config.int8_activations)
         return planner._with_draft(dtype, device)
 
     def _with_draft(self, dtype: torch.dtype, device: torch.device) -> "StepPlanner":
@@ -227,8 +231,9 @@ class StepPlanner:
     def decode_rows_fit(self, num_positions: int) -> bool:
         """Whether a step's positions fit one fused step, so its prompt chunks too are laid out as
         decode rows, each attending to the context up to its own position — what their prefill
-        computes — and the step is one C call instead of a pass through the modules."""
-        return self.fused_decode and num_positions <= MAX_ROWS
+        computes — and the step is one C call instead of a pass through the modules (with fp32
+        activations only: `prompt_rows_fused`)."""
+        return self.fused_decode and self.prompt_rows_fused and num_positions <= MAX_ROWS
 
     def runs_fused(self, decoder, meta: AttentionMetadata, num_rows: int) -> bool:
         """Whether a forward pass runs as one fused decode step (`decoder`, when the model has

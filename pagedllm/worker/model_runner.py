@@ -76,10 +76,10 @@ class ModelRunner:
         self.model = load_model(model_config, max_model_len, self.dtype, self.device, group, quantization=config.quantization,
                                 panel_width=panels_library.panel_width() if panels_library is not None else None)
         # Block-quantized panels multiply int8-quantized activations (small_matmul.c) in every
-        # step, prompts included; pooled embeddings keep fp32 (_activations_for)
+        # step, prompts included; pooled embeddings keep fp32 (_set_int8)
         self.int8_activations = bool(config.int8_activations)
         self._int8_now: bool | None = None
-        self._activations_for(True)
+        self._set_int8(self.int8_activations)
         self.speculator = speculator
         self.states = SequenceStates()
         self.windows = sorted(set(model_config.sliding_windows), key=lambda w: (w is not None, w or 0))
@@ -217,7 +217,6 @@ class ModelRunner:
         started = time.perf_counter()
         self._apply(sched)
         chunks = [self._batch_chunk(chunk) for chunk in sched.chunks]
-        self._activations_for(True)
         rows = self._sample_rows(sched, chunks)
         if self.offload is not None:
             sched, chunks = self._offload_step(sched, chunks)
@@ -244,15 +243,11 @@ class ModelRunner:
                                 self._generator)
         return ReadyResults(result)
 
-    def _activations_for(self, step: bool) -> None:
-        """int8 activations (when on) in every step, prompts included — llama.cpp's arithmetic;
-        fp32 for pooled embeddings (`step` False), which score no tokens.
-
-        Rounding a row to int8 magnifies any last-bit difference in its input, so a prompt's rows
-        must get the same bits however the prompt is split (one pass, chunks, a prefix-cache hit's
-        tail): every prompt chunk goes through the modules, whose every op is row-deterministic
-        (_short_chunks_as_rows), never the fused decode step's own attention and norms."""
-        on = self.int8_activations and step
+    def _set_int8(self, on: bool) -> None:
+        """int8 activations in every block-quantized matmul (every step when the engine has them:
+        llama.cpp's arithmetic), or fp32 (the exact path, and pooled embeddings: `embed`).
+        Rounding a row to int8 magnifies any last-bit difference in its input, so prompts never
+        take the fused step's own arithmetic (the planner's `prompt_rows_fused`)."""
         if on == self._int8_now:
             return
         for linear in self.model.linears():
@@ -266,13 +261,14 @@ class ModelRunner:
         """Each prompt's pooled embedding (worker/pooler.py), between steps: the modules in fp32
         activations, as a prompt step runs them, and nothing of the KV pool or of the layer-wise
         offload touched (their hook is off for the pass)."""
-        self._activations_for(False)
+        self._set_int8(False)
         inner = self.model.model
         hook, inner.layer_hook = inner.layer_hook, None
         try:
             return pool(self.model, token_lists, self.windows, self.dtype, self.device, max_batch_tokens, normalize)
         finally:
             inner.layer_hook = hook
+            self._set_int8(self.int8_activations)
 
     def abandon_steps(self) -> None:
         """A step failed and the engine gave up the steps in flight (LLMEngine.step): no later
@@ -388,11 +384,10 @@ class ModelRunner:
     def _short_chunks_as_rows(self, chunks: list[BatchChunk]) -> list[BatchChunk]:
         """When the planner says all of a step's positions fit one fused step, its prompt chunks
         too are laid out as decode rows: the end of a prompt found in the prefix cache, or a short
-        prompt, costs about a decode step. Not with int8 activations: the fused step's attention
-        and norms give a prompt row other last bits than the modules' pass over a longer chunk,
-        and int8 rounding would make a prompt's answer depend on how it was split or cached
-        (measured: 0.15-0.20 nats on the default model's chat prompts)."""
-        if self.int8_activations or not self.planner.decode_rows_fit(sum(c.num_tokens for c in chunks)):
+        prompt, costs about a decode step (not with int8 activations: the planner's
+        `prompt_rows_fused`; split that way, a prompt's first-token logprobs moved by 0.15-0.20
+        nats on the default model's chat prompts)."""
+        if not self.planner.decode_rows_fit(sum(c.num_tokens for c in chunks)):
             return chunks
         return [c if c.is_decode else replace(c, num_spec=c.num_tokens - 1) for c in chunks]
 

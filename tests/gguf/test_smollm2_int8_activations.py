@@ -77,6 +77,18 @@ def test_prompts_take_int8_and_their_bits_do_not_depend_on_the_split(exact, int8
     assert int8.llm_engine.runner._int8_now is True and int8.llm_engine.runner.model.fused._lm_head.int8_activations == 1
 
 
+def test_embeddings_pool_fp32_and_steps_after_them_take_int8_again(exact, int8):
+    """Pooled embeddings score no token and keep fp32 activations: the default engine's equal the
+    exact path's; the steps after them multiply int8 activations again."""
+    prompt = {"prompt_token_ids": chat(exact.get_tokenizer(), QUESTIONS[1])}
+    (ours,), (want,) = int8.embed([prompt]), exact.embed([prompt])
+    assert ours.outputs.embedding == want.outputs.embedding
+    runner = int8.llm_engine.runner
+    assert runner._int8_now is True and runner.model.fused._lm_head.int8_activations == 1
+    int8.generate([prompt], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert runner._int8_now is True
+
+
 def test_greedy_chat_tokens_agree_with_the_exact_path(exact, int8):
     """Teacher-forced on the exact path's answers, the int8 engine's own greedy choice (its top
     prompt logprob) is the exact path's next token at >= 90 % of the positions. Free greedy
