@@ -60,10 +60,13 @@ LAYOUT_SOURCE = "layout.c"  # generated at build time (kernel_interface.layout_s
 # process to flush-denormals-to-zero when the library loads.
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-std=gnu11")
 _LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
-# The streamed weights' software prefetch (small_matmul.c, STREAM_*) per CPU vendor: an Intel
-# Xeon streams from L2 prefetches 4 KB ahead; elsewhere (AMD, where the kernels were tuned) the
-# sources' defaults, a non-temporal prefetch 1 KB ahead. docs/engine.md, "Prefetch hints".
-STREAM_HINTS = {"GenuineIntel": ("-DSTREAM_LOCALITY=2", "-DSTREAM_AHEAD_BYTES=4096")}
+# The streamed weights' software prefetch (small_matmul.c, STREAM_*) per CPU family (cpu_family):
+# an Intel Xeon streams from L2 prefetches 4 KB ahead (a non-temporal prefetch fills L1 alone and
+# does not train its L2 streamer), and so does a Zen 3 EPYC (-3 to -5 % a single-stream step); a
+# Zen 5 measured the same within its spread with either, and Zen 2 and Zen 4 were never measured, so
+# they keep the sources' defaults, a non-temporal prefetch 1 KB ahead. docs/engine.md, "Prefetch hints".
+L2_4KB = ("-DSTREAM_LOCALITY=2", "-DSTREAM_AHEAD_BYTES=4096")
+STREAM_HINTS = {"Intel": L2_4KB, "Zen 3": L2_4KB}
 # The sanitizer build: every access checked (ASan), undefined behaviour fatal (UBSan), frames
 # kept for readable reports. Still -O3, the code the engine runs: at -O1 the unvectorised sums
 # round differently and the kernels' tolerance tests fail (it would compile in 5 s, not 20 s).
@@ -130,9 +133,33 @@ def cpu_vendor() -> str:
 
 def cpu_model() -> str:
     """/proc/cpuinfo's model name with its family and model numbers (benchmarks print it beside their
-    figures; a VM may name only "AMD EPYC", and family 23 / 25 / 26 tell Zen 2 / 3-4 / 5 apart)."""
+    figures; a VM may name only "AMD EPYC": the family and model tell the generation, cpu_family)."""
     name, family, model = _cpuinfo("model name"), _cpuinfo("cpu family"), _cpuinfo("model")
-    return f"{name} (family {family}, model {model})" if family else name
+    return f"{name} (family {family}, model {model}; {cpu_family()})" if family else name
+
+
+# AMD's families and the models each Zen generation took in them (AMD's processor programming
+# references): family 0x17 from model 0x30 is Zen 2, family 0x19 is Zen 3 or Zen 4 by model, 0x1a Zen 5.
+_ZEN_4_MODELS = (range(0x10, 0x20), range(0x60, 0x80), range(0xA0, 0xB0))
+
+
+def cpu_family() -> str:
+    """The family the kernels' build is tuned for: "Intel", "Zen 2" to "Zen 5", else the vendor
+    ("" where /proc/cpuinfo names none)."""
+    vendor = cpu_vendor()
+    if vendor == "GenuineIntel":
+        return "Intel"
+    try:
+        family, model = int(_cpuinfo("cpu family")), int(_cpuinfo("model"))
+    except ValueError:
+        return vendor
+    if vendor != "AuthenticAMD" or family < 0x17:
+        return vendor
+    if family == 0x17:
+        return "Zen 2" if model >= 0x30 else "Zen"
+    if family == 0x19:
+        return "Zen 4" if any(model in models for models in _ZEN_4_MODELS) else "Zen 3"
+    return "Zen 5" if family == 0x1A else vendor
 
 
 def _cpu_signature() -> bytes:
@@ -144,12 +171,12 @@ def _cpu_signature() -> bytes:
 
 
 def prefetch_hint() -> str:
-    """The streamed weights' software prefetch this CPU's build uses (STREAM_HINTS), in words."""
-    flags = dict(flag.removeprefix("-D").split("=") for flag in STREAM_HINTS.get(cpu_vendor(), ()))
+    """The streamed weights' software prefetch this CPU family's build uses (STREAM_HINTS), in words."""
+    flags = dict(flag.removeprefix("-D").split("=") for flag in STREAM_HINTS.get(cpu_family(), ()))
     locality = int(flags.get("STREAM_LOCALITY", 0))
     ahead = int(flags.get("STREAM_AHEAD_BYTES", 1024))
     where = {0: "non-temporal", 1: "into L3", 2: "into L2", 3: "into L1"}[locality]
-    return f"{where}, {ahead} bytes ahead ({cpu_vendor() or 'unknown vendor'})"
+    return f"{where}, {ahead} bytes ahead ({cpu_family() or 'unknown CPU'})"
 
 
 ISA_ENV = "PAGEDLLM_KERNEL_ISA"
@@ -171,7 +198,7 @@ def isa_flags() -> tuple[str, ...]:
 def build(cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the sources once per (sources, flags, compiler, CPU) into the cache; the path of
     the shared library."""
-    flags = (*_FLAGS, *STREAM_HINTS.get(cpu_vendor(), ()), *isa_flags(), *extra_flags)
+    flags = (*_FLAGS, *STREAM_HINTS.get(cpu_family(), ()), *isa_flags(), *extra_flags)
     layout = kernel_interface.layout_source()
     digest = hashlib.sha256(" ".join([cc, *flags, *_LINK_FLAGS]).encode() + _cpu_signature() + layout.encode())
     for name in (*HEADERS, *SOURCES):

@@ -49,9 +49,31 @@ def test_the_isa_environment_variable_builds_the_avx2_code(monkeypatch):
         kernels.load()
 
 
-def test_the_prefetch_hints_follow_the_cpu_vendor(tmp_path, monkeypatch):
-    """An Intel CPU's build streams weights with prefetches into L2 (STREAM_HINTS); another
-    vendor's keeps the sources' defaults; each is its own cached build."""
+def _fake_cpuinfo(monkeypatch, vendor: str, family: int, model: int) -> None:
+    fields = {"vendor_id": vendor, "cpu family": str(family), "model": str(model)}
+    monkeypatch.setattr(kernels, "_cpuinfo", lambda field: fields.get(field, ""))
+
+
+@pytest.mark.parametrize("vendor, family, model, name", [
+    ("GenuineIntel", 6, 143, "Intel"),  # Sapphire Rapids
+    ("AuthenticAMD", 23, 0x31, "Zen 2"),  # Rome
+    ("AuthenticAMD", 25, 0x01, "Zen 3"),  # Milan
+    ("AuthenticAMD", 25, 0x21, "Zen 3"),  # Vermeer
+    ("AuthenticAMD", 25, 0x11, "Zen 4"),  # Genoa
+    ("AuthenticAMD", 25, 0xA0, "Zen 4"),  # Bergamo
+    ("AuthenticAMD", 26, 0x02, "Zen 5"),  # Turin
+    ("HygonGenuine", 24, 0x01, "HygonGenuine"),
+])
+def test_the_cpu_family_is_named_from_vendor_family_and_model(monkeypatch, vendor, family, model, name):
+    _fake_cpuinfo(monkeypatch, vendor, family, model)
+    assert kernels.cpu_family() == name
+    assert kernels.cpu_model().endswith(f"(family {family}, model {model}; {name})")
+
+
+def test_the_prefetch_hints_follow_the_cpu_family(tmp_path, monkeypatch):
+    """An Intel CPU's and a Zen 3's builds stream weights with prefetches into L2 4 KB ahead
+    (STREAM_HINTS); a Zen 5's keeps the sources' defaults (non-temporal, 1 KB); each hint is its
+    own cached build, and the log line names it with the family."""
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     compiled = []
 
@@ -60,14 +82,16 @@ def test_the_prefetch_hints_follow_the_cpu_vendor(tmp_path, monkeypatch):
         target.write_bytes(b"")
 
     monkeypatch.setattr(kernels, "_compile", fake_compile)
-    builds = []
-    for vendor in ("GenuineIntel", "AuthenticAMD"):
-        monkeypatch.setattr(kernels, "cpu_vendor", lambda vendor=vendor: vendor)
+    builds, hints = [], []
+    for cpu in (("GenuineIntel", 6, 143), ("AuthenticAMD", 25, 1), ("AuthenticAMD", 26, 2)):
+        _fake_cpuinfo(monkeypatch, *cpu)
         builds.append(kernels.build("gcc"))
-    intel, amd = compiled
-    assert set(kernels.STREAM_HINTS["GenuineIntel"]) <= set(intel)
-    assert not any(flag.startswith("-DSTREAM_") for flag in amd)
-    assert builds[0] != builds[1]
+        hints.append(kernels.prefetch_hint())
+    intel, zen5 = compiled  # the Zen 3's flags are the Intel build's: the same cached library
+    assert set(kernels.L2_4KB) <= set(intel)
+    assert not any(flag.startswith("-DSTREAM_") for flag in zen5)
+    assert builds[0] == builds[1] != builds[2]
+    assert hints == ["into L2, 4096 bytes ahead (Intel)", "into L2, 4096 bytes ahead (Zen 3)", "non-temporal, 1024 bytes ahead (Zen 5)"]
 
 
 def test_the_cpu_vendor_is_read_from_cpuinfo():
