@@ -139,6 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prompts twice, cold then cached (default 3; up to 80 prompts in all are distinct)")
 
 
+# What cuts a draft from a GGUF target (named in the refusal of a target without one).
+LAYER_DRAFT_MODULE = "pagedllm.spec_decode.layer_draft"
+
 def run(args: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import load_tokenizer
 
@@ -148,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     if args.draft is None:
         if args.model.resolve() != TINY_MODEL.resolve():
             print(f"--draft is required for {args.model}: the default draft ({DRAFT_MODEL.name}) shares only the tiny model's "
-                  "tokenizer (a SmolLM2 draft is built with `python -m pagedllm.spec_decode.smollm2_draft`, docs/engine.md)")
+                  f"tokenizer (cut one from the target with `python -m {LAYER_DRAFT_MODULE} --model {args.model} --out <folder> "
+                  "--layers 0,1`, then train it: docs/engine.md, \"a trained draft for the default model\")")
             return 2
         args.draft = DRAFT_MODEL
     if workload == "chat" and args.num_prompts * args.rounds > len(QUESTIONS):

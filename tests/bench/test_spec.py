@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 from pagedllm.bench import spec
 from pagedllm.bench.chat_prompts import QUESTIONS, chat_prompts
@@ -29,4 +30,8 @@ def test_another_target_without_a_draft_is_refused_before_anything_loads(capsys)
     parser = argparse.ArgumentParser()
     spec.add_arguments(parser)
     assert spec.run(parser.parse_args(["--model", str(default_model())])) == 2
-    assert "--draft is required" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--draft is required" in out
+    # the command it names is a module that exists (it named one that did not)
+    module = out.split("`python -m ")[1].split()[0]
+    assert module == spec.LAYER_DRAFT_MODULE and importlib.util.find_spec(module) is not None
