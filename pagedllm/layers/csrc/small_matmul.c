@@ -397,6 +397,12 @@ static inline __m256i relay4(const uint8_t *p) {
     return _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4, 8, 12, 1, 5, 9, 13, 2,
                                                    6, 10, 14, 3, 7, 11, 15));
 }
+/* Keeps a row's running sum in a register at this point of the block. Without it GCC reassociates
+ * the block's adds (integer adds: any order is exact) into one sum at the block's end, so every
+ * product of every row is live at once: with AVX2's 16 registers 32 of them went through the
+ * stack a block, and a step of 8 rows was 11 % slower (in cache, 125 vs 149 GOP/s on a thread of
+ * a Zen 3; docs/benchmarks.md). A single row has registers enough: left to the compiler. */
+static inline __attribute__((always_inline)) void pin(__m256i *v) { __asm__("" : "+x"(*v)); }
 static inline __m256i bcast4(const int8_t *x) {
     int32_t v;
     memcpy(&v, x, sizeof v);
@@ -414,6 +420,7 @@ static inline __attribute__((always_inline)) void q4_isums(const uint8_t *q, con
         for (int r = 0; r < mb; r++) {
             acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(lo, bcast4(x + r * k + 4 * g)));
             acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(hi, bcast4(x + r * k + 16 + 4 * g)));
+            if (mb > 1) pin(&acc[r]);
         }
     }
 #pragma GCC unroll 8
@@ -432,6 +439,7 @@ static inline __attribute__((always_inline)) void q8_isums(const uint8_t *q, con
         for (int r = 0; r < mb; r++) {
             const __m256i xs = _mm256_sign_epi8(bcast4(x + r * k + 4 * g), v);
             acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xs), ones));
+            if (mb > 1) pin(&acc[r]);
         }
     }
 #pragma GCC unroll 8
