@@ -142,6 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # What cuts a draft from a GGUF target (named in the refusal of a target without one).
 LAYER_DRAFT_MODULE = "pagedllm.spec_decode.layer_draft"
 
+
 def run(args: argparse.Namespace) -> int:
     from pagedllm.engine.llm_engine import load_tokenizer
 
