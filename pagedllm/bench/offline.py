@@ -20,7 +20,6 @@ of either moves by a fifth.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -257,10 +256,10 @@ def run(args: argparse.Namespace) -> int:
     engine_args = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     engine_args.update(parse_engine_args(args.engine_arg))
     if args.against == "vllm" and not args.skip_transformers:
-        from pagedllm.bench.vllm_cpu import KV_CACHE_GIB
+        from pagedllm.bench.vllm_cpu import kv_cache_gib_default
 
         if args.kv_cache_gib is None:
-            args.kv_cache_gib = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB))
+            args.kv_cache_gib = kv_cache_gib_default()
         engine_args = _with_kv_memory(engine_args, args.kv_cache_gib)
     times = _turns(args, folder, workload, engine_args)
     ours = min(times["pagedllm"])

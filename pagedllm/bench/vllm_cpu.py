@@ -36,6 +36,12 @@ from pagedllm.bench.workload import Workload
 WORKER = Path(__file__).with_name("vllm_worker.py")
 PYTHON_ENV = "PAGEDLLM_VLLM_PYTHON"
 KV_CACHE_GIB = 4  # vLLM's KV space unless set, and pagedllm's pool in `bench offline` (the same memory for both)
+KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def kv_cache_gib_default() -> int:
+    """vLLM's KV space where the caller names none: the environment's, else KV_CACHE_GIB."""
+    return int(os.environ.get(KV_SPACE_ENV, KV_CACHE_GIB))
 
 
 def python_of(given: str | None) -> str:
@@ -63,9 +69,7 @@ class VllmCpu:
         self.expected = workload.output_tokens
         threads = torch.get_num_threads()
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-        if kv_cache_gib is not None:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB))
+        env[KV_SPACE_ENV] = str(kv_cache_gib if kv_cache_gib is not None else kv_cache_gib_default())
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self._log = tempfile.TemporaryFile("w+")
         self._process = subprocess.Popen([python, str(WORKER), str(folder), self._workload_file.name, dtype], env=env,

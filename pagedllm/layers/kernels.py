@@ -172,11 +172,12 @@ def _cpu_signature() -> bytes:
 
 def prefetch_hint() -> str:
     """The streamed weights' software prefetch this CPU family's build uses (STREAM_HINTS), in words."""
-    flags = dict(flag.removeprefix("-D").split("=") for flag in STREAM_HINTS.get(cpu_family(), ()))
+    family = cpu_family()
+    flags = dict(flag.removeprefix("-D").split("=") for flag in STREAM_HINTS.get(family, ()))
     locality = int(flags.get("STREAM_LOCALITY", 0))
     ahead = int(flags.get("STREAM_AHEAD_BYTES", 1024))
     where = {0: "non-temporal", 1: "into L3", 2: "into L2", 3: "into L1"}[locality]
-    return f"{where}, {ahead} bytes ahead ({cpu_family() or 'unknown CPU'})"
+    return f"{where}, {ahead} bytes ahead ({family or 'unknown CPU'})"
 
 
 ISA_ENV = "PAGEDLLM_KERNEL_ISA"
