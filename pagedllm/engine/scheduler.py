@@ -337,9 +337,10 @@ class Scheduler:
 
     def _plan_burst(self, step: _Step) -> None:
         """Make a step whose sequences all sample (none forked) a burst (several tokens each:
-        multi-step greedy steps or fused speculation cycles) when nothing waits to be admitted
-        and the planner says so, reserving the positions; when they do not fit, its fallback
-        budget (blocks already added stay in the tables for the tokens to come)."""
+        multi-step greedy steps or fused speculation cycles; or one greedy step whose argmax the
+        fused call takes) when nothing waits to be admitted and the planner says so, reserving the
+        positions; when they do not fit, its fallback budget (blocks already added stay in the
+        tables for the tokens to come)."""
         out = step.out
         seqs = [item.seq for item in step.scheduled]
         if self.waiting or self.swapped or step.preempted or out.blocks_to_swap_in:
@@ -348,7 +349,9 @@ class Scheduler:
         if burst is None:
             return
         budget = burst.budget if burst.budget == burst.fallback or self._reserve(seqs, burst.budget, out) else burst.fallback
-        if budget > 1:
+        greedy = not step.fusing and (budget > 1 or self.planner.fused_argmax)
+        if budget > 1 or greedy:
+            out.greedy_burst = greedy
             for chunk in out.chunks:
                 chunk.token_budget, chunk.max_proposals = budget, burst.max_proposals
 

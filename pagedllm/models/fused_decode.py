@@ -203,8 +203,8 @@ class FusedDecoder:
         (multi-step scheduling): tokens and their logprobs, [num_steps, rows] in logit-row
         order. Every row samples, and each row's block table covers its last position."""
         step, keep = self._step(input_ids, positions, meta, logit_rows)  # `keep` holds what `step` points into
-        tokens = torch.empty(num_steps, step.rows, dtype=torch.int64)
-        logprobs = torch.empty(num_steps, step.rows, dtype=torch.float32)
+        tokens = torch.empty(num_steps, step.rows, dtype=torch.int64, device=input_ids.device)
+        logprobs = torch.empty(num_steps, step.rows, dtype=torch.float32, device=input_ids.device)
         plan = self.threads.plan(step.rows, num_steps)
         threads = (ctypes.c_int * num_steps)(*plan)
         seconds = (ctypes.c_double * num_steps)()

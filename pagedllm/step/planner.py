@@ -42,7 +42,7 @@ logger = logging.getLogger("pagedllm.engine")
 
 class StepKind(enum.Enum):
     FORWARD = "forward"  # one forward pass; then speculative proposals, where asked for
-    GREEDY_STEPS = "greedy_steps"  # `token_budget` greedy steps in one fused call (multi-step scheduling)
+    GREEDY_STEPS = "greedy_steps"  # `token_budget` greedy steps in one fused call, each taking its argmax (a greedy burst)
     SPEC_CYCLES = "spec_cycles"  # greedy draft-model speculation cycles in one C call (spec_decode/fused_cycles.py)
 
 
@@ -87,6 +87,10 @@ class StepPlanner:
     small_matmul_panels: bool = False
     cuda_graphs: bool = False  # all-decode steps replayed from CUDA graphs (worker/cuda_graphs.py)
     num_scheduler_steps: int = 1  # greedy steps per engine step for a burst of plain greedy decodes
+    # A step of plain greedy decodes as a burst of one: the fused call takes each row's argmax
+    # while its logits are in cache, and the sampler's staging and packing are skipped (the same
+    # tokens and logprobs; not with adapters or speculation, whose steps need the modules' path)
+    fused_argmax: bool = False
     max_burst_seqs: int = MAX_ROWS  # device bursts (not fused): the most sequences one takes
     speculation: SpeculativeConfig | None = None
     draft_kernel_attention: bool = False  # the draft model attends with the C kernels
@@ -129,6 +133,7 @@ class StepPlanner:
         panels = fused or (fused_possible and config.quantization in ("q4", "gguf"))
         planner = cls(max_model_len, config.tensor_parallel_size, config.kv_offload, attention, fused, panels, graphs,
                       config.num_scheduler_steps if fused or device_bursts else 1,
+                      fused and not config.enable_lora and config.speculative_config is None,
                       MAX_ROWS if fused else config.max_num_seqs, config.speculative_config, async_scheduling=overlap,
                       notices=notices, prompt_rows_fused=not config.int8_activations)
         return planner._with_draft(dtype, device)
@@ -166,9 +171,9 @@ class StepPlanner:
 
     @property
     def max_burst_rows(self) -> int:
-        """The most sequences a multi-step burst takes: the fused step's rows, or any step's
+        """The most sequences a greedy burst takes: the fused step's rows, or any step's
         sequences when the passes run back to back on the device."""
-        return self.max_burst_seqs if self.num_scheduler_steps > 1 else 0
+        return self.max_burst_seqs if self.num_scheduler_steps > 1 or self.fused_argmax else 0
 
     # ---- the scheduler's questions -----------------------------------------------------------
     def max_proposals(self, num_running: int) -> int:
@@ -204,7 +209,8 @@ class StepPlanner:
         """For a step of decodes that all sample, with nothing queued: fused speculation cycles
         (num_scheduler_steps of them, each k + 1 positions; the first k + 1 are reserved as the
         decodes' lookahead), or num_scheduler_steps greedy steps when every sequence is a plain
-        greedy decode with nothing to verify; None: a single step."""
+        greedy decode with nothing to verify (one, where the fused call takes the argmax); None:
+        a step whose rows the sampler samples."""
         if fusing:
             cycle = self.num_speculative_tokens + 1
             return Burst(self.num_scheduler_steps * cycle, cycle, self.num_speculative_tokens)
@@ -213,7 +219,7 @@ class StepPlanner:
         if not all(plain_greedy_decode(seq) and not seq.spec_token_ids for seq in seqs):
             return None
         steps = min(self.num_scheduler_steps, *(tokens_left(seq, self.max_model_len) for seq in seqs))
-        return Burst(steps, 1, 0) if steps > 1 else None
+        return Burst(steps, 1, 0) if steps > 1 or self.fused_argmax else None
 
     def overlappable(self, seq: PlannedSequence) -> bool:
         """Whether a sequence's step may be advanced before its output is back (async
@@ -222,9 +228,10 @@ class StepPlanner:
         return seq.grammar is None and not seq.spec_token_ids and seq.params.prompt_logprobs is None
 
     # ---- the runner's questions --------------------------------------------------------------
-    def step_kind(self, budget: int, max_proposals: int) -> StepKind:
-        """How to fill a step's token budget (a burst gives every sequence the same one)."""
-        if budget <= 1:
+    def step_kind(self, budget: int, max_proposals: int, greedy_burst: bool = False) -> StepKind:
+        """How to fill a step's token budget (a burst gives every sequence the same one; a greedy
+        burst may be of one step)."""
+        if budget <= 1 and not greedy_burst:
             return StepKind.FORWARD
         return StepKind.SPEC_CYCLES if max_proposals and self.fused_spec_cycles else StepKind.GREEDY_STEPS
 

@@ -102,6 +102,9 @@ class SchedulerOutput:
     # to them (swap-ins, copies, this step's tokens); and freed host swap blocks, after the swap-ins.
     blocks_to_zero: list[int] = field(default_factory=list)
     host_blocks_to_zero: list[int] = field(default_factory=list)
+    # A greedy burst (every chunk a plain greedy decode): the fused call takes each row's argmax,
+    # token_budget steps of it (one, unless multi-step scheduling made the burst longer)
+    greedy_burst: bool = False
 
     @property
     def num_batched_tokens(self) -> int:

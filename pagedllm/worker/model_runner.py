@@ -226,7 +226,7 @@ class ModelRunner:
             self._apply_block_maps(sched, staging.to(self.device))
             return ReadyResults(ModelRunnerOutput())
         first = sched.chunks[0]  # a burst gives every chunk the same budget
-        kind = self.planner.step_kind(first.token_budget, first.max_proposals)
+        kind = self.planner.step_kind(first.token_budget, first.max_proposals, sched.greedy_burst)
         if kind is StepKind.GREEDY_STEPS:
             return self._greedy_steps(sched, chunks, rows, staging, first.token_budget)
         if kind is StepKind.SPEC_CYCLES:

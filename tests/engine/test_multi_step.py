@@ -6,6 +6,7 @@ logprobs, penalties, a waiting request) runs single steps."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
@@ -46,7 +47,7 @@ def test_multi_step_greedy_matches_transformers(arch, mode, model_dir, reference
         for completion in (output.outputs[0] for output in outputs):
             assert all(step[token].rank == 1 for step, token in zip(completion.logprobs, completion.token_ids))
     assert_mode_happened(llm.get_stats(), mode)
-    assert max(bursts) == 8 and all(1 < n <= 8 for n in bursts)
+    assert max(bursts) == 8 and all(1 <= n <= 8 for n in bursts)  # (one: a step with a single position left)
 
 
 def _single_and_multi(folder, prompts, params, **engine_args):
@@ -90,6 +91,33 @@ def test_blocks_filled_in_a_burst_are_cached_under_their_tokens(model_dir, burst
     assert hits >= len(prompt) + 32  # blocks of output positions, written during bursts, were reused
     plain = LLM(str(folder), enable_prefix_caching=False).generate([follow_up], params, use_tqdm=False)
     assert ours == plain[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen3"))
+def test_one_step_takes_its_argmax_in_the_fused_call_with_the_samplers_tokens_and_logprobs(arch, model_dir, bursts):
+    """Without multi-step scheduling a step of plain greedy decodes is a burst of one: the fused
+    call takes each row's argmax (several rows, shared among the threads) and the sampler is not
+    run. Its tokens and logprobs are the sampler's greedy kernel's, bit for bit; asked for the
+    chosen token's logprob entry (logprobs=0), the sampler's log-softmax agrees to float rounding."""
+    folder = str(model_dir(arch))
+    plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ranked = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
+    in_step = LLM(folder)
+    fused = [in_step.generate(PROMPTS, params, use_tqdm=False) for params in (plain, ranked)]
+    assert bursts and set(bursts) == {1}
+    bursts.clear()
+    by_sampler = LLM(folder)
+    engine = by_sampler.llm_engine
+    engine.planner = engine.scheduler.planner = engine.runner.planner = replace(engine.planner, fused_argmax=False)
+    sampled = [by_sampler.generate(PROMPTS, params, use_tqdm=False) for params in (plain, ranked)]
+    assert not bursts
+    for a, b in zip(fused[0], sampled[0]):
+        assert (a.outputs[0].token_ids, a.outputs[0].cumulative_logprob) == (b.outputs[0].token_ids, b.outputs[0].cumulative_logprob)
+    for a, b in zip(fused[1], sampled[1]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for ours, theirs, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
+            assert ours[token].rank == theirs[token].rank == 1
+            assert ours[token].logprob == pytest.approx(theirs[token].logprob, rel=1e-5, abs=1e-6)
 
 
 def test_requests_that_are_not_plain_greedy_take_single_steps(model_dir, bursts):

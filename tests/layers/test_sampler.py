@@ -98,7 +98,7 @@ def test_plain_greedy_rows_take_the_argmax_with_its_raw_logprob():
     assert fast.ranks is None and general.ranks.tolist() == [1] * 5
 
 
-@pytest.mark.parametrize("vocab", [1, 37, 8192, 49152])
+@pytest.mark.parametrize("vocab", [1, 37, 200, 8192, 49152])
 def test_the_greedy_kernel_matches_torch_argmax_and_logsumexp(vocab):
     """csrc/greedy.c against torch on the same rows: the first maximal index (ties, NaN counted as
     the maximum, as torch.argmax has it), and max - logsumexp within 1e-6 of float64 (torch's
@@ -112,7 +112,8 @@ def test_the_greedy_kernel_matches_torch_argmax_and_logsumexp(vocab):
     logits[1] = logits[1].round()  # ties (the first maximal index wins)
     logits[2, vocab // 2] = float("nan")
     logits[3] = float("-inf")
-    logits[4, vocab - 1] = 50.0  # the maximum in the last lane
+    logits[4, vocab - 1] = 50.0  # the maximum in the last lane (past the last whole block the search compares)
+    logits[7, vocab // 3 :] = 40.0  # ties from the middle of a block to the end
     logits[5, : vocab - 1] = float("-inf")  # one finite logit: log-probability 0
     logits[6, vocab // 3] = float("inf")
     kernel = Sampler(0, CPU, library).greedy(logits)

@@ -898,7 +898,9 @@ int decode_steps(const Model *md, const Step *st, int64_t num_steps, const int *
         failed = decode_step(md, &step, threads[s]);
         seconds[s] = omp_get_wtime() - start;
         if (failed) break;
-        argmax_rows(st->logits, R, md->vocab, tokens + s * R, logprobs + s * R);
+        /* each row by one thread (its result does not depend on the others), as greedy_rows shares them */
+#pragma omp parallel for schedule(static) num_threads(threads[s]) if (R > 1)
+        for (int64_t i = 0; i < R; i++) argmax_rows(st->logits + i * md->vocab, 1, md->vocab, tokens + s * R + i, logprobs + s * R + i);
         for (int64_t i = 0; i < R && s + 1 < num_steps; i++) {
             const int64_t r = st->logit_rows[i], p = ++pos[r];
             ids[r] = tokens[s * R + i];

@@ -16,7 +16,7 @@
 
 #include "kernels.h"
 
-enum { SUM_BLOCK = 1024 };
+enum { SUM_BLOCK = 1024, SEARCH_BLOCK = 64 };
 
 static void greedy_row(const float *x, int64_t vocab, int64_t *token, float *logprob) {
     float top = -INFINITY;
@@ -32,6 +32,14 @@ static void greedy_row(const float *x, int64_t vocab, int64_t *token, float *log
         *token = at;
         *logprob = NAN;
         return;
+    }
+    /* the first index holding the maximum: blocks compared whole (vectorised), then the block that has it */
+    while (at + SEARCH_BLOCK <= vocab) {
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t i = at; i < at + SEARCH_BLOCK; i++) hit |= x[i] == top;
+        if (hit) break;
+        at += SEARCH_BLOCK;
     }
     while (at < vocab - 1 && x[at] != top) at++;
     *token = at;
