@@ -219,7 +219,7 @@ class StepPlanner:
         if not all(plain_greedy_decode(seq) and not seq.spec_token_ids for seq in seqs):
             return None
         steps = min(self.num_scheduler_steps, *(tokens_left(seq, self.max_model_len) for seq in seqs))
-        return Burst(steps, 1, 0) if steps > 1 or self.fused_argmax else None
+        return Burst(steps, 1, 0) if steps > 1 or (steps == 1 and self.fused_argmax) else None
 
     def overlappable(self, seq: PlannedSequence) -> bool:
         """Whether a sequence's step may be advanced before its output is back (async

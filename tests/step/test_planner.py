@@ -53,6 +53,11 @@ def test_start_up_decisions_on_a_cpu(model_dir):
     assert spec.draft_kernel_attention and spec.draft_fused_decode and spec.fused_spec_cycles and spec.max_fused_spec_seqs == 4
     off = decide(model_dir, speculative_config={"model": folder, "num_speculative_tokens": 3, "fused_cycles": False})
     assert off.draft_fused_decode and not off.fused_spec_cycles
+    # a step of plain greedy decodes takes its argmax in the fused call: not with adapters or
+    # speculation (their steps need the modules' path), nor without the fused step
+    assert planner.fused_argmax and planner.max_burst_rows == 16
+    assert not spec.fused_argmax and not decide(model_dir, enable_lora=True).fused_argmax
+    assert not decide(model_dir, decode_backend="torch").fused_argmax
 
 
 def test_what_is_a_plain_greedy_decode():
@@ -71,6 +76,12 @@ def test_bursts_and_their_budgets():
     assert multi.burst([Decoding(), Decoding(spec_token_ids=[3])], fusing=False) is None
     assert multi.burst([Decoding()] * 17, fusing=False) is None  # more rows than one fused call takes
     assert StepPlanner(fused_decode=True).burst([Decoding()], fusing=False) is None  # one step per engine step
+    one = StepPlanner(max_model_len=512, fused_decode=True, fused_argmax=True)
+    assert one.burst([Decoding()] * 3, fusing=False) == Burst(1, 1, 0)  # a greedy burst of one step
+    assert one.burst([Decoding(params=SamplingParams(temperature=0.5))], fusing=False) is None  # the sampler samples
+    assert one.burst([Decoding()] * 17, fusing=False) is None
+    assert one.burst([Decoding(num_tokens=512, num_computed_tokens=511)], fusing=False) is None  # no position left
+    assert one.step_kind(1, 0, greedy_burst=True) is StepKind.GREEDY_STEPS and one.step_kind(1, 0) is StepKind.FORWARD
     spec = StepPlanner(fused_decode=True, num_scheduler_steps=2, fused_spec_cycles=True,
                        speculation=SpeculativeConfig.parse({"model": "draft", "num_speculative_tokens": 3}))
     assert spec.burst([Decoding()], fusing=True) == Burst(8, 4, 3)  # two cycles of k + 1, or one
