@@ -211,6 +211,26 @@ def _measure(engines: list[tuple[str, object]], batches: list[int], repeats: int
     return runs
 
 
+def paired_ratios(ours: list[Run], theirs: list[Run]) -> list[float]:
+    """Each round's rate over the anchor's in the same round: the engines take turns, so a
+    round's runs share a stretch of the machine, where the best of one engine and the best of
+    the other may come from different stretches (on a shared VM the anchor's own runs swing
+    by 20 %)."""
+    return [a.tok_s / b.tok_s for a, b in zip(ours, theirs)]
+
+
+def _print_ratios(results: list[tuple[str, dict[int, list[Run]]]], anchor: str) -> None:
+    base = dict(results)[anchor]
+    for label, rates in results:
+        for batch, runs in rates.items():
+            if label == anchor or batch not in base:
+                continue
+            ratios = paired_ratios(runs, base[batch])
+            best = max(r.tok_s for r in runs) / max(r.tok_s for r in base[batch])
+            print(f"{label} against {anchor}, batch {batch}: {', '.join(f'{x:.2f}x' for x in ratios)} per round "
+                  f"(median {statistics.median(ratios):.2f}x); best to best {best:.2f}x")
+
+
 def _limit(bandwidth: float, peak: float, weights: int, elements: int, batch: int, kv_per_sequence: float = 0.0) -> float:
     """Steps/s a batch can reach: the weights read once a step with each sequence's K/V, or the
     matmuls at the peak."""
@@ -286,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
             best, limit = max(r.tok_s for r in runs) / batch, _limit(bandwidth, peak, weights, elements, batch, kv)
             paired = statistics.median(r.tok_s / batch / _limit(r.bandwidth, peak, weights, elements, batch, kv) for r in runs)
             print(f"| {label} | {batch} | {best * batch:.1f} | {best:.1f} | {limit:.1f} | {best / limit:.0%} | {paired:.0%} |")
+    if against != "none":
+        _print_ratios(results, engines[-1][0])
     return 0
 
 
