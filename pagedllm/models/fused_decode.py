@@ -16,7 +16,9 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Hashable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.layers import kernels
@@ -130,6 +132,31 @@ def _set_int8(matrix, on: bool) -> None:
     matrix.int8_activations = int(on and matrix.dtype in (WEIGHT_Q8_0, WEIGHT_Q4))
 
 
+@dataclass
+class GreedyRows:
+    """A greedy burst's rows as the step's host arrays (int64, C order): input ids, positions,
+    slots, context lengths and block tables [rows, max_blocks] of the decode rows, and the rows
+    whose logits are taken."""
+
+    ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    ctx_lens: np.ndarray
+    block_tables: np.ndarray
+    logit_rows: np.ndarray
+
+    def check(self) -> int:
+        """The row count, once every array is int64, contiguous and shaped for it."""
+        arrays = (self.ids, self.positions, self.slots, self.ctx_lens, self.block_tables, self.logit_rows)
+        num_rows = self.ids.shape[0] if self.ids.ndim == 1 else -1
+        if any(a.dtype != np.int64 or not a.flags.c_contiguous for a in arrays) or num_rows < 0 \
+                or any(a.shape != (num_rows,) for a in (self.positions, self.slots, self.ctx_lens)) \
+                or self.block_tables.ndim != 2 or self.block_tables.shape[0] != num_rows or self.logit_rows.ndim != 1:
+            raise ValueError(f"a fused greedy step's ids, positions, slots and lengths must be int64 [{num_rows}] and its "
+                             f"block tables [{num_rows}, max_blocks]")
+        return num_rows
+
+
 class FusedDecoder:
     """Built once the KV pool is bound to the model's attention layers."""
 
@@ -153,6 +180,7 @@ class FusedDecoder:
         self._layers = (LayerStruct * len(layers))(*layers)
         self._lm_head = _packed(model.lm_head).struct()
         self.threads = ThreadCount(torch.get_num_threads())
+        self._greedy_logits: np.ndarray | None = None  # greedy bursts' logits (greedy_steps)
         self.max_rows = self._max_rows()
         rotary = model.model.rotary
         k_cache = model.model.layers[0].self_attn.attn.k_cache
@@ -197,22 +225,36 @@ class FusedDecoder:
         kernels.check_status(failed, self.library, "fused decode step")
         return keep[-1]
 
-    def greedy_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                     logit_rows: torch.Tensor, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`num_steps` greedy steps in one call, each row's token fed back as its next input
-        (multi-step scheduling): tokens and their logprobs, [num_steps, rows] in logit-row
-        order. Every row samples, and each row's block table covers its last position."""
-        step, keep = self._step(input_ids, positions, meta, logit_rows)  # `keep` holds what `step` points into
-        tokens = torch.empty(num_steps, step.rows, dtype=torch.int64, device=input_ids.device)
-        logprobs = torch.empty(num_steps, step.rows, dtype=torch.float32, device=input_ids.device)
-        plan = self.threads.plan(step.rows, num_steps)
+    def greedy_steps(self, rows: GreedyRows, num_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """`num_steps` greedy steps in one call, each row's token fed back as its next input (a
+        greedy burst: multi-step scheduling, or one step whose argmax the call takes): tokens and
+        their logprobs, [num_steps, rows] in logit-row order. Every row samples, and each row's
+        block table covers its last position. The rows come as the step's host arrays, not
+        tensors: after a step has streamed the weights through the caches each torch op costs
+        ~15 µs of dispatch, and this path is CPU-only and makes a dozen of them a token."""
+        num_rows = rows.check()
+        logits = self._logits_buffer(rows.logit_rows.shape[0])
+        step = StepStruct(rows=num_rows, token_ids=rows.ids.ctypes.data, positions=rows.positions.ctypes.data,
+                          slots=rows.slots.ctypes.data, ctx_lens=rows.ctx_lens.ctypes.data,
+                          block_tables=rows.block_tables.ctypes.data, max_blocks=rows.block_tables.shape[1],
+                          logit_rows=rows.logit_rows.ctypes.data, num_logits=rows.logit_rows.shape[0],
+                          logits=logits.ctypes.data, logits_capacity=logits.size)
+        tokens = np.empty((num_steps, num_rows), dtype=np.int64)
+        logprobs = np.empty((num_steps, num_rows), dtype=np.float32)
+        plan = self.threads.plan(num_rows, num_steps)
         threads = (ctypes.c_int * num_steps)(*plan)
         seconds = (ctypes.c_double * num_steps)()
         failed = self.library.decode_steps(ctypes.byref(self._struct), ctypes.byref(step), num_steps, threads, seconds,
-                                           tokens.data_ptr(), logprobs.data_ptr(), tokens.numel())
-        self.threads.record(step.rows, plan, list(seconds))
+                                           tokens.ctypes.data, logprobs.ctypes.data, tokens.size)
+        self.threads.record(num_rows, plan, list(seconds))
         kernels.check_status(failed, self.library, "fused greedy steps")
         return tokens, logprobs
+
+    def _logits_buffer(self, rows: int) -> np.ndarray:
+        """Where a greedy burst's logits go (read only by the call itself): kept between calls."""
+        if self._greedy_logits is None or self._greedy_logits.shape[0] < rows:
+            self._greedy_logits = np.empty((max(rows, MAX_ROWS), self.vocab_size), dtype=np.float32)
+        return self._greedy_logits
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
               logit_rows: torch.Tensor) -> tuple[StepStruct, list[torch.Tensor]]:

@@ -29,7 +29,7 @@ from pagedllm.layers.sampler import Sampler
 from pagedllm.lora.fused import fused_lora
 from pagedllm.lora.manager import LoRAManager, pair_dtype
 from pagedllm.lora.request import LoRARequest
-from pagedllm.models.fused_decode import FusedDecoder
+from pagedllm.models.fused_decode import FusedDecoder, GreedyRows
 from pagedllm.models.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step.planner import StepKind, StepPlanner
@@ -402,14 +402,15 @@ class ModelRunner:
             return self._patching_history(_greedy_results(rows, tokens, logprobs), rows)
         layout = stage_batch(chunks, self.block_size, self.kernel_attention, staging, num_steps=num_steps)
         stage_logit_rows(chunks, layout, staging, [rows])
-        views = staging.to(self.device)
-        self._apply_block_maps(sched, views)
-        meta = attention_metadata(layout, views, self.kernel_attention, self.block_size, self.windows, self.dtype)
-        if not self.planner.runs_fused(self.model.fused, meta, len(chunks)):
-            raise RuntimeError("a multi-step step reached a runner that cannot run it as one fused call")
-        tokens, logprobs = self.model.fused.greedy_steps(views["input_ids"], views["positions"], meta, views["logit_rows"],
-                                                         num_steps)
-        return _greedy_results(rows, tokens, logprobs)
+        if layout.prefills or len(layout.buckets) != 1 or len(chunks) > self.model.fused.max_rows:
+            raise RuntimeError("a greedy burst reached a runner that cannot run it as one fused call")
+        if _moves_blocks(sched):
+            self._apply_block_maps(sched, staging.to(self.device))
+        host = staging.host()  # the C call reads the host arrays themselves (CPU only: no transfer)
+        tokens, logprobs = self.model.fused.greedy_steps(GreedyRows(
+            host["input_ids"], host["positions"], host["slot_mapping"], host["decode0.ctx_lens"], host["decode0.tables"],
+            host["logit_rows"]), num_steps)
+        return ReadyResults(_greedy_output(rows, tokens.T.tolist(), logprobs.T.tolist()))
 
     def _device_greedy_steps(self, sched: SchedulerOutput, chunks: list[BatchChunk], rows: list[SampleRow],
                              staging: Staging, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -600,6 +601,12 @@ def kv_pool_sizes(config: EngineConfig, model_config: ModelConfig, max_model_len
     if config.preemption_mode == "swap":
         num_cpu_blocks = min(config.swap_space // (per_block * num_ranks), most_useful)
     return num_blocks, num_cpu_blocks
+
+
+def _moves_blocks(sched: SchedulerOutput) -> bool:
+    """Whether the step swaps, copies or zeroes KV blocks before it runs (_apply_block_maps)."""
+    return bool(sched.blocks_to_swap_out or sched.blocks_to_swap_in or sched.blocks_to_copy or sched.blocks_to_zero
+                or sched.host_blocks_to_zero)
 
 
 def _stage_block_maps(sched: SchedulerOutput, staging: Staging) -> None:

@@ -25,6 +25,10 @@ class Staging:
             array = array.reshape(shape)
         self._arrays.setdefault(array.dtype, []).append((name, array))
 
+    def host(self) -> dict[str, np.ndarray]:
+        """The arrays by name, as built (for a CPU-only consumer that reads host memory itself)."""
+        return {name: array for arrays in self._arrays.values() for name, array in arrays}
+
     def to(self, device: torch.device) -> dict[str, torch.Tensor]:
         views: dict[str, torch.Tensor] = {}
         for dtype, arrays in self._arrays.items():
