@@ -127,6 +127,19 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch
     return logits
 
 
+# The uniform draws kept within (0, 1): a noise must be finite and above 0 (p / E would be inf,
+# or NaN for a token filtered to p = 0)
+_UNIFORM_RANGE = (2.0**-25, 1.0 - 2.0**-24)
+
+
+def exponential_(out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fills `out` with Exp(1) draws from `generator`: -log(U), U uniform. Why not torch's
+    `exponential_`: on the CPU it took 1.07 ms for a 49k-token row (a logarithm per draw in one
+    thread), the uniform draws and a vectorised log 0.27 ms — most of what sampling a token cost
+    over greedy decoding without top-p."""
+    return out.uniform_(generator=generator).clamp_(*_UNIFORM_RANGE).log_().neg_()
+
+
 def plain_greedy(meta: SamplingMetadata) -> bool:
     """Every row takes the raw argmax and no row asked for logprobs: the greedy kernel's case
     (the sampler's and speculative verification's fast path)."""
@@ -209,7 +222,7 @@ class Sampler:
         noise = torch.empty_like(probs)
         if meta.unseeded is not None:
             draw = torch.empty((meta.unseeded.numel(), probs.shape[1]), dtype=probs.dtype, device=probs.device)
-            noise.index_copy_(0, meta.unseeded, draw.exponential_(generator=self.generator))
+            noise.index_copy_(0, meta.unseeded, exponential_(draw, self.generator))
         for position, generator in meta.seeded:
-            noise[position].exponential_(generator=generator)
+            exponential_(noise[position], generator)
         return noise

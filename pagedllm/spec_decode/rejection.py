@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, plain_greedy
+from pagedllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, exponential_, plain_greedy
 
 
 @dataclass
@@ -117,10 +117,10 @@ def _sample_residual(sampler: Sampler, p: torch.Tensor, q: torch.Tensor, final_r
     unseeded = [i for i, s in enumerate(batch.spans) if not s.greedy and s.generator is None]
     if unseeded:
         draw = torch.empty((len(unseeded), residual.shape[1]), dtype=residual.dtype, device=residual.device)
-        draw.exponential_(generator=sampler.generator)
+        exponential_(draw, sampler.generator)
         for position, span_index in enumerate(unseeded):
             noise[span_index] = draw[position]
     for span_index, span in enumerate(batch.spans):
         if not span.greedy and span.generator is not None:
-            noise[span_index].exponential_(generator=span.generator)
+            exponential_(noise[span_index], span.generator)
     return (residual / noise).argmax(dim=-1)

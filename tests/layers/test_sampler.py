@@ -202,6 +202,19 @@ def test_unseeded_noise_comes_from_the_engines_generator():
     assert not torch.equal(Sampler(4, CPU).exponential_noise(probs, meta), first)
 
 
+def test_the_noise_is_exp1_and_never_zero():
+    """The exponential race draws exactly from p only with Exp(1) noise: mean and variance 1,
+    P(E > 3) = e^-3; a zero would make p / E infinite (or NaN where p = 0)."""
+    from pagedllm.layers.sampler import exponential_
+
+    draws = exponential_(torch.empty(2_000_000), torch.Generator().manual_seed(5)).double()
+    assert float(draws.min()) > 0 and torch.isfinite(draws).all()
+    assert abs(float(draws.mean()) - 1) < 0.003 and abs(float(draws.var()) - 1) < 0.006
+    assert abs(float((draws > 3).double().mean()) - math.exp(-3)) < 0.0008
+    again = exponential_(torch.empty(2_000_000), torch.Generator().manual_seed(5)).double()
+    assert torch.equal(draws, again)  # the generator's draws alone
+
+
 class CountingLibrary:
     """The real kernel library, counting its greedy_rows calls: which path a step took."""
 
