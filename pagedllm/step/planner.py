@@ -89,7 +89,7 @@ class StepPlanner:
     num_scheduler_steps: int = 1  # greedy steps per engine step for a burst of plain greedy decodes
     # A step of plain greedy decodes as a burst of one: the fused call takes each row's argmax
     # while its logits are in cache, and the sampler's staging and packing are skipped (the same
-    # tokens and logprobs; not with adapters or speculation, whose steps need the modules' path)
+    # tokens and logprobs; not with adapters or speculation, whose steps take the forward path)
     fused_argmax: bool = False
     max_burst_seqs: int = MAX_ROWS  # device bursts (not fused): the most sequences one takes
     speculation: SpeculativeConfig | None = None

@@ -393,9 +393,10 @@ class ModelRunner:
 
     def _greedy_steps(self, sched: SchedulerOutput, chunks: list[BatchChunk], rows: list[SampleRow], staging: Staging,
                       num_steps: int) -> StepResults:
-        """Multi-step scheduling: `num_steps` greedy steps of plain decodes, each row's argmax its
-        next input; every row gets num_steps tokens. On CPU one fused C call; elsewhere the steps
-        run back to back on the device (_device_greedy_steps)."""
+        """A greedy burst: `num_steps` greedy steps of plain decodes (one without multi-step
+        scheduling), each row's argmax its next input; every row gets num_steps tokens. On CPU one
+        fused C call, which reads the staged host arrays; elsewhere the steps run back to back on
+        the device (_device_greedy_steps)."""
         if not self.planner.fused_decode:
             tokens, logprobs = self._device_greedy_steps(sched, chunks, rows, staging, num_steps)
             self._keep_last_samples(rows, tokens[-1])
