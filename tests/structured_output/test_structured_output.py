@@ -55,7 +55,7 @@ def validate(value, schema: dict) -> None:
             assert re.search(schema["pattern"], value)
     elif kind in ("integer", "number"):
         assert isinstance(value, int if kind == "integer" else (int, float)) and not isinstance(value, bool)
-        assert schema.get("minimum", -1e18) <= value <= schema.get("maximum", 1e18)
+        assert value >= schema.get("minimum", value) and value <= schema.get("maximum", value)  # bounds only where given
     elif kind == "boolean":
         assert isinstance(value, bool)
 
