@@ -82,6 +82,16 @@ def signed_by(payload: bytes, signature: str | None, key: bytes) -> bool:
     return signature is not None and hmac.compare_digest(signature, sign(payload, key))
 
 
+def write_job_file(job: TrainingJob) -> None:
+    """<checkpoint_dir>/job.json, replaced whole (a temporary file renamed over it): every rank
+    reads it in `continue_job` while rank 0 rewrites it, and a rank that read a half-written file
+    took a fresh job_id and then refused the job's own checkpoints as another job's."""
+    path = job.checkpoint_dir / "job.json"
+    staged = path.with_name(f".job.json.{os.getpid()}")
+    staged.write_text(job.model_dump_json(indent=2))
+    os.replace(staged, path)
+
+
 def continue_job(job: TrainingJob) -> TrainingJob:
     """A config that does not name its job_id, run again on the same checkpoint_dir, continues the
     job that wrote it (the id in the folder's job.json): checkpoints are loaded and pruned only by

@@ -29,7 +29,7 @@ from pagedllm.spec_decode import draft_vocab
 from pagedllm.training.data import TrainingData, build_cache, default_cache_dir
 from pagedllm.training.export import export_checkpoint
 from pagedllm.training.host_memory import fix_mmap_threshold
-from pagedllm.training.provenance import continue_job
+from pagedllm.training.provenance import continue_job, write_job_file
 from pagedllm.training.model import build_model, flops_per_token, num_params
 from pagedllm.training.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from pagedllm.training.parallel import (
@@ -125,7 +125,7 @@ class Trainer:
         cache = Path(data.cache_dir) if data.cache_dir else default_cache_dir()
         if self.rank == 0:
             (self.dir / "control").mkdir(parents=True, exist_ok=True)
-            (self.dir / "job.json").write_text(self.job.model_dump_json(indent=2))
+            write_job_file(self.job)
             self._copy_tokenizer()
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             build_cache(data, cache)
@@ -142,7 +142,7 @@ class Trainer:
         tokenizer = base_tokenizer(self.job.finetune.base_model)
         if self.rank == 0:
             (self.dir / "control").mkdir(parents=True, exist_ok=True)
-            (self.dir / "job.json").write_text(self.job.model_dump_json(indent=2))
+            write_job_file(self.job)
             write_tokenizer(tokenizer, self.dir / "tokenizer")
         dist.barrier()
         return ChatData(self.job.data, tokenizer, self.mesh["dp"].get_local_rank(), self.dims.dp, self.job.seed)

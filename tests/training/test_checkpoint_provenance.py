@@ -93,3 +93,23 @@ def test_a_manifest_signed_before_the_config_checksum_still_loads(two_jobs, tmp_
     (step_dir / "job.json").write_text(json.dumps({"job_id": str(uuid.uuid4())}))
     with pytest.raises(ProvenanceError, match="its job.json names job"):
         check_provenance(step_dir, manifest, key)
+
+
+def test_job_json_is_replaced_whole_so_a_rank_reading_it_sees_one_job_id(tiny_paths, tmp_path):
+    """Rank 0 rewrites job.json while the other ranks read it (continue_job): a reader of the old
+    file keeps its whole content, and the new one is complete — never a half-written file, from
+    which a rank would take a fresh job_id and refuse the job's own checkpoints."""
+    from pagedllm.training.config import parse_job
+    from pagedllm.training.provenance import continue_job, write_job_file
+
+    from .helpers import tiny_job
+
+    job = parse_job(tiny_job(tiny_paths, tmp_path / "ckpt"))
+    job.checkpoint_dir.mkdir(parents=True)
+    write_job_file(job)
+    with open(job.checkpoint_dir / "job.json") as reader:
+        write_job_file(job.model_copy(update={"job_name": "renamed"}))
+        assert json.loads(reader.read())["job_name"] == job.job_name  # the old file, whole
+    assert json.loads((job.checkpoint_dir / "job.json").read_text())["job_name"] == "renamed"
+    assert [p.name for p in job.checkpoint_dir.iterdir()] == ["job.json"]  # no staged file left
+    assert continue_job(parse_job(tiny_job(tiny_paths, tmp_path / "ckpt"))).job_id == job.job_id
