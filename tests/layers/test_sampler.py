@@ -14,6 +14,15 @@ from pagedllm.worker.staging import Staging
 CPU = torch.device("cpu")
 
 
+def kernel_library():
+    from pagedllm.layers import kernels
+
+    library = kernels.load()
+    if library is None:
+        pytest.skip("no C compiler")
+    return library
+
+
 def row_with(params: SamplingParams, prompt=(0, 1), output=(), eos=frozenset()) -> SampleRow:
     return SampleRow(0, 0, params, 0, list(prompt) + list(output), len(prompt), eos)
 
@@ -166,16 +175,20 @@ def test_greedy_rows_with_choices_or_a_grammar_take_the_masked_argmax():
     assert Sampler(0, CPU)(logits, SamplingMetadata(2, allowed=grammar)).token_ids.tolist() == [2, 2]
 
 
-def test_probs_apply_temperature_and_each_filter():
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_probs_apply_temperature_and_each_filter(path):
+    sampler = Sampler(0, CPU, kernel_library() if path == "kernel" else None)
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]))
     base = dict(random_rows=torch.tensor([0, 1]), temperature=torch.tensor([1.0, 1.0]))
-    probs = Sampler.probs(logits, SamplingMetadata(2, **base, top_k=torch.tensor([2, 4])))
+    probs = sampler.probs(logits, SamplingMetadata(2, **base, top_k=torch.tensor([2, 4])))
     torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
-    probs = Sampler.probs(logits, SamplingMetadata(2, **base, top_p=torch.tensor([0.6, 1.0])))
+    probs = sampler.probs(logits, SamplingMetadata(2, **base, top_p=torch.tensor([0.6, 1.0])))
     torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
-    probs = Sampler.probs(logits, SamplingMetadata(2, **base, min_p=torch.tensor([0.5, 0.5])))  # keeps p >= 0.25 of row 0
+    probs = sampler.probs(logits, SamplingMetadata(2, **base, top_k=torch.tensor([3, 4]), top_p=torch.tensor([0.7, 1.0])))
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]]))  # top-p of the top 3
+    probs = sampler.probs(logits, SamplingMetadata(2, **base, min_p=torch.tensor([0.5, 0.5])))  # keeps p >= 0.25 of row 0
     torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]]))
-    hot = Sampler.probs(logits, SamplingMetadata(2, random_rows=torch.tensor([0]), temperature=torch.tensor([2.0])))
+    hot = sampler.probs(logits, SamplingMetadata(2, random_rows=torch.tensor([0]), temperature=torch.tensor([2.0])))
     torch.testing.assert_close(hot[0], torch.tensor([0.5, 0.3, 0.15, 0.05]).sqrt() / torch.tensor([0.5, 0.3, 0.15, 0.05]).sqrt().sum())
 
 
@@ -216,14 +229,18 @@ def test_the_noise_is_exp1_and_never_zero():
 
 
 class CountingLibrary:
-    """The real kernel library, counting its greedy_rows calls: which path a step took."""
+    """The real kernel library, counting its greedy_rows (and nucleus_filter) calls: which path a step took."""
 
     def __init__(self, library):
-        self.library, self.calls = library, 0
+        self.library, self.calls, self.nucleus_calls = library, 0, 0
 
     def greedy_rows(self, *args):
         self.calls += 1
         return self.library.greedy_rows(*args)
+
+    def nucleus_filter(self, *args):
+        self.nucleus_calls += 1
+        return self.library.nucleus_filter(*args)
 
     def __getattr__(self, name):
         return getattr(self.library, name)
@@ -270,3 +287,111 @@ def test_the_greedy_kernel_refuses_rows_without_logits_by_name():
         pytest.skip("no C compiler")
     with pytest.raises(kernels.KernelRefused, match=r"^greedy rows kernel refused its arguments: greedy rows: 2 rows of 0 logits"):
         Sampler(0, CPU, library).greedy(torch.empty(2, 0))
+
+
+def exact_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, zone: float):
+    """The filters' rule in float64, token by token: top-k keeps the logits >= the k-th largest (the
+    sorted row's k-th entry), top-p then keeps a token while the probability mass of the logits
+    strictly above it (of those top-k kept) is below p, so ties are kept or dropped together.
+    Returns the filtered rows and where a token's mass above lies within `zone` of p (rounding)."""
+    out, unsure = logits.clone(), torch.zeros_like(logits, dtype=torch.bool)
+    for r, row in enumerate(logits):
+        if not torch.isfinite(row.max()) or row.isnan().any():
+            continue  # softmax of such a row is NaN: left as it is
+        k = min(int(top_k[r]), row.numel())
+        kept = row >= row.sort(descending=True).values[k - 1]
+        if float(top_p[r]) < 1.0:
+            probs = torch.where(kept, row.double(), float("-inf")).softmax(dim=-1)
+            order = row.double().argsort(descending=True)
+            ranked, mass = row.double()[order], probs[order]
+            cumulative = torch.cat([torch.zeros(1, dtype=torch.float64), mass.cumsum(dim=0)])
+            first_of_value = torch.searchsorted(-ranked, -ranked, side="left")  # mass strictly above = before the first tie
+            above = torch.empty_like(mass).index_copy_(0, order, cumulative[first_of_value])
+            kept &= above < float(top_p[r])
+            unsure[r] = (above - float(top_p[r])).abs() < zone
+        out[r] = torch.where(kept, row, float("-inf"))
+    return out, unsure
+
+
+@pytest.mark.parametrize("vocab", [1, 37, 200, 3000, 49152])
+def test_the_nucleus_kernel_keeps_what_the_filters_rule_keeps(vocab):
+    """csrc/nucleus.c against the rule in float64: the k-th largest logit exactly (the value the
+    torch path's sort gives), the nucleus token by token but for masses within 1e-6 of p (the
+    kernel's exp is a float polynomial; torch's float32 cumsum was seen 1e-5 off). Ties, -inf
+    logits, NaN, an infinite maximum, k of 1, of vocab - 1 and beyond, p off and tiny; rows shared
+    among the threads."""
+    from pagedllm.layers.sampler import nucleus_filter
+
+    library = kernel_library()
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 24
+    logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.5, 8.0, rows).unsqueeze(1)
+    logits[1] = logits[1].round()  # ties everywhere
+    logits[2, ::3] = float("-inf")  # a grammar's mask
+    logits[3, vocab // 2] = float("nan")
+    logits[4, vocab // 3] = float("inf")
+    logits[5] = float("-inf")
+    logits[6] = 0.0  # one tie of the whole row
+    logits[7] = logits[7].abs().neg()  # -0.0 and 0.0 next to each other
+    logits[7, ::2] = 0.0
+    top_k = torch.randint(1, vocab + 3, (rows,), generator=gen)
+    top_k[:6] = torch.tensor([1, 2, max(vocab - 1, 1), vocab, vocab + 7, 2**62])
+    top_p = torch.rand(rows, generator=gen) * 0.999 + 0.001
+    top_p[8:14] = torch.tensor([1.0, 1e-4, 0.5, 0.9, 0.99, 0.999])
+    top_k[8:12] = 2**62  # top-p alone
+    top_k[14:16], top_p[14:16] = 3, 0.999  # top-p reaching the k-th logit: its mass counts
+    expected, unsure = exact_filter(logits, top_k, top_p, zone=1e-6)
+    both = nucleus_filter(logits, top_k, top_p, library)
+    sure = ~unsure
+    assert torch.equal(both[sure].isneginf(), expected[sure].isneginf())
+    kept = ~both.isneginf()
+    torch.testing.assert_close(both[kept], logits[kept], rtol=0, atol=0, equal_nan=True)  # what is kept is kept as it was
+    assert unsure.sum() <= max(1, rows * vocab // 10000)  # the rounding zone stays a few tokens
+    assert torch.equal(both[3].isnan(), logits[3].isnan()) and torch.equal(both[4], logits[4])  # NaN, inf: unfiltered
+    only_k = nucleus_filter(logits, top_k, None, library)
+    only_p = nucleus_filter(logits, None, top_p, library)
+    no_k = torch.full_like(top_k, 2**62)
+    assert torch.equal(only_k.isneginf(), exact_filter(logits, top_k, torch.ones(rows), zone=0)[0].isneginf())
+    assert torch.equal(only_k.isneginf(), filter_logits(logits, top_k, None, None).isneginf())  # the sort's k-th value
+    expected_p, unsure_p = exact_filter(logits, no_k, top_p, zone=1e-6)
+    assert torch.equal(only_p[~unsure_p].isneginf(), expected_p[~unsure_p].isneginf())
+
+
+def test_the_nucleus_kernel_keeps_every_tie_at_the_top_p_boundary():
+    """The torch path's sort keeps an arbitrary share of the logits tied at the boundary; the kernel
+    keeps them all (as top-k keeps every logit tied with the k-th)."""
+    from pagedllm.layers.sampler import nucleus_filter
+
+    logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2]]))
+    out = nucleus_filter(logits, None, torch.tensor([0.5]), kernel_library())
+    assert out.isfinite().tolist() == [[True, True, True, True]]
+    out = nucleus_filter(logits, None, torch.tensor([0.4]), kernel_library())
+    assert out.isfinite().tolist() == [[True, False, False, False]]
+
+
+def test_random_rows_on_the_cpu_take_the_nucleus_kernel_and_sample_as_the_torch_path():
+    """top-k / top-p of float32 CPU rows go through one kernel call, not a sort; seeded rows draw
+    the same tokens as the torch path (no boundary within rounding in these rows)."""
+    counting = CountingLibrary(kernel_library())
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(2)) * 3
+    rows = [row_with(SamplingParams(temperature=0.7, top_p=0.9, seed=5)), row_with(SamplingParams(temperature=1.0, top_k=40, seed=6)),
+            row_with(SamplingParams(temperature=0.9, top_k=100, top_p=0.8, min_p=0.01, seed=7))]
+    torch_tokens = [sample(Sampler(0, CPU), logits, rows) for _ in range(20)]
+    kernel_tokens = [sample(Sampler(0, CPU, counting), logits, rows) for _ in range(20)]
+    assert counting.nucleus_calls == 20 and kernel_tokens == torch_tokens
+    assert len({tuple(t) for t in kernel_tokens}) == 1  # seeded: every draw the same
+    meta = metadata(rows)
+    sampler = Sampler(0, CPU, counting)
+    torch.testing.assert_close(sampler.probs(logits, meta), Sampler(0, CPU).probs(logits, meta), rtol=0, atol=1e-6)
+    sampler.probs(logits.double(), metadata(rows))  # not float32: the sorts
+    assert counting.nucleus_calls == 21
+
+
+def test_the_nucleus_kernel_refuses_rows_past_its_buffers_by_name():
+    from pagedllm.layers import kernels
+
+    library = kernel_library()
+    logits, out = torch.zeros(2, 10), torch.zeros(1, 10)
+    status = library.nucleus_filter(logits.data_ptr(), 2, 10, logits.numel(), None, None, out.data_ptr(), out.numel(), 1)
+    with pytest.raises(kernels.KernelRefused, match=r"nucleus filter: 2 rows of 10 logits do not fit 20 floats in or 10 out"):
+        kernels.check_status(status, library, "nucleus filter")

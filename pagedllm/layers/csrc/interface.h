@@ -209,6 +209,12 @@ int speculate_greedy(const Model *target, const Model *draft, Speculation *sp, i
 int greedy_rows(const float *logits, int64_t rows, int64_t vocab, int64_t logits_capacity, int64_t *tokens, float *logprobs,
                 int64_t out_capacity, int num_threads);
 
+/* `rows` rows of logits with those below each row's top-k, then top-p, threshold set to -inf,
+ * written to out (which may be logits; nucleus.c); top_k or top_p NULL where no row uses it (a
+ * row's top_k >= vocab or top_p >= 1: off). Capacities in floats. */
+int nucleus_filter(const float *logits, int64_t rows, int64_t vocab, int64_t logits_capacity, const int64_t *top_k,
+                   const float *top_p, float *out, int64_t out_capacity, int num_threads);
+
 /* A STREAM-like read of n floats by num_threads threads: the best of `repeats` passes, in bytes
  * per second (small_matmul.c; the decode benchmark's limit). */
 double read_bandwidth(const float *buf, int64_t n, int repeats, int num_threads);
