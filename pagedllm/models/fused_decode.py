@@ -208,8 +208,13 @@ class FusedDecoder:
         return TILE_ROWS if all(m.int8_activations for m in matrices) else MAX_ROWS
 
     def accepts(self, meta: AttentionMetadata, num_rows: int) -> bool:
-        """All rows decodes attended by the C kernel (one bucket), at most max_rows of them."""
-        return meta.kernel_attention and not meta.prefills and len(meta.decodes) == 1 and num_rows <= self.max_rows
+        """A forward pass's attention metadata fits one call (`fits`)."""
+        return self.fits(meta.kernel_attention, len(meta.prefills), len(meta.decodes), num_rows)
+
+    def fits(self, kernel_attention: bool, num_prefills: int, num_buckets: int, num_rows: int) -> bool:
+        """All rows decodes attended by the C kernel (one bucket), at most max_rows of them: what one
+        call runs (a forward pass checks its attention metadata, a greedy burst its staged layout)."""
+        return kernel_attention and num_prefills == 0 and num_buckets == 1 and num_rows <= self.max_rows
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logit_rows: torch.Tensor, lora=None) -> torch.Tensor:

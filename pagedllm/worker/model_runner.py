@@ -403,7 +403,7 @@ class ModelRunner:
             return self._patching_history(_greedy_results(rows, tokens, logprobs), rows)
         layout = stage_batch(chunks, self.block_size, self.kernel_attention, staging, num_steps=num_steps)
         stage_logit_rows(chunks, layout, staging, [rows])
-        if layout.prefills or len(layout.buckets) != 1 or len(chunks) > self.model.fused.max_rows:
+        if not self.model.fused.fits(self.kernel_attention, len(layout.prefills), len(layout.buckets), len(chunks)):
             raise RuntimeError("a greedy burst reached a runner that cannot run it as one fused call")
         if _moves_blocks(sched):
             self._apply_block_maps(sched, staging.to(self.device))
