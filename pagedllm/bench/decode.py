@@ -168,7 +168,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default="1,8", help='comma-separated batch sizes, one row of results each (default: %(default)s)')
     parser.add_argument("--num-scheduler-steps", default=None,
                         help="pagedllm's greedy steps per engine step (multi-step scheduling), one row of results per "
-                             "value (default: 1; 1,8 with --full)")
+                             "value; 'default' is the engine's own (4 for offline generate, which this measures) "
+                             "(default: default; default,1,8 with --full)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="runs of each measurement, each between two bandwidth reads; all are printed (default: 1; 3 with --full)")
     parser.add_argument("--full", action="store_true",
@@ -237,8 +238,16 @@ def _limit(bandwidth: float, peak: float, weights: int, elements: int, batch: in
     return min(bandwidth / (weights + batch * kv_per_sequence), peak / (2 * elements * batch))
 
 
-QUICK = {"new_tokens": 64, "num_scheduler_steps": "1", "repeats": 1}
-FULL = {"new_tokens": 128, "num_scheduler_steps": "1,8", "repeats": 3}
+def _steps_label(llm, steps: int | None) -> str:
+    """How many greedy steps the measured (offline, FINAL_ONLY) requests take a burst."""
+    if steps is None:
+        taken = llm.llm_engine.planner.final_only_steps
+        return f"{taken} step{'s' if taken > 1 else ''} by default"
+    return f"{steps} step{'s' if steps > 1 else ''}"
+
+
+QUICK = {"new_tokens": 64, "num_scheduler_steps": "default", "repeats": 1}
+FULL = {"new_tokens": 128, "num_scheduler_steps": "default,1,8", "repeats": 3}
 
 
 def resolve_defaults(args: argparse.Namespace) -> None:
@@ -266,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args.update(parse_engine_args(args.engine_arg))
     engines, int8_of = [], {}
     modes = {"default": [None], "off": [False], "on": [True], "both": [False, True]}[args.int8_activations]
-    for steps, int8 in [(int(s), m) for s in args.num_scheduler_steps.split(",") for m in modes]:
+    for steps, int8 in [(None if s == "default" else int(s), m) for s in args.num_scheduler_steps.split(",") for m in modes]:
         llm = LLM(str(folder), num_scheduler_steps=steps, **engine_args, int8_activations=int8)
         int8 = llm.llm_engine.config.int8_activations
         weights, elements = weight_bytes_per_step(llm), weight_elements(llm)
@@ -274,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
         for batch in batches:  # warm-up, long enough for the fused step to have tried both thread counts at each size
             run_pagedllm(llm, batch, args.prompt_len, 64, args.seed)
         weights_kind = (llm.llm_engine.config.quantization or "fp32") + (", int8 activations" if int8 else "")
-        name = f"pagedllm ({weights_kind}, {args.decode_backend}, {steps} step{'s' if steps > 1 else ''})"
+        name = f"pagedllm ({weights_kind}, {args.decode_backend}, {_steps_label(llm, steps)})"
         int8_of[name] = bool(int8)
         engines.append((name, functools.partial(lambda llm, b: run_pagedllm(llm, b, args.prompt_len, args.new_tokens, args.seed), llm)))
     if against == "llama.cpp":

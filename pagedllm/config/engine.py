@@ -105,8 +105,10 @@ class EngineConfig:
     # {"model": DIR, "num_speculative_tokens": k} or {"method": "ngram", ...}; JSON text from the CLI
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # Greedy decode steps per engine step when every sequence of a step is a plain greedy decode
-    # (multi-step scheduling, step/planner.py); needs the fused decode step, else 1.
-    num_scheduler_steps: int = 1
+    # (multi-step scheduling, step/planner.py); needs the fused decode step, else 1. None (the
+    # default): a burst only for requests whose output is returned whole (RequestOutputKind.
+    # FINAL_ONLY, as offline LLM.generate asks), whose tokens nobody sees arrive; 1 step for the rest
+    num_scheduler_steps: int | None = None
     # Schedule the next step while the device runs this one, and take this one's output back
     # meanwhile (vLLM's name; engine/scheduler.py). Off where nothing can overlap: the fused CPU
     # step, tensor parallelism, KV offload, speculation (step/planner.py says why)
@@ -188,9 +190,10 @@ class EngineConfig:
                 if clash:
                     raise ValueError(f"kv_cache_dtype='bfloat16' is not supported with {name}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
-        _positive("num_scheduler_steps", self.num_scheduler_steps)
+        if self.num_scheduler_steps is not None:
+            _positive("num_scheduler_steps", self.num_scheduler_steps)
         spec = self.speculative_config
-        if self.num_scheduler_steps > 1 and spec is not None and not (spec.uses_draft_model and spec.fused_cycles):
+        if (self.num_scheduler_steps or 1) > 1 and spec is not None and not (spec.uses_draft_model and spec.fused_cycles):
             raise ValueError("num_scheduler_steps > 1 with speculative_config needs a draft model with fused_cycles "
                              "(its greedy cycles then run num_scheduler_steps per engine step)")
         if self.tensor_parallel_size > 1 and self.speculative_config is not None:
@@ -224,7 +227,7 @@ class EngineConfig:
             return
         clashes = {"speculative_config": self.speculative_config is not None,
                    "tensor_parallel_size > 1": self.tensor_parallel_size > 1,
-                   "num_scheduler_steps > 1": self.num_scheduler_steps > 1}
+                   "num_scheduler_steps > 1": (self.num_scheduler_steps or 1) > 1}
         for name, clash in clashes.items():
             if clash:
                 raise ValueError(f"enable_lora is not supported with {name}")

@@ -305,7 +305,7 @@ class Scheduler:
         each) above the watermark, so the step cannot preempt — a sequence whose tokens are
         placeholders is never preempted (`_preempt`). Admissions and swap-ins never preempt;
         they take only what is left."""
-        bm, steps = self.block_manager, self.planner.num_scheduler_steps
+        bm, steps = self.block_manager, self.planner.max_steps
         need = sum(bm.blocks_for(seq.num_tokens + steps) - len(bm.tables.get(seq.seq_id, ())) + 1 for seq in self.running)
         return bm.num_free_blocks - need >= self.watermark_blocks
 

@@ -44,7 +44,8 @@ HELP = {
     "kv_offload": "keep the KV pool in host memory, two layers at a time on the device",
     "kv_offload_device_memory": "device bytes for the offloaded layers' buffers",
     "speculative_config": 'speculative decoding as JSON: {"model": DIR, "num_speculative_tokens": k} or {"method": "ngram", ...}',
-    "num_scheduler_steps": "greedy decode steps per engine step (multi-step scheduling)",
+    "num_scheduler_steps": ("greedy decode steps per engine step (multi-step scheduling); None: 4 for requests whose "
+                            "output is returned whole (offline generate), 1 where it is streamed"),
     "async_scheduling": "schedule the next step while the device runs this one",
     "enforce_eager": "no CUDA graphs for decode steps",
     "gpu_memory_utilization": "share of the GPU's memory the engine may use",

@@ -35,7 +35,7 @@ from pagedllm.layers import kernels, triton_attention
 from pagedllm.layers.attention import AttentionMetadata
 from pagedllm.layers.paged_decode import kernel_supported
 from pagedllm.layers.small_matmul import MAX_ROWS
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedllm.engine")
 
@@ -100,6 +100,9 @@ class StepPlanner:
     # whose prompts take the modules' row-deterministic ops so their bits do not depend on the
     # split (the fused step's own attention and norms differ in the last bits, which int8 magnifies)
     prompt_rows_fused: bool = True
+    # Greedy steps of a burst whose requests all return their output whole (FINAL_ONLY): nobody
+    # sees their tokens arrive in fours, and the Python around a step is paid once per burst
+    final_only_steps: int = 1
     # The next step scheduled while the device runs this one (engine/scheduler.py, async scheduling)
     async_scheduling: bool = False
     # What the operator asked for and does not get, and why (the server prints it at start)
@@ -123,7 +126,7 @@ class StepPlanner:
         # with attention that reads context lengths from tensors (not SDPA's host-built masks)
         device_bursts = (not fused and attention in ("kernel", "triton") and config.tensor_parallel_size == 1
                          and not config.kv_offload and config.speculative_config is None)
-        if config.num_scheduler_steps > 1 and not (fused or device_bursts):
+        if (config.num_scheduler_steps or 1) > 1 and not (fused or device_bursts):
             logger.warning("num_scheduler_steps=%d needs the fused decode step (CPU) or the C/Triton attention kernels "
                            "on one device without offload or speculation: every engine step runs one step",
                            config.num_scheduler_steps)
@@ -132,10 +135,11 @@ class StepPlanner:
                   and config.tensor_parallel_size == 1 and not config.kv_offload and model_config.moe is None)
         panels = fused or (fused_possible and config.quantization in ("q4", "gguf"))
         planner = cls(max_model_len, config.tensor_parallel_size, config.kv_offload, attention, fused, panels, graphs,
-                      config.num_scheduler_steps if fused or device_bursts else 1,
+                      (config.num_scheduler_steps or 1) if fused or device_bursts else 1,
                       fused and not config.enable_lora and config.speculative_config is None,
                       MAX_ROWS if fused else config.max_num_seqs, config.speculative_config, async_scheduling=overlap,
-                      notices=notices, prompt_rows_fused=not config.int8_activations)
+                      notices=notices, prompt_rows_fused=not config.int8_activations,
+                      final_only_steps=_final_only_steps(config, fused, device_bursts))
         return planner._with_draft(dtype, device)
 
     def _with_draft(self, dtype: torch.dtype, device: torch.device) -> "StepPlanner":
@@ -173,7 +177,12 @@ class StepPlanner:
     def max_burst_rows(self) -> int:
         """The most sequences a greedy burst takes: the fused step's rows, or any step's
         sequences when the passes run back to back on the device."""
-        return self.max_burst_seqs if self.num_scheduler_steps > 1 or self.fused_argmax else 0
+        return self.max_burst_seqs if self.max_steps > 1 or self.fused_argmax else 0
+
+    @property
+    def max_steps(self) -> int:
+        """The most greedy steps a burst takes (streamed or not)."""
+        return max(self.num_scheduler_steps, self.final_only_steps)
 
     # ---- the scheduler's questions -----------------------------------------------------------
     def max_proposals(self, num_running: int) -> int:
@@ -218,7 +227,9 @@ class StepPlanner:
             return None
         if not all(plain_greedy_decode(seq) and not seq.spec_token_ids for seq in seqs):
             return None
-        steps = min(self.num_scheduler_steps, *(tokens_left(seq, self.max_model_len) for seq in seqs))
+        whole = all(seq.params.output_kind is RequestOutputKind.FINAL_ONLY for seq in seqs)
+        steps = min(self.final_only_steps if whole else self.num_scheduler_steps,
+                    *(tokens_left(seq, self.max_model_len) for seq in seqs))
         return Burst(steps, 1, 0) if steps > 1 or (steps == 1 and self.fused_argmax) else None
 
     def overlappable(self, seq: PlannedSequence) -> bool:
@@ -355,6 +366,22 @@ def _attention_backend(config: EngineConfig, head_dim: int, dtype: torch.dtype, 
     if backend == "kernel":
         raise RuntimeError("attention_backend='kernel' was asked for, but the kernel could not be built (see the log)")
     return "sdpa"
+
+
+# Greedy steps a burst of requests that return their output whole takes by default (the fused
+# step only, where it was measured: single stream +19 % on an AVX2 Zen 3, docs/engine.md)
+AUTO_FINAL_ONLY_STEPS = 4
+
+
+def _final_only_steps(config: EngineConfig, fused: bool, device_bursts: bool) -> int:
+    """Steps of a burst whose requests all return their output whole: the configured
+    num_scheduler_steps, or by default AUTO_FINAL_ONLY_STEPS where the fused step runs without
+    adapters or speculation (which take bursts only when asked for)."""
+    if not (fused or device_bursts):
+        return 1
+    if config.num_scheduler_steps is not None:
+        return config.num_scheduler_steps
+    return AUTO_FINAL_ONLY_STEPS if fused and not config.enable_lora and config.speculative_config is None else 1
 
 
 def _kernel_attention_supported(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:

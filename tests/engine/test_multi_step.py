@@ -102,11 +102,11 @@ def test_one_step_takes_its_argmax_in_the_fused_call_with_the_samplers_tokens_an
     folder = str(model_dir(arch))
     plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ranked = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
-    in_step = LLM(folder)
+    in_step = LLM(folder, num_scheduler_steps=1)  # (offline generate's own default: bursts of four)
     fused = [in_step.generate(PROMPTS, params, use_tqdm=False) for params in (plain, ranked)]
     assert bursts and set(bursts) == {1}
     bursts.clear()
-    by_sampler = LLM(folder)
+    by_sampler = LLM(folder, num_scheduler_steps=1)
     engine = by_sampler.llm_engine
     engine.planner = engine.scheduler.planner = engine.runner.planner = replace(engine.planner, fused_argmax=False)
     sampled = [by_sampler.generate(PROMPTS, params, use_tqdm=False) for params in (plain, ranked)]
@@ -118,6 +118,28 @@ def test_one_step_takes_its_argmax_in_the_fused_call_with_the_samplers_tokens_an
         for ours, theirs, token in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
             assert ours[token].rank == theirs[token].rank == 1
             assert ours[token].logprob == pytest.approx(theirs[token].logprob, rel=1e-5, abs=1e-6)
+
+
+def test_by_default_outputs_returned_whole_take_bursts_of_four_and_streamed_ones_single_steps(model_dir, bursts):
+    """num_scheduler_steps unset: offline generate returns each output whole (FINAL_ONLY), so its
+    plain greedy decodes run four steps a call, with the single-step engine's tokens; a request
+    whose output is streamed (the engine API's default, and the server's) gets every token from its
+    own step."""
+    folder = str(model_dir("llama"))
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    whole = LLM(folder).generate(PROMPTS, params, use_tqdm=False)
+    assert max(bursts) == 4 and all(1 <= n <= 4 for n in bursts)
+    bursts.clear()
+    single = LLM(folder, num_scheduler_steps=1).generate(PROMPTS, params, use_tqdm=False)
+    assert set(bursts) == {1}
+    assert [o.outputs[0].token_ids for o in whole] == [o.outputs[0].token_ids for o in single]
+    bursts.clear()
+    engine = LLM(folder).llm_engine
+    engine.add_request("streamed", PROMPTS[0], params)
+    grown = []
+    while engine.has_unfinished_requests():
+        grown += [len(o.outputs[0].token_ids) for o in engine.step()]
+    assert set(bursts) == {1} and grown == list(range(1, 21))
 
 
 def test_requests_that_are_not_plain_greedy_take_single_steps(model_dir, bursts):

@@ -11,7 +11,7 @@ import pytest
 
 from pagedllm.config import EngineConfig, ModelConfig, SpeculativeConfig
 from pagedllm.layers import kernels
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.step.planner import Burst, StepKind, StepPlanner, plain_greedy_decode
 
 needs_kernels = pytest.mark.skipif(kernels.compiler() is None, reason="no C compiler: no C kernels")
@@ -85,6 +85,26 @@ def test_bursts_and_their_budgets():
     spec = StepPlanner(fused_decode=True, num_scheduler_steps=2, fused_spec_cycles=True,
                        speculation=SpeculativeConfig.parse({"model": "draft", "num_speculative_tokens": 3}))
     assert spec.burst([Decoding()], fusing=True) == Burst(8, 4, 3)  # two cycles of k + 1, or one
+
+
+@needs_kernels
+def test_by_default_only_bursts_of_outputs_returned_whole_take_four_steps(model_dir):
+    """num_scheduler_steps unset: four greedy steps a call where every request returns its output
+    whole (FINAL_ONLY: offline generate), one where any is streamed; asked for, one count for all.
+    Only the fused step takes them unasked, and not with adapters or speculation."""
+    planner = decide(model_dir)
+    assert (planner.num_scheduler_steps, planner.final_only_steps, planner.max_steps) == (1, 4, 4)
+    whole = Decoding(params=replace(GREEDY, output_kind=RequestOutputKind.FINAL_ONLY))
+    assert planner.burst([whole] * 3, fusing=False) == Burst(4, 1, 0)
+    assert planner.burst([whole, Decoding()], fusing=False) == Burst(1, 1, 0)  # one streamed output: single steps
+    assert planner.burst([whole, replace(whole, num_tokens=510, num_computed_tokens=509)], fusing=False) == Burst(2, 1, 0)
+    for asked in (1, 8):
+        chosen = decide(model_dir, num_scheduler_steps=asked)
+        assert (chosen.num_scheduler_steps, chosen.final_only_steps) == (asked, asked)
+    folder = str(model_dir("llama"))
+    for unasked in (dict(enable_lora=True), dict(speculative_config={"model": folder, "num_speculative_tokens": 3}),
+                    dict(decode_backend="torch"), dict(attention_backend="sdpa")):
+        assert decide(model_dir, **unasked).max_steps == 1, unasked
 
 
 def test_speculation_questions():

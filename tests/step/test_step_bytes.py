@@ -23,7 +23,7 @@ def long_model(tmp_path_factory):
 
 def decode_with_step_sizes(folder, **engine_args) -> tuple[list[int], list[int]]:
     """(tokens, the pickled bytes of every step) of a greedy 2,000-token decode."""
-    llm = LLM(str(folder), block_size=16, **engine_args)
+    llm = LLM(str(folder), block_size=16, num_scheduler_steps=1, **engine_args)  # a step per token
     runner = llm.llm_engine.runner
     sizes: list[int] = []
     execute = runner.execute
