@@ -348,6 +348,9 @@ def test_the_nucleus_kernel_keeps_what_the_filters_rule_keeps(vocab):
     torch.testing.assert_close(both[kept], logits[kept], rtol=0, atol=0, equal_nan=True)  # what is kept is kept as it was
     assert unsure.sum() <= max(1, rows * vocab // 10000)  # the rounding zone stays a few tokens
     assert torch.equal(both[3].isnan(), logits[3].isnan()) and torch.equal(both[4], logits[4])  # NaN, inf: unfiltered
+    # the wrapper hands the kernel int64 k and float32 p whatever the caller's dtypes
+    narrow_k = top_k.clamp(max=vocab + 7).to(torch.int32)  # (any k >= vocab is off)
+    assert torch.equal(nucleus_filter(logits, narrow_k, top_p.double(), library).isneginf(), both.isneginf())
     only_k = nucleus_filter(logits, top_k, None, library)
     only_p = nucleus_filter(logits, None, top_p, library)
     no_k = torch.full_like(top_k, 2**62)
@@ -385,6 +388,19 @@ def test_random_rows_on_the_cpu_take_the_nucleus_kernel_and_sample_as_the_torch_
     torch.testing.assert_close(sampler.probs(logits, meta), Sampler(0, CPU).probs(logits, meta), rtol=0, atol=1e-6)
     sampler.probs(logits.double(), metadata(rows))  # not float32: the sorts
     assert counting.nucleus_calls == 21
+    for alone, calls in ((SamplingParams(temperature=0.7, top_p=0.9), 22), (SamplingParams(temperature=0.7, top_k=9), 23),
+                         (SamplingParams(temperature=0.7), 23)):  # one filter in the step, or none (no call)
+        meta = metadata([row_with(alone)])
+        torch.testing.assert_close(sampler.probs(logits[:1], meta), Sampler(0, CPU).probs(logits[:1], meta), rtol=0, atol=1e-6)
+        assert counting.nucleus_calls == calls, alone
+
+
+def test_the_nucleus_filter_raises_the_kernels_refusal_by_name():
+    from pagedllm.layers import kernels
+    from pagedllm.layers.sampler import nucleus_filter
+
+    with pytest.raises(kernels.KernelRefused, match=r"^nucleus filter kernel refused its arguments: nucleus filter: 2 rows of 0 logits"):
+        nucleus_filter(torch.empty(2, 0), None, torch.full((2,), 0.5), kernel_library())
 
 
 def test_the_nucleus_kernel_refuses_rows_past_its_buffers_by_name():
