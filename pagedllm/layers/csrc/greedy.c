@@ -19,13 +19,8 @@
 enum { SUM_BLOCK = 1024, SEARCH_BLOCK = 64 };
 
 static void greedy_row(const float *x, int64_t vocab, int64_t *token, float *logprob) {
-    float top = -INFINITY;
-    int nan = 0;
-#pragma omp simd reduction(max : top) reduction(| : nan)
-    for (int64_t i = 0; i < vocab; i++) {
-        top = x[i] > top ? x[i] : top;
-        nan |= x[i] != x[i];
-    }
+    int nan;
+    const float top = row_max(x, vocab, &nan);
     int64_t at = 0;
     if (nan) {
         while (x[at] == x[at]) at++;

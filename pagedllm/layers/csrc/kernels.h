@@ -11,6 +11,7 @@
 #ifndef PAGEDLLM_KERNELS_H
 #define PAGEDLLM_KERNELS_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -382,6 +383,21 @@ static inline float exp_nonpositive(float x) {
         float value;
     } scale = {.bits = ((int32_t)n + 127) << 23};
     return x < -87.0f ? 0.0f : p * scale.value;
+}
+
+/* The largest of a row's n floats in one vector pass, and in *nan whether any is NaN (the sampler's
+ * kernels treat such a row as torch does: greedy.c takes the NaN as the maximum, nucleus.c leaves
+ * the row unfiltered). */
+static inline float row_max(const float *x, int64_t n, int *nan) {
+    float top = -INFINITY;
+    int any_nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : any_nan)
+    for (int64_t i = 0; i < n; i++) {
+        top = x[i] > top ? x[i] : top;
+        any_nan |= x[i] != x[i];
+    }
+    *nan = any_nan;
+    return top;
 }
 
 #endif

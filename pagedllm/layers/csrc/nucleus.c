@@ -82,13 +82,8 @@ static int select_key(const Scratch *s, int64_t n, int weighted, double target, 
 
 /* One row's threshold (-inf: nothing filtered); keys and weights are the row's scratch space. */
 static float row_threshold(const float *x, int64_t vocab, int64_t top_k, float top_p, const Scratch *s) {
-    float top = -INFINITY;
-    int nan = 0;
-#pragma omp simd reduction(max : top) reduction(| : nan)
-    for (int64_t i = 0; i < vocab; i++) {
-        top = x[i] > top ? x[i] : top;
-        nan |= x[i] != x[i];
-    }
+    int nan;
+    const float top = row_max(x, vocab, &nan);
     if (nan || !isfinite(top) || (top_k >= vocab && top_p >= 1.0f)) return -INFINITY; /* NaN, inf: torch's softmax is NaN */
     for (int64_t i = 0; i < vocab; i++) s->keys[i] = key_of(x[i]);
     float threshold = -INFINITY;
