@@ -52,7 +52,8 @@ from pagedllm.layers import kernel_interface
 logger = logging.getLogger("pagedllm.kernels")
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("checks.c", "paged_decode.c", "prefill_attention.c", "small_matmul.c", "amx_int8.c", "decode_step.c", "greedy.c", "nucleus.c", "speculate.c")
+SOURCES = ("checks.c", "paged_decode.c", "prefill_attention.c", "small_matmul.c", "amx_int8.c", "decode_step.c", "greedy.c",
+           "nucleus.c", "categorical.c", "speculate.c")
 HEADERS = ("interface.h", "kernels.h", "decode_step.h")
 LAYOUT_SOURCE = "layout.c"  # generated at build time (kernel_interface.layout_source)
 # -ffast-math (but keeping infinities) lets the reductions and exp vectorise. It is given to the

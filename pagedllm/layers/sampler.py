@@ -5,9 +5,13 @@ The sampler sees tensors only (`SamplingMetadata`, built by the runner once per 
 runs where the logits are and never walks requests. Everything stays on the device; the runner
 copies the results back once.
 
-Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from
-p. A seeded sequence draws its noise from its own generator — one fixed-size draw per sampled
-token — so it gets the same tokens whatever else shares the batch. Greedy rows draw nothing.
+A random row's token is drawn by inverse transform sampling: one uniform number u a row, and the
+first token whose cumulative probability exceeds u — on the CPU in one C kernel over the row
+(csrc/categorical.c), elsewhere in torch (cumsum and searchsorted), the same token either way
+but for rounding. A seeded sequence draws its number from its own generator — one draw per
+sampled token — so it gets the same tokens whatever else shares the batch. Greedy rows draw
+nothing. (The exponential race, argmax of p / E with E ~ Exp(1) a token, is what speculative
+decoding's draft and rejection sampling draw with: `exponential_`, `exponential_noise`.)
 
 Logprobs are those of the raw model distribution (before penalties and temperature), as vLLM
 returns by default and as evaluation harnesses expect.
@@ -150,6 +154,19 @@ def nucleus_filter(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torc
     return out
 
 
+def inverse_transform(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Each row's token for its uniform number u in [0, 1): the first whose cumulative probability
+    (summed in float64) exceeds u times the row's total — a draw from the row's distribution with
+    one random number. A token of probability 0 is never drawn (where rounding puts the target at
+    the total, the last token of positive probability is); a row with NaN gives token 0, as the
+    CPU kernel does (csrc/categorical.c)."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    drawn = torch.searchsorted(cdf, uniform.to(torch.float64).unsqueeze(1) * total, right=True)
+    drawn = torch.minimum(drawn, torch.searchsorted(cdf, total)).squeeze(1)  # the last positive token at most
+    return torch.where(total.squeeze(1).isnan(), 0, drawn)
+
+
 # The uniform draws kept within (0, 1): a noise must be finite and above 0 (p / E would be inf,
 # or NaN for a token filtered to p = 0)
 _UNIFORM_RANGE = (2.0**-25, 1.0 - 2.0**-24)
@@ -181,6 +198,9 @@ class Sampler:
         """logits: [R, V] float32, one row per token to sample."""
         if plain_greedy(meta):
             return self.greedy(logits)
+        if meta.max_num_logprobs is None and _on_cpu_kernels(logits, self.library):
+            tokens = self._choose(self.process(logits, meta), meta)
+            return SamplerOutput(tokens, self.token_logprobs(logits, tokens))
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = self.process(logits, meta)
         tokens = self._choose(processed, meta)
@@ -203,6 +223,17 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
         return SamplerOutput(tokens, chosen)
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Each row's raw log-probability of its token from float32 CPU logits in one kernel call
+        (csrc/greedy.c), without writing a log-softmax of every row when no row asked for
+        logprobs; a token of -1 (nothing chosen) gets a meaningless value the caller drops."""
+        tokens = tokens.contiguous()
+        chosen = torch.empty(tokens.numel(), dtype=torch.float32, device=logits.device)
+        status = self.library.token_logprobs(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.numel(), tokens.data_ptr(),
+                                             chosen.data_ptr(), chosen.numel(), torch.get_num_threads())
+        kernels.check_status(status, self.library, "token logprobs")
+        return chosen
 
     @staticmethod
     def process(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -236,12 +267,49 @@ class Sampler:
         return out
 
     def _choose(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        tokens = logits.argmax(dim=-1)
         if meta.random_rows is None:
-            return tokens
-        probs = self.probs(logits, meta)
-        noise = self.exponential_noise(probs, meta)
-        return tokens.index_copy(0, meta.random_rows, (probs / noise).argmax(dim=-1))
+            return logits.argmax(dim=-1)
+        uniform = self.uniform_draws(meta)
+        if _on_cpu_kernels(logits, self.library):
+            drawn = self.draw_on_cpu(logits, meta, uniform)
+        else:
+            drawn = inverse_transform(self.probs(logits, meta), uniform)
+        if meta.random_rows.numel() == logits.shape[0]:  # every row samples: no argmax to take
+            return torch.empty_like(drawn).index_copy_(0, meta.random_rows, drawn)
+        return logits.argmax(dim=-1).index_copy_(0, meta.random_rows, drawn)
+
+    def draw_on_cpu(self, logits: torch.Tensor, meta: SamplingMetadata, uniform: torch.Tensor) -> torch.Tensor:
+        """The random rows' tokens from float32 CPU logits by inverse transform sampling of their
+        uniform numbers in one kernel call (csrc/categorical.c: three passes over a row where
+        torch's softmax, division and argmax each took one, ~1.4 ms a token over greedy on a Zen 3
+        with the race's noise). Temperature and min_p are applied in the kernel; top-k / top-p rows
+        are scaled and filtered first (the nucleus kernel), then drawn at temperature 1."""
+        rows, inverse = meta.random_rows, meta.temperature.to(torch.float32).reciprocal()
+        if meta.top_k is not None or meta.top_p is not None:
+            scaled = logits.index_select(0, rows) / meta.temperature.to(logits.dtype).unsqueeze(1)
+            logits = nucleus_filter(scaled, meta.top_k, meta.top_p, self.library)
+            rows, inverse = torch.arange(logits.shape[0], device=logits.device), torch.ones_like(inverse)
+        rows, inverse = rows.to(torch.int64).contiguous(), inverse.contiguous()
+        min_p = None if meta.min_p is None else meta.min_p.to(torch.float32).contiguous()
+        tokens = torch.empty(rows.numel(), dtype=torch.int64, device=logits.device)
+        status = self.library.sample_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.numel(), rows.data_ptr(),
+                                          inverse.data_ptr(), None if min_p is None else min_p.data_ptr(), uniform.data_ptr(),
+                                          rows.numel(), tokens.data_ptr(), tokens.numel(), torch.get_num_threads())
+        kernels.check_status(status, self.library, "sample rows")
+        return tokens
+
+    def uniform_draws(self, meta: SamplingMetadata) -> torch.Tensor:
+        """One uniform number in [0, 1) (float64) per random row: the unseeded rows' from the
+        engine's generator in one draw, each seeded row's from its own generator — one number a
+        token, so a seeded row's tokens do not depend on the rest of the batch."""
+        device = meta.random_rows.device
+        uniform = torch.empty(meta.random_rows.numel(), dtype=torch.float64, device=device)
+        if meta.unseeded is not None:
+            uniform.index_copy_(0, meta.unseeded, torch.rand(meta.unseeded.numel(), dtype=torch.float64, device=device,
+                                                                   generator=self.generator))
+        for position, generator in meta.seeded:
+            uniform[position] = torch.rand((), dtype=torch.float64, device=device, generator=generator)
+        return uniform
 
     def exponential_noise(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         noise = torch.empty_like(probs)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -61,11 +62,14 @@ def test_top_k_top_p_min_p_masks():
     assert kept(filter_logits(logits, as_t(10**9), as_t(1.0), as_t(0.0))) == [True] * 4  # "off" values
 
 
-def test_samples_follow_the_distribution():
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_samples_follow_the_distribution(path):
+    """The race's noise (torch) and the inverse transform's uniform numbers (the CPU kernel) from
+    the engine's generator draw the tokens with their probabilities."""
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().unsqueeze(0).repeat(4000, 1)
     rows = [row_with(SamplingParams(temperature=1.0)) for _ in range(4000)]
-    tokens = sample(Sampler(0, CPU), logits, rows)
+    tokens = sample(Sampler(0, CPU, kernel_library() if path == "kernel" else None), logits, rows)
     counts = torch.bincount(torch.tensor(tokens), minlength=4).float()
     chi2 = float((((counts - 4000 * probs) ** 2) / (4000 * probs)).sum())
     assert chi2 < 16.3, (counts, chi2)  # p = 0.001 for 3 degrees of freedom
@@ -89,12 +93,16 @@ def test_min_tokens_bans_eos():
     assert Sampler(0, CPU)(logits, metadata([done])).token_ids.tolist() == [0]
 
 
-def test_seeded_rows_draw_from_their_own_generator():
-    logits = torch.zeros(3, 50)
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_seeded_rows_draw_from_their_own_generator(path):
+    library = kernel_library() if path == "kernel" else None
     seeded = SamplingParams(temperature=1.0, seed=11)
-    alone = sample(Sampler(0, CPU), logits[:1], [row_with(seeded)])
-    crowd = sample(Sampler(5, CPU), logits, [row_with(SamplingParams(temperature=1.0)), row_with(seeded), row_with(SamplingParams(temperature=0))])
-    assert crowd[1] == alone[0] and crowd[2] == 0
+    rows = [row_with(SamplingParams(temperature=1.0)), row_with(seeded), row_with(SamplingParams(temperature=0))]
+    logits = [torch.randn(3, 50, generator=torch.Generator().manual_seed(j)) for j in range(8)]
+    alone = [sample(Sampler(0, CPU, library), x[1:2], [row_with(seeded)])[0] for x in logits]
+    crowd = [sample(Sampler(5, CPU, library), x, rows) for x in logits]
+    assert [c[1] for c in crowd] == alone and [c[2] for c in crowd] == [int(x[2].argmax()) for x in logits]
+    assert len(set(alone)) > 1  # the seed's draws follow the logits: not a constant token
 
 
 def test_plain_greedy_rows_take_the_argmax_with_its_raw_logprob():
@@ -229,10 +237,10 @@ def test_the_noise_is_exp1_and_never_zero():
 
 
 class CountingLibrary:
-    """The real kernel library, counting its greedy_rows (and nucleus_filter) calls: which path a step took."""
+    """The real kernel library, counting its greedy_rows (and nucleus_filter, sample_rows, token_logprobs) calls: which path a step took."""
 
     def __init__(self, library):
-        self.library, self.calls, self.nucleus_calls = library, 0, 0
+        self.library, self.calls, self.nucleus_calls, self.sample_calls, self.logprob_calls = library, 0, 0, 0, 0
 
     def greedy_rows(self, *args):
         self.calls += 1
@@ -241,6 +249,14 @@ class CountingLibrary:
     def nucleus_filter(self, *args):
         self.nucleus_calls += 1
         return self.library.nucleus_filter(*args)
+
+    def sample_rows(self, *args):
+        self.sample_calls += 1
+        return self.library.sample_rows(*args)
+
+    def token_logprobs(self, *args):
+        self.logprob_calls += 1
+        return self.library.token_logprobs(*args)
 
     def __getattr__(self, name):
         return getattr(self.library, name)
@@ -372,27 +388,191 @@ def test_the_nucleus_kernel_keeps_every_tie_at_the_top_p_boundary():
     assert out.isfinite().tolist() == [[True, False, False, False]]
 
 
-def test_random_rows_on_the_cpu_take_the_nucleus_kernel_and_sample_as_the_torch_path():
-    """top-k / top-p of float32 CPU rows go through one kernel call, not a sort; seeded rows draw
-    the same tokens as the torch path (no boundary within rounding in these rows)."""
+def inverse_transform(logits: torch.Tensor, temperature: float, min_p: float, uniform: list[float], margin: float = 1e-4):
+    """The tokens inverse transform sampling draws for each u of `uniform`, in float64: the first
+    whose cumulative weight exp((x - max) / T) (weights under min_p dropped, and those float's exp
+    takes to 0) exceeds u times the total. None where a rounding could move it: a weight within
+    1e-5 of min_p, or u's point within `margin` (a share of the total) of the token's interval's
+    ends (none for u = 0: the first token of positive weight)."""
+    arg = (logits.double() - logits.double().max()) / temperature
+    w = torch.where(arg < -87, 0.0, arg.exp())
+    if min_p > 0 and ((w - min_p).abs() < 1e-5).any():
+        return [None] * len(uniform)
+    w = torch.where(w < min_p, 0.0, w)
+    ends = w.cumsum(0) / w.sum()
+    starts = ends - w / w.sum()
+    tokens = torch.searchsorted(ends, torch.tensor(uniform, dtype=torch.float64), side="right").tolist()
+    return [t if t < len(w) and (u == 0.0 or (u - float(starts[t]) >= margin and float(ends[t]) - u >= margin)) else None
+            for t, u in zip(tokens, uniform)]
+
+
+def draw(library, logits: torch.Tensor, rows, inverse, min_p, uniform) -> torch.Tensor:
+    """The categorical kernel's tokens for draws (row, 1 / temperature, min_p, u)."""
+    rows, inverse = torch.tensor(rows, dtype=torch.int64), torch.tensor(inverse, dtype=torch.float32)
+    min_p, uniform = None if min_p is None else torch.tensor(min_p, dtype=torch.float32), torch.tensor(uniform, dtype=torch.float64)
+    tokens = torch.full((rows.numel(),), -1, dtype=torch.int64)
+    status = library.sample_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.numel(), rows.data_ptr(),
+                                 inverse.data_ptr(), None if min_p is None else min_p.data_ptr(), uniform.data_ptr(), rows.numel(),
+                                 tokens.data_ptr(), tokens.numel(), 2)
+    from pagedllm.layers import kernels
+
+    kernels.check_status(status, library, "sample rows")
+    return tokens
+
+
+@pytest.mark.parametrize("vocab", [1, 37, 200, 3000, 49152])
+def test_the_categorical_kernel_draws_the_token_whose_interval_holds_u(vocab):
+    """csrc/categorical.c against inverse transform sampling in float64: for u at the middle of a
+    token's interval (every token holding 1e-3 of the mass or more, and some at random) and at
+    random, over temperatures, min_p, -inf masks and ties; u = 0 draws the first token of
+    positive weight."""
+    library = kernel_library()
+    g = torch.Generator().manual_seed(vocab)
+    checked = 0
+    for case in range(12):
+        x = (torch.randn(vocab, generator=g) * 3).float()
+        if case % 3 == 1:
+            x[torch.randperm(vocab, generator=g)[: vocab // 2]] = float("-inf")
+        if case % 4 == 2:
+            x = x.round()  # ties
+        temperature, min_p = [1.0, 0.7, 0.1, 2.5][case % 4], [0.0, 0.02, 0.0, 0.3, 0.0, 1e-4][case % 6]
+        arg = (x.double() - x.double().max()) / temperature
+        w = torch.where((arg < -87) | (arg.exp() < min_p), 0.0, arg.exp())
+        w = w / w.sum()
+        ends, heavy = w.cumsum(0), (w >= 1e-3).nonzero().flatten()
+        picks = torch.cat([heavy[:200], torch.randint(0, vocab, (20,), generator=g)])
+        middles = [float(ends[t] - w[t] / 2) for t in picks if w[t] > 0]
+        uniform = [u for u in middles if u < 1.0] + torch.rand(20, dtype=torch.float64, generator=g).tolist()
+        uniform.append(0.0)
+        tokens = draw(library, x.unsqueeze(0), [0] * len(uniform), [1 / temperature] * len(uniform), [min_p] * len(uniform), uniform)
+        for u, token, expected in zip(uniform, tokens.tolist(), inverse_transform(x, temperature, min_p, uniform)):
+            if expected is not None:
+                assert token == expected, (case, u)
+                checked += 1
+            assert float(w[token]) > 0  # never a token of weight 0
+    assert checked > 12 * 20
+
+
+def test_the_categorical_kernel_gives_undefined_rows_token_0_and_takes_each_draws_row():
+    """Rows whose softmax is undefined (a NaN, an infinite maximum, every logit -inf) give token 0,
+    as torch's race does; each draw reads its own row, temperature and min_p, whatever the others;
+    u just under 1 draws the last token of positive weight; a vocabulary past the kernel's
+    1024 x 1024 stack of block sums takes wider blocks."""
+    library = kernel_library()
+    logits = torch.tensor([[0.0, 1.0, float("nan"), 2.0], [0.0, float("inf"), 1.0, float("inf")], [float("-inf")] * 4,
+                           [0.0, 5.0, 0.0, float("-inf")], [3.0, 0.0, 0.0, 3.0]])
+    tokens = draw(library, logits, [0, 1, 2, 3, 3, 4, 4, 3], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 100.0], [0.0] * 8,
+                  [0.5, 0.5, 0.5, 0.0, 1 - 2**-53, 0.3, 0.7, 0.99])
+    assert tokens.tolist() == [0, 0, 0, 0, 2, 0, 3, 1]
+    assert draw(library, logits[3:4], [0, 0], [1.0, 1.0], [0.0, 0.01], [1 - 2**-53] * 2).tolist() == [2, 1]
+    wide = torch.full((1, 1024 * 1024 + 5), float("-inf"))
+    wide[0, [3, 600_000, 1024 * 1024 + 4]] = torch.tensor([0.0, 0.0, 0.0])
+    assert draw(library, wide, [0, 0, 0, 0], [1.0] * 4, None, [0.1, 0.5, 0.9, 1 - 2**-53]).tolist() == [3, 600_000, 1024 * 1024 + 4,
+                                                                                                       1024 * 1024 + 4]
+
+
+def test_random_rows_on_the_cpu_take_the_kernels_and_seeded_rows_draw_their_generators_numbers():
+    """Random float32 CPU rows are drawn in one categorical kernel call, top-k / top-p rows filtered
+    by the nucleus kernel first (no sort); a seeded row's token is inverse transform sampling of its
+    generator's first float64 number on the filtered row at temperature 1 — every draw the same,
+    and the torch path's token (no boundary within rounding in these rows)."""
     counting = CountingLibrary(kernel_library())
-    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(2)) * 3
-    rows = [row_with(SamplingParams(temperature=0.7, top_p=0.9, seed=5)), row_with(SamplingParams(temperature=1.0, top_k=40, seed=6)),
-            row_with(SamplingParams(temperature=0.9, top_k=100, top_p=0.8, min_p=0.01, seed=7))]
-    torch_tokens = [sample(Sampler(0, CPU), logits, rows) for _ in range(20)]
-    kernel_tokens = [sample(Sampler(0, CPU, counting), logits, rows) for _ in range(20)]
-    assert counting.nucleus_calls == 20 and kernel_tokens == torch_tokens
-    assert len({tuple(t) for t in kernel_tokens}) == 1  # seeded: every draw the same
-    meta = metadata(rows)
+    logits = torch.randn(4, 5000, generator=torch.Generator().manual_seed(2)) * 3
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=5), SamplingParams(temperature=1.0, top_k=40, seed=6),
+              SamplingParams(temperature=0.9, top_k=100, top_p=0.8, min_p=0.01, seed=7), SamplingParams(temperature=0)]
+    rows = [row_with(p) for p in params]
+    tokens = [sample(Sampler(0, CPU, counting), logits, rows) for _ in range(20)]
+    assert counting.nucleus_calls == 20 and counting.sample_calls == 20
+    assert sample(Sampler(0, CPU), logits, rows) == tokens[0]  # torch's sorts and inverse transform: the same tokens
+    assert len({tuple(t) for t in tokens}) == 1 and tokens[0][3] == int(logits[3].argmax())  # seeded: every draw the same
+    filtered, _ = exact_filter(logits[:3] / torch.tensor([[0.7], [1.0], [0.9]]), torch.tensor([5000, 40, 100]),
+                               torch.tensor([0.9, 1.0, 0.8]), 0.0)
+    for r, p in enumerate(params[:3]):
+        u = float(torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(p.seed)))
+        assert tokens[0][r] == inverse_transform(filtered[r], 1.0, p.min_p, [u])[0], r
     sampler = Sampler(0, CPU, counting)
-    torch.testing.assert_close(sampler.probs(logits, meta), Sampler(0, CPU).probs(logits, meta), rtol=0, atol=1e-6)
-    sampler.probs(logits.double(), metadata(rows))  # not float32: the sorts
-    assert counting.nucleus_calls == 21
-    for alone, calls in ((SamplingParams(temperature=0.7, top_p=0.9), 22), (SamplingParams(temperature=0.7, top_k=9), 23),
-                         (SamplingParams(temperature=0.7), 23)):  # one filter in the step, or none (no call)
-        meta = metadata([row_with(alone)])
-        torch.testing.assert_close(sampler.probs(logits[:1], meta), Sampler(0, CPU).probs(logits[:1], meta), rtol=0, atol=1e-6)
+    sampler(logits.double(), metadata(rows))  # not float32: the race, no kernel
+    sampler(logits[3:], metadata(rows[3:]))  # greedy alone: the greedy kernel
+    assert counting.sample_calls == 20 and counting.nucleus_calls == 20
+    for alone, calls in ((SamplingParams(temperature=0.7, top_p=0.9), 21), (SamplingParams(temperature=0.7, top_k=9), 22),
+                         (SamplingParams(temperature=0.7), 22), (SamplingParams(temperature=0.7, min_p=0.2), 22)):
+        sample(sampler, logits[:1], [row_with(alone)])  # one filter in the step, or none (no nucleus call)
         assert counting.nucleus_calls == calls, alone
+    assert counting.sample_calls == 24
+
+
+@pytest.mark.parametrize("vocab", [1, 37, 49152])
+def test_the_token_logprobs_kernel_reads_the_log_softmax_at_each_rows_token(vocab):
+    """csrc/greedy.c's token_logprobs against torch's log_softmax gathered at each row's token:
+    rows with -inf logits, a NaN, an infinite maximum or every logit -inf (NaN, as torch gives),
+    and a token of -1 (token 0's value, which the caller drops)."""
+    library = kernel_library()
+    logits = torch.randn(7, vocab, generator=torch.Generator().manual_seed(vocab)) * 4
+    logits[1, : vocab // 2] = float("-inf")
+    logits[2, 0], logits[3, -1], logits[4] = float("nan"), float("inf"), float("-inf")
+    tokens = torch.randint(0, vocab, (7,), generator=torch.Generator().manual_seed(1))
+    tokens[1], tokens[5] = vocab - 1, -1
+    out = Sampler(0, CPU, library).token_logprobs(logits, tokens)
+    expected = torch.log_softmax(logits, dim=-1).gather(1, tokens.clamp(min=0).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5, equal_nan=True)
+    assert out[2:5].isnan().all() and not out[[0, 1, 5, 6]].isnan().any()
+
+
+def test_random_rows_on_the_cpu_return_their_tokens_raw_logprobs_and_the_kernels_refuse_by_name():
+    """With no logprobs asked for, CPU rows' chosen logprobs come from the kernel (no log-softmax of
+    every row): those of the raw logits, before temperature and penalties, as the torch path gives."""
+    from pagedllm.layers import kernels
+
+    counting = CountingLibrary(kernel_library())
+    logits = torch.randn(3, 3000, generator=torch.Generator().manual_seed(4)) * 3
+    rows = [row_with(SamplingParams(temperature=0.6, seed=3, repetition_penalty=1.3)), row_with(SamplingParams(temperature=0)),
+            row_with(SamplingParams(temperature=1.4, top_p=0.5, seed=4))]
+    out = Sampler(0, CPU, counting)(logits, metadata(rows))
+    raw = torch.log_softmax(logits, dim=-1).gather(1, out.token_ids.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(out.logprobs, raw, rtol=0, atol=1e-5)
+    assert counting.logprob_calls == 1 and out.ranks is None
+    asked = [row_with(SamplingParams(temperature=0.6, seed=3, logprobs=2))]
+    assert Sampler(0, CPU, counting)(logits[:1], metadata(asked)).top_ids.shape == (1, 2) and counting.logprob_calls == 1
+    with pytest.raises(kernels.KernelRefused, match=r"^token logprobs kernel refused its arguments: token logprobs: row 0's token 3000 of a"):
+        Sampler(0, CPU, counting.library).token_logprobs(logits[:1], torch.tensor([3000]))
+    with pytest.raises(kernels.KernelRefused, match=r"^sample rows kernel refused its arguments: sample rows: draw 0 reads row 3 of 3"):
+        draw(counting.library, logits, [3], [1.0], None, [0.5])
+    for inverse, min_p, u, said in ((0.0, 0.0, 0.5, "at 1 / temperature 0"), (float("inf"), 0.0, 0.5, "at 1 / temperature inf"),
+                                    (1.0, 1.5, 0.5, "with min_p 1.5"), (1.0, 0.0, 1.0, "of uniform 1, outside"),
+                                    (1.0, 0.0, -0.1, "of uniform -0.1, outside")):
+        with pytest.raises(kernels.KernelRefused, match=f"sample rows: draw 0 {re.escape(said)}"):
+            draw(counting.library, logits, [0], [inverse], [min_p], [u])
+
+
+def test_torchs_inverse_transform_draws_the_kernels_tokens():
+    """The torch path (any device) draws by the same rule as the CPU kernel: for u at the middle of
+    each heavy token's interval the same token, never a token of probability 0 (u just under 1: the
+    last positive one), token 0 for a row with NaN."""
+    from pagedllm.layers.sampler import inverse_transform
+
+    library = kernel_library()
+    logits = torch.randn(2, 3000, generator=torch.Generator().manual_seed(8)) * 3
+    logits[1, 1500:] = float("-inf")
+    for r in range(2):
+        probs = logits[r].double().softmax(dim=-1)
+        heavy = (probs >= 1e-3).nonzero().flatten()
+        uniform = (probs.cumsum(0)[heavy] - probs[heavy] / 2).tolist()
+        torch_tokens = inverse_transform(logits[r:r + 1].softmax(dim=-1).repeat(len(uniform), 1), torch.tensor(uniform, dtype=torch.float64))
+        kernel_tokens = draw(library, logits, [r] * len(uniform), [1.0] * len(uniform), None, uniform)
+        assert torch_tokens.tolist() == kernel_tokens.tolist() == heavy.tolist()
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25, 0.0, 0.75, 0.0], [float("nan")] * 4])
+    assert inverse_transform(probs, torch.tensor([1 - 2**-53, 1 - 2**-53, 0.5], dtype=torch.float64)).tolist() == [1, 2, 0]
+    assert inverse_transform(probs[:2], torch.tensor([0.0, 0.3], dtype=torch.float64)).tolist() == [0, 2]
+
+
+def test_unseeded_uniform_numbers_come_from_the_engines_generator():
+    meta = SamplingMetadata(3, random_rows=torch.tensor([0, 2]), temperature=torch.ones(2), unseeded=torch.tensor([0, 1]))
+    torch.manual_seed(0)
+    first = Sampler(3, CPU).uniform_draws(meta)
+    torch.manual_seed(1)
+    assert torch.equal(Sampler(3, CPU).uniform_draws(meta), first) and first.dtype == torch.float64
+    assert torch.equal(first, torch.rand(2, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
+    assert not torch.equal(Sampler(4, CPU).uniform_draws(meta), first)
 
 
 def test_the_nucleus_filter_raises_the_kernels_refusal_by_name():

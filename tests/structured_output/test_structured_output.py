@@ -67,15 +67,16 @@ def test_json_schema_outputs_parse_and_validate(llm, schema):
         validate(json.loads(completion.text), schema)
 
 
-def is_json_prefix(text: str) -> bool:
+def is_json_prefix(text: str, close: bool = True) -> bool:
     """True when `text` is a JSON document cut short: the standard parser fails only because the
-    input ends (an unterminated string is closed and checked again)."""
+    input ends (an unterminated string is closed and checked again, with an escape cut short —
+    a trailing backslash, a \\u and up to three hex digits — completed first)."""
     try:
         json.loads(text)
         return True
     except json.JSONDecodeError as error:
-        if error.msg.startswith("Unterminated string") and not text.endswith("\\"):
-            return is_json_prefix(text + '"')
+        if close and error.msg.startswith(("Unterminated string", "Invalid \\uXXXX escape")):
+            return any(is_json_prefix(text + tail, close=False) for tail in ('"', 'n"', '0"', '00"', '000"', '0000"'))
         return error.pos == len(text)
 
 
@@ -93,7 +94,9 @@ def test_any_json_object():
             assert isinstance(json.loads(completion.text), dict), completion.text
         else:
             assert completion.text.startswith("{") and is_json_prefix(completion.text), completion.text
-    assert not is_json_prefix('{"a": 1}}') and not is_json_prefix('{"a" 1')
+    assert not is_json_prefix('{"a": 1}}') and not is_json_prefix('{"a" 1') and not is_json_prefix('{"a": "\\x')
+    assert not is_json_prefix('{"a": "\\u00zz') and not is_json_prefix('{"a": "b" "c')
+    assert is_json_prefix('{"a": "b\\') and is_json_prefix('{"a": "\\u00') and is_json_prefix('{"a": "\\\\')
 
 
 @pytest.mark.parametrize("pattern", [r"[0-9]{3}-[a-z]{2,5}", r"(yes|no|maybe), (because|since) [a-z]{1,6}\.", r"0x[0-9a-f]{4}"])

@@ -1,4 +1,5 @@
-/* Greedy sampling of a few rows of logits: each row's argmax and its log-probability.
+/* Greedy sampling of a few rows of logits: each row's argmax and its log-probability; and the
+ * log-probability of a token drawn otherwise (token_logprobs).
  *
  * Why in C: for a small decode step the sampler's torch ops (argmax, gather, logsumexp) each
  * pay a dispatch and an OpenMP fork over the whole vocabulary, which on a 49k vocabulary took
@@ -17,6 +18,20 @@
 #include "kernels.h"
 
 enum { SUM_BLOCK = 1024, SEARCH_BLOCK = 64 };
+
+/* sum(exp(x - top)) over a row of maximum `top`: a double sum of float partial sums over blocks,
+ * so rounding does not grow with the vocabulary. */
+static double exp_sum(const float *x, int64_t vocab, float top) {
+    double sum = 0.0;
+    for (int64_t lo = 0; lo < vocab; lo += SUM_BLOCK) {
+        const int64_t hi = lo + SUM_BLOCK < vocab ? lo + SUM_BLOCK : vocab;
+        float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+        for (int64_t i = lo; i < hi; i++) part += exp_nonpositive(x[i] - top);
+        sum += part;
+    }
+    return sum;
+}
 
 static void greedy_row(const float *x, int64_t vocab, int64_t *token, float *logprob) {
     int nan;
@@ -38,19 +53,7 @@ static void greedy_row(const float *x, int64_t vocab, int64_t *token, float *log
     }
     while (at < vocab - 1 && x[at] != top) at++;
     *token = at;
-    if (isinf(top)) {
-        *logprob = NAN;
-        return;
-    }
-    double sum = 0.0; /* of float partial sums over blocks, so rounding does not grow with the vocabulary */
-    for (int64_t lo = 0; lo < vocab; lo += SUM_BLOCK) {
-        const int64_t hi = lo + SUM_BLOCK < vocab ? lo + SUM_BLOCK : vocab;
-        float part = 0.0f;
-#pragma omp simd reduction(+ : part)
-        for (int64_t i = lo; i < hi; i++) part += exp_nonpositive(x[i] - top);
-        sum += part;
-    }
-    *logprob = (float)-log(sum);
+    *logprob = isinf(top) ? NAN : (float)-log(exp_sum(x, vocab, top));
 }
 
 void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens, float *logprobs) {
@@ -69,5 +72,28 @@ int greedy_rows(const float *logits, int64_t rows, int64_t vocab, int64_t logits
             (long long)vocab, (long long)logits_capacity, (long long)out_capacity, num_threads);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) argmax_rows(logits + r * vocab, 1, vocab, tokens + r, logprobs + r);
+    return KERNEL_OK;
+}
+
+/* Row r's log-probability of tokens[r] (a token below 0: of token 0, a value the caller drops),
+ * x[t] - max - log(sum(exp(x - max))): what torch's log_softmax holds there, NaN for a row with a
+ * NaN or an infinite maximum; `rows` rows within logits_capacity floats and out_capacity
+ * entries, shared among num_threads threads. The sampler's random rows: their chosen tokens'
+ * log-probabilities without writing a log-softmax of every row. */
+int token_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t logits_capacity, const int64_t *tokens,
+                   float *logprobs, int64_t out_capacity, int num_threads) {
+    REQUIRE(rows >= 0 && vocab >= 1 && rows <= out_capacity && rows <= logits_capacity / vocab && num_threads >= 1,
+            "token logprobs: %lld rows of %lld logits do not fit %lld floats, or %lld outputs (%d threads)", (long long)rows,
+            (long long)vocab, (long long)logits_capacity, (long long)out_capacity, num_threads);
+    for (int64_t r = 0; r < rows; r++)
+        REQUIRE(tokens[r] < vocab, "token logprobs: row %lld's token %lld of a %lld-token vocabulary", (long long)r,
+                (long long)tokens[r], (long long)vocab);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * vocab;
+        int nan;
+        const float top = row_max(x, vocab, &nan);
+        logprobs[r] = nan || isinf(top) ? NAN : (float)((x[tokens[r] < 0 ? 0 : tokens[r]] - top) - log(exp_sum(x, vocab, top)));
+    }
     return KERNEL_OK;
 }

@@ -209,11 +209,24 @@ int speculate_greedy(const Model *target, const Model *draft, Speculation *sp, i
 int greedy_rows(const float *logits, int64_t rows, int64_t vocab, int64_t logits_capacity, int64_t *tokens, float *logprobs,
                 int64_t out_capacity, int num_threads);
 
+/* Each of `rows` rows' log-probability of its token (greedy.c; a token below 0 reads token 0):
+ * logits_capacity floats at logits, out_capacity entries at logprobs; rows shared among num_threads. */
+int token_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t logits_capacity, const int64_t *tokens,
+                   float *logprobs, int64_t out_capacity, int num_threads);
+
 /* `rows` rows of logits with those below each row's top-k, then top-p, threshold set to -inf,
  * written to out (which may be logits; nucleus.c); top_k or top_p NULL where no row uses it (a
  * row's top_k >= vocab or top_p >= 1: off). Capacities in floats. */
 int nucleus_filter(const float *logits, int64_t rows, int64_t vocab, int64_t logits_capacity, const int64_t *top_k,
                    const float *top_p, float *out, int64_t out_capacity, int num_threads);
+
+/* `count` tokens drawn by inverse transform sampling (categorical.c): draw i from row row_of[i] of
+ * `rows` rows of logits (logits_capacity floats) at 1 / inv_temperature[i] (> 0), min_p[i] (0:
+ * off; min_p NULL: off for all) and uniform[i] in [0, 1), into tokens (out_capacity entries);
+ * draws shared among num_threads. */
+int sample_rows(const float *logits, int64_t rows, int64_t vocab, int64_t logits_capacity, const int64_t *row_of,
+                const float *inv_temperature, const float *min_p, const double *uniform, int64_t count, int64_t *tokens,
+                int64_t out_capacity, int num_threads);
 
 /* A STREAM-like read of n floats by num_threads threads: the best of `repeats` passes, in bytes
  * per second (small_matmul.c; the decode benchmark's limit). */
