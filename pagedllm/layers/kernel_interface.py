@@ -55,7 +55,7 @@ def ctype(t: c_header.CType, structs: dict[str, type[ctypes.Structure]]):
 
 STRUCTS = structures(INTERFACE)
 Matrix, Layer, Model, Step = STRUCTS["Matrix"], STRUCTS["Layer"], STRUCTS["Model"], STRUCTS["Step"]
-Speculation, LayoutEntry = STRUCTS["Speculation"], STRUCTS["LayoutEntry"]
+Speculation, LayoutEntry, Draws = STRUCTS["Speculation"], STRUCTS["LayoutEntry"], STRUCTS["Draws"]
 STATUSES: dict[str, int] = INTERFACE.enums["KernelStatus"]
 WEIGHT_KINDS: dict[str, int] = INTERFACE.enums["WeightKind"]
 

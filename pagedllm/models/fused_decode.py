@@ -23,6 +23,7 @@ import torch
 
 from pagedllm.layers import kernels
 from pagedllm.layers.attention import AttentionMetadata
+from pagedllm.layers.kernel_interface import Draws as DrawsStruct
 from pagedllm.layers.kernel_interface import Layer as LayerStruct
 from pagedllm.layers.kernel_interface import Model as ModelStruct
 from pagedllm.layers.kernel_interface import Step as StepStruct
@@ -133,6 +134,29 @@ def _set_int8(matrix, on: bool) -> None:
 
 
 @dataclass
+class RowDraws:
+    """How a burst's rows draw their tokens, in logit-row order (the sampler's rule, in the C
+    call): each row's 1 / temperature (0: its argmax), min_p (0: off) and one uniform number in
+    [0, 1) a step, [num_steps, rows]."""
+
+    inv_temperature: np.ndarray  # float32 [rows]
+    min_p: np.ndarray  # float32 [rows]
+    uniform: np.ndarray  # float64 [num_steps, rows]
+
+    def struct(self, num_rows: int, num_steps: int) -> DrawsStruct:
+        """The C description (pointing into these arrays, which must outlive the call)."""
+        if self.inv_temperature.shape != (num_rows,) or self.min_p.shape != (num_rows,) \
+                or self.uniform.shape != (num_steps, num_rows):
+            raise ValueError(f"draws for {num_steps} steps of {num_rows} rows: {self.inv_temperature.shape}, "
+                             f"{self.min_p.shape}, {self.uniform.shape}")
+        for array, dtype in ((self.inv_temperature, np.float32), (self.min_p, np.float32), (self.uniform, np.float64)):
+            if array.dtype != dtype or not array.flags.c_contiguous:
+                raise ValueError(f"draws: {array.dtype} arrays, {dtype.__name__} and C order expected")
+        return DrawsStruct(inv_temperature=self.inv_temperature.ctypes.data, min_p=self.min_p.ctypes.data,
+                           uniform=self.uniform.ctypes.data, uniform_capacity=self.uniform.size)
+
+
+@dataclass
 class GreedyRows:
     """A greedy burst's rows as the step's host arrays (int64, C order): input ids, positions,
     slots, context lengths and block tables [rows, max_blocks] of the decode rows, and the rows
@@ -180,7 +204,7 @@ class FusedDecoder:
         self._layers = (LayerStruct * len(layers))(*layers)
         self._lm_head = _packed(model.lm_head).struct()
         self.threads = ThreadCount(torch.get_num_threads())
-        self._greedy_logits: np.ndarray | None = None  # greedy bursts' logits (greedy_steps)
+        self._greedy_logits: np.ndarray | None = None  # bursts' logits (decode_steps)
         self.max_rows = self._max_rows()
         rotary = model.model.rotary
         k_cache = model.model.layers[0].self_attn.attn.k_cache
@@ -230,13 +254,14 @@ class FusedDecoder:
         kernels.check_status(failed, self.library, "fused decode step")
         return keep[-1]
 
-    def greedy_steps(self, rows: GreedyRows, num_steps: int) -> tuple[np.ndarray, np.ndarray]:
-        """`num_steps` greedy steps in one call, each row's token fed back as its next input (a
-        greedy burst: multi-step scheduling, or one step whose argmax the call takes): tokens and
-        their logprobs, [num_steps, rows] in logit-row order. Every row samples, and each row's
-        block table covers its last position. The rows come as the step's host arrays, not
-        tensors: after a step has streamed the weights through the caches each torch op costs
-        ~15 µs of dispatch, and this path is CPU-only and makes a dozen of them a token."""
+    def decode_steps(self, rows: GreedyRows, num_steps: int, draws: RowDraws | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """`num_steps` decode steps in one call, each row's token fed back as its next input (a
+        burst: multi-step scheduling, or one step whose token the call takes): its argmax, or a
+        draw where `draws` gives the row a temperature; tokens and their logprobs, [num_steps,
+        rows] in logit-row order. Every row samples, and each row's block table covers its last
+        position. The rows come as the step's host arrays, not tensors: after a step has streamed
+        the weights through the caches each torch op costs ~15 µs of dispatch, and this path is
+        CPU-only and makes a dozen of them a token."""
         num_rows = rows.check()
         logits = self._logits_buffer(rows.logit_rows.shape[0])
         step = StepStruct(rows=num_rows, token_ids=rows.ids.ctypes.data, positions=rows.positions.ctypes.data,
@@ -249,8 +274,10 @@ class FusedDecoder:
         plan = self.threads.plan(num_rows, num_steps)
         threads = (ctypes.c_int * num_steps)(*plan)
         seconds = (ctypes.c_double * num_steps)()
+        drawn = None if draws is None else draws.struct(num_rows, num_steps)
         failed = self.library.decode_steps(ctypes.byref(self._struct), ctypes.byref(step), num_steps, threads, seconds,
-                                           tokens.ctypes.data, logprobs.ctypes.data, tokens.size)
+                                           None if drawn is None else ctypes.byref(drawn), tokens.ctypes.data,
+                                           logprobs.ctypes.data, tokens.size)
         self.threads.record(num_rows, plan, list(seconds))
         kernels.check_status(failed, self.library, "fused greedy steps")
         return tokens, logprobs

@@ -225,12 +225,17 @@ class StepPlanner:
             return Burst(self.num_scheduler_steps * cycle, cycle, self.num_speculative_tokens)
         if not seqs or len(seqs) > self.max_burst_rows:
             return None
-        if not all(plain_greedy_decode(seq) and not seq.spec_token_ids for seq in seqs):
+        if not all(self.plain_burst_decode(seq) and not seq.spec_token_ids for seq in seqs):
             return None
         whole = all(seq.params.output_kind is RequestOutputKind.FINAL_ONLY for seq in seqs)
         steps = min(self.final_only_steps if whole else self.num_scheduler_steps,
                     *(tokens_left(seq, self.max_model_len) for seq in seqs))
         return Burst(steps, 1, 0) if steps > 1 or (steps == 1 and self.fused_argmax) else None
+
+    def plain_burst_decode(self, seq: PlannedSequence) -> bool:
+        """A decode a burst may take: a plain greedy one, or where the fused call draws tokens
+        itself (the fused step without adapters or speculation) a plain random one."""
+        return plain_greedy_decode(seq) or (self.fused_argmax and plain_random_decode(seq))
 
     def overlappable(self, seq: PlannedSequence) -> bool:
         """Whether a sequence's step may be advanced before its output is back (async
@@ -268,6 +273,26 @@ def plain_greedy_decode(seq: PlannedSequence) -> bool:
         seq.num_tokens - seq.num_computed_tokens == 1
         and params.greedy
         and params.logprobs in (None, 0)  # the chosen token's own logprob (rank 1) is all a step gives
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and seq.num_output_tokens >= params.min_tokens
+        and seq.grammar is None
+        and not params.restricts_tokens
+    )
+
+
+def plain_random_decode(seq: PlannedSequence) -> bool:
+    """A random decode whose token the fused call can draw itself: from the raw logits at its
+    temperature and min_p, with no top-k or top-p (the nucleus kernel is the sampler's), and
+    nothing else a greedy burst would lose (plain_greedy_decode's other conditions)."""
+    params = seq.params
+    return (
+        seq.num_tokens - seq.num_computed_tokens == 1
+        and not params.greedy
+        and params.top_k == -1
+        and params.top_p == 1.0
+        and params.logprobs is None  # a drawn token's rank is not the call's to give
         and params.repetition_penalty == 1.0
         and not params.presence_penalty
         and not params.frequency_penalty

@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig, ModelConfig, available_memory_bytes
@@ -29,7 +30,7 @@ from pagedllm.layers.sampler import Sampler
 from pagedllm.lora.fused import fused_lora
 from pagedllm.lora.manager import LoRAManager, pair_dtype
 from pagedllm.lora.request import LoRARequest
-from pagedllm.models.fused_decode import FusedDecoder, GreedyRows
+from pagedllm.models.fused_decode import FusedDecoder, GreedyRows, RowDraws
 from pagedllm.models.loader import load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step.planner import StepKind, StepPlanner
@@ -393,11 +394,13 @@ class ModelRunner:
 
     def _greedy_steps(self, sched: SchedulerOutput, chunks: list[BatchChunk], rows: list[SampleRow], staging: Staging,
                       num_steps: int) -> StepResults:
-        """A greedy burst: `num_steps` greedy steps of plain decodes (one without multi-step
-        scheduling), each row's argmax its next input; every row gets num_steps tokens. On CPU one
-        fused C call, which reads the staged host arrays; elsewhere the steps run back to back on
-        the device (_device_greedy_steps)."""
+        """A burst: `num_steps` steps of plain decodes (one without multi-step scheduling), each
+        row's token its next input; every row gets num_steps tokens. On CPU one fused C call, which
+        reads the staged host arrays and draws the random rows' tokens itself (_burst_draws);
+        elsewhere greedy steps back to back on the device (_device_greedy_steps)."""
         if not self.planner.fused_decode:
+            if any(not row.params.greedy for row in rows):
+                raise RuntimeError("a burst with random rows reached a runner without the fused decode step")
             tokens, logprobs = self._device_greedy_steps(sched, chunks, rows, staging, num_steps)
             self._keep_last_samples(rows, tokens[-1])
             return self._patching_history(_greedy_results(rows, tokens, logprobs), rows)
@@ -408,10 +411,31 @@ class ModelRunner:
         if _moves_blocks(sched):
             self._apply_block_maps(sched, staging.to(self.device))
         host = staging.host()  # the C call reads the host arrays themselves (CPU only: no transfer)
-        tokens, logprobs = self.model.fused.greedy_steps(GreedyRows(
+        tokens, logprobs = self.model.fused.decode_steps(GreedyRows(
             host["input_ids"], host["positions"], host["slot_mapping"], host["decode0.ctx_lens"], host["decode0.tables"],
-            host["logit_rows"]), num_steps)
+            host["logit_rows"]), num_steps, self._burst_draws(rows, num_steps))
         return ReadyResults(_greedy_output(rows, tokens.T.tolist(), logprobs.T.tolist()))
+
+    def _burst_draws(self, rows: list[SampleRow], num_steps: int) -> RowDraws | None:
+        """How a burst's random rows draw (None: every row greedy): each one's 1 / temperature and
+        min_p as the sampler takes them, and one uniform number a step from the generator the
+        sampler would use — a seeded row's own, the unseeded rows' the engine's, step by step —
+        so a burst draws the tokens single steps would."""
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if not random:
+            return None
+        uniform = np.zeros((num_steps, len(rows)))
+        unseeded = [i for i in random if rows[i].params.seed is None]
+        if unseeded:
+            drawn = torch.rand(num_steps, len(unseeded), dtype=torch.float64, device=self.device, generator=self.sampler.generator)
+            uniform[:, unseeded] = drawn.numpy()
+        for i in random:
+            if rows[i].params.seed is not None:
+                generator = self._generator(rows[i])
+                uniform[:, i] = torch.rand(num_steps, dtype=torch.float64, device=self.device, generator=generator).numpy()
+        temperature = np.array([1.0 if row.params.greedy else row.params.temperature for row in rows], dtype=np.float32)
+        inverse = np.where([row.params.greedy for row in rows], np.float32(0.0), np.reciprocal(temperature)).astype(np.float32)
+        return RowDraws(inverse, np.array([row.params.min_p for row in rows], dtype=np.float32), uniform)
 
     def _device_greedy_steps(self, sched: SchedulerOutput, chunks: list[BatchChunk], rows: list[SampleRow],
                              staging: Staging, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,13 +26,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, l
 def bursts(monkeypatch):
     """The step count of every multi-step call made during the test."""
     seen: list[int] = []
-    original = FusedDecoder.greedy_steps
+    original = FusedDecoder.decode_steps
 
-    def counted(self, *args):
-        seen.append(args[-1])
-        return original(self, *args)
+    def counted(self, rows, num_steps, draws=None):
+        seen.append(num_steps)
+        return original(self, rows, num_steps, draws)
 
-    monkeypatch.setattr(FusedDecoder, "greedy_steps", counted)
+    monkeypatch.setattr(FusedDecoder, "decode_steps", counted)
     return seen
 
 
@@ -144,7 +144,8 @@ def test_by_default_outputs_returned_whole_take_bursts_of_four_and_streamed_ones
 
 def test_requests_that_are_not_plain_greedy_take_single_steps(model_dir, bursts):
     params = [
-        SamplingParams(temperature=0.8, seed=7, max_tokens=12),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=12, logprobs=0),
         SamplingParams(temperature=0, max_tokens=12, logprobs=2),
         SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
         SamplingParams(temperature=0, max_tokens=12, min_tokens=12, ignore_eos=False),
@@ -155,6 +156,31 @@ def test_requests_that_are_not_plain_greedy_take_single_steps(model_dir, bursts)
         for a, b in zip(single, multi):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert not bursts, param
+
+
+def test_plain_random_requests_are_drawn_in_the_call_with_the_samplers_tokens(model_dir, bursts, monkeypatch):
+    """Sampling at a temperature (and min_p) with nothing else: the fused call draws the tokens
+    itself, in single steps (bursts of one) and in bursts of 8, and they are the tokens the
+    sampler draws (its path forced by taking the rule away) — seeded rows from their own
+    generators, an unseeded one from the engine's, greedy rows beside them their argmax."""
+    import pagedllm.step.planner as planner_module
+
+    folder = str(model_dir("llama"))
+    params = [SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.3, min_p=0.05, seed=8, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    prompts = PROMPTS[:2] + PROMPTS[:2]
+    drawn = {steps: LLM(folder, num_scheduler_steps=steps, seed=3).generate(prompts, params, use_tqdm=False) for steps in (1, 8)}
+    assert 8 in bursts and 1 in bursts
+    bursts.clear()
+    monkeypatch.setattr(planner_module, "plain_random_decode", lambda seq: False)
+    sampled = LLM(folder, seed=3).generate(prompts, params, use_tqdm=False)
+    assert not bursts
+    expected = [o.outputs[0].token_ids for o in sampled]
+    for steps, outputs in drawn.items():
+        assert [o.outputs[0].token_ids for o in outputs] == expected, steps
+        assert [o.outputs[0].cumulative_logprob for o in outputs] == pytest.approx([o.outputs[0].cumulative_logprob for o in sampled], abs=1e-4)
+    assert len({tuple(t) for t in expected[:3]}) == 3
 
 
 def test_a_waiting_request_is_admitted_before_the_next_burst(model_dir, bursts):

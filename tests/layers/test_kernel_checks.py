@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from pagedllm.layers.kernels import KernelRefused
 from pagedllm.layers.paged_decode import run_kernel, run_prefill_kernel
 from pagedllm.layers.quantization import quantize_blocks
 from pagedllm.layers.small_matmul import WEIGHT_Q4, WEIGHT_Q8_0, matmul, pack, pack_blocks, pack_swiglu
-from pagedllm.models.fused_decode import FusedDecoder, StepStruct
+from pagedllm.models.fused_decode import FusedDecoder, RowDraws, StepStruct
 from pagedllm.spec_decode.fused_cycles import SpeculationStruct
 
 pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C compiler on this machine")
@@ -199,13 +200,30 @@ def test_multi_step_calls_refuse_steps_past_the_table_or_rows_sampled_twice(deco
     a = step_arrays()
     tokens, logprobs = torch.empty(16, dtype=torch.int64), torch.empty(16)
 
-    def steps(num_steps: int, which: torch.Tensor, capacity: int = 16) -> int:
+    def steps(num_steps: int, which: torch.Tensor, capacity: int = 16, draws: RowDraws | None = None, short: int = 0) -> int:
         logits = torch.empty(2, fused.vocab_size)
         st = StepStruct(2, a["ids"].data_ptr(), a["pos"].data_ptr(), a["slots"].data_ptr(), a["lens"].data_ptr(),
                         a["tables"].data_ptr(), 3, which.data_ptr(), 2, logits.data_ptr(), logits.numel())
         threads, seconds = (ctypes.c_int * num_steps)(*[1] * num_steps), (ctypes.c_double * num_steps)()
+        drawn = None if draws is None else draws.struct(2, num_steps)
+        if drawn is not None:
+            drawn.uniform_capacity -= short
         return fused.library.decode_steps(ctypes.byref(fused._struct), ctypes.byref(st), num_steps, threads, seconds,
-                                          tokens.data_ptr(), logprobs.data_ptr(), capacity)
+                                          None if drawn is None else ctypes.byref(drawn), tokens.data_ptr(), logprobs.data_ptr(),
+                                          capacity)
+
+    def draws(inverse=(1.0, 0.0), min_p=(0.0, 0.0), u=0.5, num_steps: int = 2) -> RowDraws:
+        uniform = np.full((num_steps, 2), u)
+        return RowDraws(np.array(inverse, dtype=np.float32), np.array(min_p, dtype=np.float32), uniform)
+
+    assert steps(2, a["which"], draws=draws()) == kernels.KERNEL_OK  # row 0 draws, row 1 takes its argmax
+    for bad, said in ((dict(inverse=(-1.0, 0.0)), b"row 0 at 1 / temperature -1"), (dict(inverse=(1.0, np.inf)), b"row 1 at 1 / temperature inf"),
+                      (dict(min_p=(0.0, 2.0)), b"row 1 with min_p 2"), (dict(u=1.0), b"row 0's uniform number 1 at step 0, outside")):
+        assert steps(2, a["which"], draws=draws(**bad)) == kernels.KERNEL_REFUSED, bad
+        assert said in fused.library.kernel_last_error(), fused.library.kernel_last_error()
+    assert steps(2, a["which"], draws=draws(inverse=(0.0, 0.0), u=1.0)) == kernels.KERNEL_OK  # greedy rows' numbers unread
+    assert steps(2, a["which"], draws=draws(), short=1) == kernels.KERNEL_REFUSED
+    assert b"2 steps of 2 rows draw from 3 numbers" in fused.library.kernel_last_error()
 
     assert steps(6, a["which"]) == kernels.KERNEL_OK  # positions 4..10 and 5..11 fit 3 blocks of 4
     assert steps(8, a["which"]) == kernels.KERNEL_REFUSED  # row 1 would reach position 12

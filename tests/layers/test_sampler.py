@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 import re
 
 import pytest
@@ -487,18 +488,39 @@ def test_random_rows_on_the_cpu_take_the_kernels_and_seeded_rows_draw_their_gene
     assert len({tuple(t) for t in tokens}) == 1 and tokens[0][3] == int(logits[3].argmax())  # seeded: every draw the same
     filtered, _ = exact_filter(logits[:3] / torch.tensor([[0.7], [1.0], [0.9]]), torch.tensor([5000, 40, 100]),
                                torch.tensor([0.9, 1.0, 0.8]), 0.0)
-    for r, p in enumerate(params[:3]):
-        u = float(torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(p.seed)))
-        assert tokens[0][r] == inverse_transform(filtered[r], 1.0, p.min_p, [u])[0], r
+    checked = 0
+    for seed in range(10, 26):  # many seeds: a filter dropped or min_p ignored moves some of the draws
+        seeded = [replace(p, seed=seed + r) for r, p in enumerate(params[:3])]
+        drawn = sample(Sampler(0, CPU, counting), logits[:3], [row_with(p) for p in seeded])
+        for r, p in enumerate(seeded):
+            u = float(torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(p.seed)))
+            expected = inverse_transform(filtered[r], 1.0, p.min_p, [u])[0]
+            if expected is not None:
+                assert drawn[r] == expected, (r, seed)
+                checked += 1
+    for seed in range(10, 26):  # min_p alone, applied in the categorical kernel
+        params_min_p = SamplingParams(temperature=1.2, min_p=0.2, seed=seed)
+        drawn = sample(Sampler(0, CPU, counting), logits[1:2], [row_with(params_min_p)])[0]
+        u = float(torch.rand((), dtype=torch.float64, generator=torch.Generator().manual_seed(seed)))
+        expected = inverse_transform(logits[1], 1.2, 0.2, [u])[0]
+        if expected is not None:
+            assert drawn == expected, seed
+            checked += 1
+    assert checked >= 50
+    counting.nucleus_calls = counting.sample_calls = 0
     sampler = Sampler(0, CPU, counting)
-    sampler(logits.double(), metadata(rows))  # not float32: the race, no kernel
+    sampler(logits.double(), metadata(rows))  # not float32: torch's rule, no kernel
     sampler(logits[3:], metadata(rows[3:]))  # greedy alone: the greedy kernel
-    assert counting.sample_calls == 20 and counting.nucleus_calls == 20
-    for alone, calls in ((SamplingParams(temperature=0.7, top_p=0.9), 21), (SamplingParams(temperature=0.7, top_k=9), 22),
-                         (SamplingParams(temperature=0.7), 22), (SamplingParams(temperature=0.7, min_p=0.2), 22)):
+    assert counting.sample_calls == 0 and counting.nucleus_calls == 0
+    for alone, calls in ((SamplingParams(temperature=0.7, top_p=0.9), 1), (SamplingParams(temperature=0.7, top_k=9), 2),
+                         (SamplingParams(temperature=0.7), 2), (SamplingParams(temperature=0.7, min_p=0.2), 2)):
         sample(sampler, logits[:1], [row_with(alone)])  # one filter in the step, or none (no nucleus call)
         assert counting.nucleus_calls == calls, alone
-    assert counting.sample_calls == 24
+        meta = metadata([row_with(alone)])  # the distribution speculative decoding reads: the same kernel choice
+        torch.testing.assert_close(sampler.probs(logits[:1], meta), Sampler(0, CPU).probs(logits[:1], meta), rtol=0, atol=1e-6)
+        assert counting.nucleus_calls == calls + (alone.top_p < 1 or alone.top_k > 0), alone
+        counting.nucleus_calls = calls
+    assert counting.sample_calls == 4
 
 
 @pytest.mark.parametrize("vocab", [1, 37, 49152])
@@ -563,6 +585,35 @@ def test_torchs_inverse_transform_draws_the_kernels_tokens():
     probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25, 0.0, 0.75, 0.0], [float("nan")] * 4])
     assert inverse_transform(probs, torch.tensor([1 - 2**-53, 1 - 2**-53, 0.5], dtype=torch.float64)).tolist() == [1, 2, 0]
     assert inverse_transform(probs[:2], torch.tensor([0.0, 0.3], dtype=torch.float64)).tolist() == [0, 2]
+    # an interval's end and u = 0 before a token of probability 0: the next token of positive probability
+    edges = torch.tensor([[0.25, 0.0, 0.75, 0.0], [0.0, 0.5, 0.5, 0.0]])
+    assert inverse_transform(edges, torch.tensor([0.25, 0.0], dtype=torch.float64)).tolist() == [2, 1]
+    # weights that do not sum to 1 are scaled by their total; the sums are float64's (in float32 the
+    # 1e-9 weights after 0.5 would vanish and u would land past them)
+    assert inverse_transform(torch.tensor([[1.0, 3.0]]), torch.tensor([0.5], dtype=torch.float64)).tolist() == [1]
+    tiny = torch.tensor([[0.5] + [1e-9] * 1000 + [0.5 - 1e-6]])
+    u = (0.5 + 500.5e-9) / float(tiny.double().sum())
+    assert inverse_transform(tiny, torch.tensor([u], dtype=torch.float64)).tolist() == [501]
+
+
+def test_a_refused_draw_names_the_sample_rows_kernel():
+    from pagedllm.layers import kernels
+
+    meta = SamplingMetadata(1, random_rows=torch.tensor([0]), temperature=torch.tensor([0.0]), unseeded=torch.tensor([0]))
+    with pytest.raises(kernels.KernelRefused, match=r"^sample rows kernel refused its arguments: sample rows: draw 0 at 1 / temperature inf"):
+        Sampler(0, CPU, kernel_library())(torch.zeros(1, 8), meta)
+
+
+def test_seeded_noise_comes_from_each_rows_own_generator():
+    """The race's noise, which speculative decoding's draft draws with: a seeded position's from
+    its own generator, as exponential_ gives it."""
+    from pagedllm.layers.sampler import exponential_
+
+    probs = torch.full((2, 50), 0.02)
+    meta = SamplingMetadata(2, unseeded=torch.tensor([0]), seeded=[(1, torch.Generator().manual_seed(9))])
+    noise = Sampler(3, CPU).exponential_noise(probs, meta)
+    assert torch.equal(noise[1], exponential_(torch.empty(50), torch.Generator().manual_seed(9)))
+    assert torch.equal(noise[0], exponential_(torch.empty(1, 50), torch.Generator().manual_seed(3))[0])
 
 
 def test_unseeded_uniform_numbers_come_from_the_engines_generator():

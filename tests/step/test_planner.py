@@ -78,7 +78,13 @@ def test_bursts_and_their_budgets():
     assert StepPlanner(fused_decode=True).burst([Decoding()], fusing=False) is None  # one step per engine step
     one = StepPlanner(max_model_len=512, fused_decode=True, fused_argmax=True)
     assert one.burst([Decoding()] * 3, fusing=False) == Burst(1, 1, 0)  # a greedy burst of one step
-    assert one.burst([Decoding(params=SamplingParams(temperature=0.5))], fusing=False) is None  # the sampler samples
+    warm = SamplingParams(temperature=0.5, min_p=0.1, seed=3)
+    assert one.burst([Decoding(params=warm), Decoding()], fusing=False) == Burst(1, 1, 0)  # the call draws too
+    for sampler_only in (dict(top_p=0.9), dict(top_k=40), dict(logprobs=0), dict(repetition_penalty=1.1),
+                         dict(presence_penalty=0.5), dict(logit_bias={3: 1.0}), dict(min_tokens=4)):
+        params = SamplingParams(temperature=0.5, **sampler_only)
+        assert one.burst([Decoding(params=params)], fusing=False) is None, sampler_only  # the sampler samples
+    assert multi.burst([Decoding(params=warm)], fusing=False) is None  # no draws where the call takes no argmax
     assert one.burst([Decoding()] * 17, fusing=False) is None
     assert one.burst([Decoding(num_tokens=512, num_computed_tokens=511)], fusing=False) is None  # no position left
     assert one.step_kind(1, 0, greedy_burst=True) is StepKind.GREEDY_STEPS and one.step_kind(1, 0) is StepKind.FORWARD

@@ -46,7 +46,7 @@ static int64_t walk_block(const float *x, int64_t lo, int64_t hi, float top, flo
     return last;
 }
 
-static int64_t sample_row(const float *x, int64_t vocab, float inv_temperature, float min_p, double u) {
+int64_t categorical_row(const float *x, int64_t vocab, float inv_temperature, float min_p, double u) {
     int nan;
     const float top = row_max(x, vocab, &nan);
     if (nan || isinf(top)) return 0;
@@ -107,6 +107,6 @@ int sample_rows(const float *logits, int64_t rows, int64_t vocab, int64_t logits
     }
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (count > 1)
     for (int64_t i = 0; i < count; i++)
-        tokens[i] = sample_row(logits + row_of[i] * vocab, vocab, inv_temperature[i], min_p ? min_p[i] : 0.0f, uniform[i]);
+        tokens[i] = categorical_row(logits + row_of[i] * vocab, vocab, inv_temperature[i], min_p ? min_p[i] : 0.0f, uniform[i]);
     return KERNEL_OK;
 }

@@ -862,8 +862,29 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     return failed;
 }
 
-/* `num_steps` greedy decode steps of the same rows, each row's argmax fed back as its next input
- * (multi-step scheduling): tokens and logprobs are [num_steps, rows]; step s runs on threads[s]
+/* Refuses draws outside their buffer or the sampler's ranges: a temperature's inverse >= 0 and
+ * finite, min_p in [0, 1], every uniform number of a sampling row in [0, 1). */
+static int check_draws(const Draws *draws, int64_t rows, int64_t num_steps) {
+    REQUIRE(num_steps * rows <= draws->uniform_capacity, "fused decode steps: %lld steps of %lld rows draw from %lld numbers",
+            (long long)num_steps, (long long)rows, (long long)draws->uniform_capacity);
+    for (int64_t i = 0; i < rows; i++) {
+        const float inverse = draws->inv_temperature[i];
+        REQUIRE(inverse >= 0.0f && isfinite(inverse), "fused decode steps: row %lld at 1 / temperature %g", (long long)i,
+                (double)inverse);
+        REQUIRE(draws->min_p == NULL || (draws->min_p[i] >= 0.0f && draws->min_p[i] <= 1.0f),
+                "fused decode steps: row %lld with min_p %g", (long long)i, (double)draws->min_p[i]);
+        for (int64_t s = 0; s < num_steps && inverse > 0.0f; s++)
+            REQUIRE(draws->uniform[s * rows + i] >= 0.0 && draws->uniform[s * rows + i] < 1.0,
+                    "fused decode steps: row %lld's uniform number %g at step %lld, outside [0, 1)", (long long)i,
+                    draws->uniform[s * rows + i], (long long)s);
+    }
+    return KERNEL_OK;
+}
+
+/* `num_steps` decode steps of the same rows, each row's token fed back as its next input
+ * (multi-step scheduling): its argmax, or where `draws` gives the row a temperature a draw by
+ * inverse transform sampling of its uniform number for the step (categorical.c), the sampler's
+ * rule; tokens and logprobs are [num_steps, rows] in logit-row order; step s runs on threads[s]
  * threads and its time is written to seconds[s] (the thread count is tuned per step). Every row
  * samples (num_logits == rows, logit_rows a permutation), and each row's block table must
  * already cover its last position, position + num_steps - 1. Why here rather than one Python
@@ -871,13 +892,14 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
  * weight stream has just flushed, a cost of the order of a tenth of a single-stream step; this
  * loop pays it once per `num_steps` tokens. The caller's arrays are not changed (the loop
  * advances copies). */
-int decode_steps(const Model *md, const Step *st, int64_t num_steps, const int *threads, double *seconds, int64_t *tokens,
-                 float *logprobs, int64_t out_capacity) {
+int decode_steps(const Model *md, const Step *st, int64_t num_steps, const int *threads, double *seconds, const Draws *draws,
+                 int64_t *tokens, float *logprobs, int64_t out_capacity) {
     const int64_t R = st->rows, bs = md->block_size;
     REQUIRE(num_steps >= 1 && st->num_logits == R && num_steps * R <= out_capacity,
             "fused greedy steps: %lld steps of %lld rows (%lld sampling) into %lld tokens; every row must sample",
             (long long)num_steps, (long long)R, (long long)st->num_logits, (long long)out_capacity);
-    const int status = check_step(md, st, num_steps - 1);
+    int status = check_step(md, st, num_steps - 1);
+    if (!status && draws != NULL) status = check_draws(draws, R, num_steps);
     if (status) return status;
     for (int64_t i = 0; i < R; i++)
         for (int64_t j = 0; j < i; j++)
@@ -900,7 +922,17 @@ int decode_steps(const Model *md, const Step *st, int64_t num_steps, const int *
         if (failed) break;
         /* each row by one thread (its result does not depend on the others), as greedy_rows shares them */
 #pragma omp parallel for schedule(static) num_threads(threads[s]) if (R > 1)
-        for (int64_t i = 0; i < R; i++) argmax_rows(st->logits + i * md->vocab, 1, md->vocab, tokens + s * R + i, logprobs + s * R + i);
+        for (int64_t i = 0; i < R; i++) {
+            const float *x = st->logits + i * md->vocab;
+            const int64_t at = s * R + i;
+            if (draws != NULL && draws->inv_temperature[i] > 0.0f) {
+                tokens[at] = categorical_row(x, md->vocab, draws->inv_temperature[i], draws->min_p ? draws->min_p[i] : 0.0f,
+                                             draws->uniform[at]);
+                logprobs[at] = token_logprob(x, md->vocab, tokens[at]);
+            } else {
+                argmax_rows(x, 1, md->vocab, tokens + at, logprobs + at);
+            }
+        }
         for (int64_t i = 0; i < R && s + 1 < num_steps; i++) {
             const int64_t r = st->logit_rows[i], p = ++pos[r];
             ids[r] = tokens[s * R + i];

@@ -56,6 +56,12 @@ static void greedy_row(const float *x, int64_t vocab, int64_t *token, float *log
     *logprob = isinf(top) ? NAN : (float)-log(exp_sum(x, vocab, top));
 }
 
+float token_logprob(const float *x, int64_t vocab, int64_t token) {
+    int nan;
+    const float top = row_max(x, vocab, &nan);
+    return nan || isinf(top) ? NAN : (float)((x[token] - top) - log(exp_sum(x, vocab, top)));
+}
+
 void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens, float *logprobs) {
     for (int64_t r = 0; r < rows; r++) greedy_row(logits + r * vocab, vocab, tokens + r, logprobs + r);
 }
@@ -89,11 +95,6 @@ int token_logprobs(const float *logits, int64_t rows, int64_t vocab, int64_t log
         REQUIRE(tokens[r] < vocab, "token logprobs: row %lld's token %lld of a %lld-token vocabulary", (long long)r,
                 (long long)tokens[r], (long long)vocab);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *x = logits + r * vocab;
-        int nan;
-        const float top = row_max(x, vocab, &nan);
-        logprobs[r] = nan || isinf(top) ? NAN : (float)((x[tokens[r] < 0 ? 0 : tokens[r]] - top) - log(exp_sum(x, vocab, top)));
-    }
+    for (int64_t r = 0; r < rows; r++) logprobs[r] = token_logprob(logits + r * vocab, vocab, tokens[r] < 0 ? 0 : tokens[r]);
     return KERNEL_OK;
 }

@@ -192,11 +192,22 @@ int lora_delta(const Lora *lora, int64_t num_layers, int64_t layer, int64_t firs
                const float *x, int64_t m, int64_t ldx, int64_t x_capacity, float *y, int64_t ldy, int64_t y_capacity,
                int num_threads);
 
-/* num_steps greedy decode steps of the same rows, each row's argmax fed back as its next input:
- * tokens and logprobs [num_steps, rows] (out_capacity entries each); step s on threads[s]
- * threads, its time in seconds[s] (decode_step.c). */
-int decode_steps(const Model *md, const Step *st, int64_t num_steps, const int *threads, double *seconds, int64_t *tokens,
-                 float *logprobs, int64_t out_capacity);
+/* How decode_steps draws each logit row's token: row i at 1 / inv_temperature[i] (0: its argmax)
+ * and min_p[i] (NULL: off), by inverse transform sampling of uniform[s * rows + i] at step s
+ * (uniform_capacity entries). */
+typedef struct {
+    const float *inv_temperature;
+    const float *min_p;
+    const double *uniform;
+    int64_t uniform_capacity;
+} Draws;
+
+/* num_steps decode steps of the same rows, each row's token fed back as its next input: its
+ * argmax, or where draws (may be NULL: every row greedy) says so a draw; tokens and their
+ * logprobs [num_steps, rows] (out_capacity entries each); step s on threads[s] threads, its time
+ * in seconds[s] (decode_step.c). */
+int decode_steps(const Model *md, const Step *st, int64_t num_steps, const int *threads, double *seconds, const Draws *draws,
+                 int64_t *tokens, float *logprobs, int64_t out_capacity);
 
 /* Up to num_cycles cycles of greedy draft-model speculation (speculate.c); cycle c runs the
  * target on threads[2c] threads and the draft on threads[2c + 1], their times in seconds[2c]

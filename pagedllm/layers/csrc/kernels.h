@@ -352,6 +352,12 @@ void merge_parts(const float *parts, const float *stats, int64_t num_parts, int6
  * unchecked loop the fused calls use on their own buffers (greedy_rows is the exported one). */
 void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *tokens, float *logprobs);
 
+/* A token drawn from a row of logits by inverse transform sampling of u at 1 / inv_temperature
+ * and min_p (categorical.c), and a token's log-probability in a row (greedy.c): the unchecked
+ * row functions the fused calls use (sample_rows and token_logprobs are the exported ones). */
+int64_t categorical_row(const float *x, int64_t vocab, float inv_temperature, float min_p, double u);
+float token_logprob(const float *x, int64_t vocab, int64_t token);
+
 /* Cephes' expf, shared by exp_nonpositive and paged_decode.c's vector exp_lanes (c, n, r and p a
  * float or a vector of floats, so both expand to the same arithmetic): the exponent n =
  * floor(c log2(e) + 1/2), the reduced argument r = c - n ln2 (ln2 in two parts), and the
