@@ -42,7 +42,7 @@ logger = logging.getLogger("pagedllm.engine")
 
 class StepKind(enum.Enum):
     FORWARD = "forward"  # one forward pass; then speculative proposals, where asked for
-    GREEDY_STEPS = "greedy_steps"  # `token_budget` greedy steps in one fused call, each taking its argmax (a greedy burst)
+    GREEDY_STEPS = "greedy_steps"  # `token_budget` steps in one fused call, each taking its argmax or drawing (a burst)
     SPEC_CYCLES = "spec_cycles"  # greedy draft-model speculation cycles in one C call (spec_decode/fused_cycles.py)
 
 
