@@ -48,9 +48,10 @@ def test_required_call_parses_and_follows_the_schema(client, seed):
 
 def test_parallel_calls(client):
     """With parallel calls allowed a random model keeps calling: every call it closes parses; one
-    cut by max_tokens stays text."""
+    cut by max_tokens stays text. (The seed is one whose draws make more than one call: since
+    tokens are drawn by inverse transform, seeds 1, 2 and 11-14 stop after the first.)"""
     out = client.chat.completions.create(model=MAIN, messages=MESSAGES, tools=[WEATHER, CLOCK], tool_choice="required",
-                                         max_tokens=150, temperature=1.0, seed=11)
+                                         max_tokens=150, temperature=1.0, seed=3)
     choice = out.choices[0]
     assert len(choice.message.tool_calls) >= 2
     for call in choice.message.tool_calls:
