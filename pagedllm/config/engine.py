@@ -15,7 +15,7 @@ from pagedllm.config.model import ModelConfig
 from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 # LoRA pairs' element type (vLLM's lora_dtype); "auto": lora/manager.pair_dtype decides
 LORA_DTYPES = ("auto", "float32", "bfloat16")
 
@@ -87,9 +87,10 @@ class EngineConfig:
     # "int8 activations"). None (the default): on for block-quantized weights, as llama.cpp does;
     # False is the exact path the parity tests take
     int8_activations: bool | None = None
-    # The KV pool's element type (vLLM's name): "auto" is the model's dtype; "bfloat16" halves the
-    # pool of a float32 model on CPU (the C attention kernels widen each element exactly as they
-    # read it): twice the tokens in the same memory, half the bytes a decode step's attention reads
+    # The KV pool's element type (vLLM's name): "auto" is the model's dtype; "bfloat16" or "float16"
+    # (llama.cpp's default cache type: 3 more mantissa bits, range to 65504) halve the pool of a
+    # float32 model on CPU (the C attention kernels widen each element exactly as they read it):
+    # twice the tokens in the same memory, half the bytes a decode step's attention reads
     kv_cache_dtype: str = "auto"
     # With no num_kv_blocks / kv_cache_memory (CPU; a GPU measures what it has left): the pool
     # holds one full context, max(max_model_len, max_num_batched_tokens) tokens shared by every
@@ -183,12 +184,12 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "bfloat16":
+        if self.kv_cache_dtype != "auto":
             clashes = {"tensor_parallel_size > 1": self.tensor_parallel_size > 1, "kv_offload": self.kv_offload,
                        "a draft model": self.speculative_config is not None and self.speculative_config.uses_draft_model}
             for name, clash in clashes.items():
                 if clash:
-                    raise ValueError(f"kv_cache_dtype='bfloat16' is not supported with {name}")
+                    raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with {name}")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.num_scheduler_steps is not None:
             _positive("num_scheduler_steps", self.num_scheduler_steps)
@@ -258,7 +259,7 @@ class EngineConfig:
 
     def kv_torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
         """The KV pool's element type: the model's dtype unless kv_cache_dtype names one."""
-        return torch.bfloat16 if self.kv_cache_dtype == "bfloat16" else self.torch_dtype(model_config)
+        return _DTYPES[self.kv_cache_dtype] if self.kv_cache_dtype != "auto" else self.torch_dtype(model_config)
 
     def resolve_max_model_len(self, model_config: ModelConfig) -> int:
         limit = model_config.max_position_embeddings

@@ -37,7 +37,7 @@ HELP = {
     "decode_backend": "auto, fused (small decode steps as one C call) or torch",
     "quantization": "weight quantization: int8, q4, gguf (keep a GGUF file's blocks) or none",
     "int8_activations": "int8 activations in every step on CPU, llama.cpp's arithmetic (faster, not exact); None: on for block-quantized weights (GGUF, q4), --no-int8-activations is the exact path",
-    "kv_cache_dtype": "the KV pool's element type (bfloat16 halves a float32 model's pool)",
+    "kv_cache_dtype": "the KV pool's element type (bfloat16 or float16 halves a float32 model's pool)",
     "kv_cache_memory_fraction": ("size the KV pool as this share of free memory (default: one full context, capped "
                                  "by a quarter of free memory)"),
     "tensor_parallel_size": "processes one model is split across (must divide its attention and KV heads)",

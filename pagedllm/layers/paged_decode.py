@@ -29,6 +29,10 @@ import torch
 from pagedllm.layers import kernels
 from pagedllm.layers.kernels import compiler  # noqa: F401  (re-exported for callers and tests)
 
+# The KV pool element types the C kernels read, each one's code (csrc/kernels.h KV_*: the fused
+# step's Model.kv_dtype) and its kernels' suffix. float16 is llama.cpp's default cache type.
+POOL_DTYPES = {torch.float32: (0, "f32"), torch.bfloat16: (1, "bf16"), torch.float16: (2, "f16")}
+
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  ctx_lens: torch.Tensor, window: int, scale: float) -> torch.Tensor:
@@ -69,7 +73,7 @@ def run_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
     _check_pool(k_cache, v_cache, q)
     if tables.dim() != 2 or tables.shape[0] != batch or lens.shape != (batch,):
         raise ValueError(f"block_tables must be [{batch}, max_blocks] and ctx_lens [{batch}]")
-    kernel = library.paged_decode_bf16 if k_cache.dtype == torch.bfloat16 else library.paged_decode_f32
+    kernel = getattr(library, f"paged_decode_{POOL_DTYPES[k_cache.dtype][1]}")
     failed = kernel(
         q.data_ptr(), q.stride(0), _span(q), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], tables.data_ptr(),
         tables.numel(), lens.data_ptr(), lens.numel(), out.data_ptr(), out.stride(0), _span(out), batch, tables.shape[1],
@@ -92,7 +96,7 @@ def run_prefill_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     table = block_table.to(torch.int64).contiguous().view(-1)
     q_len, num_kv_heads, group, head_dim = q.shape
     _check_pool(k_cache, v_cache, q)
-    kernel = library.prefill_attention_bf16 if k_cache.dtype == torch.bfloat16 else library.prefill_attention_f32
+    kernel = getattr(library, f"prefill_attention_{POOL_DTYPES[k_cache.dtype][1]}")
     failed = kernel(
         q.data_ptr(), q.stride(0), _span(q), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], table.data_ptr(),
         table.numel(), q_len, ctx_len, out.data_ptr(), out.stride(0), _span(out), k_cache.shape[1], num_kv_heads, group,
@@ -110,14 +114,14 @@ def _available(library: ctypes.CDLL | None, kernel: str) -> ctypes.CDLL:
 
 def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor) -> None:
     """The pool the kernels index by block id: both caches contiguous [num_blocks, block_size,
-    Hkv, D] of one shape and one dtype, float32 or bfloat16, whose heads match q's (fp32; the
+    Hkv, D] of one shape and one of POOL_DTYPES, whose heads match q's (fp32; the
     kernel checks ids against the pool)."""
     _, num_kv_heads, _, head_dim = q.shape
     if (k_cache.shape != v_cache.shape or k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim)
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
+            or k_cache.dtype not in POOL_DTYPES or v_cache.dtype != k_cache.dtype
             or q.dtype != torch.float32):
-        raise ValueError("the KV caches must be contiguous float32 or bfloat16 [num_blocks, block_size, Hkv, D] matching "
+        raise ValueError("the KV caches must be contiguous float32, bfloat16 or float16 [num_blocks, block_size, Hkv, D] matching "
                          "q (float32)")
 
 

@@ -27,6 +27,7 @@ from pagedllm.layers.kernel_interface import Draws as DrawsStruct
 from pagedllm.layers.kernel_interface import Layer as LayerStruct
 from pagedllm.layers.kernel_interface import Model as ModelStruct
 from pagedllm.layers.kernel_interface import Step as StepStruct
+from pagedllm.layers.paged_decode import POOL_DTYPES
 from pagedllm.layers.small_matmul import MAX_ROWS, WEIGHT_Q4, WEIGHT_Q8_0, PackedWeight
 
 # The most rows a fused step takes where every matrix multiplies int8 activations: its matmuls
@@ -191,8 +192,8 @@ class FusedDecoder:
         layers = []
         for layer in model.model.layers:
             attn = layer.self_attn
-            if attn.attn.k_cache.dtype not in (torch.float32, torch.bfloat16) or attn.attn.k_cache.numel() == 0:
-                raise ValueError("the fused decode step needs float32 or bfloat16 KV caches bound to the model")
+            if attn.attn.k_cache.dtype not in POOL_DTYPES or attn.attn.k_cache.numel() == 0:
+                raise ValueError("the fused decode step needs float32, bfloat16 or float16 KV caches bound to the model")
             layers.append(LayerStruct(
                 qkv=_packed(attn.qkv_proj).struct(), o=_packed(attn.o_proj).struct(),
                 gate_up=_packed(layer.mlp.gate_up_proj).struct(), down=_packed(layer.mlp.down_proj).struct(),
@@ -215,7 +216,7 @@ class FusedDecoder:
             eps=cfg.rms_norm_eps, attn_scale=cfg.head_dim**-0.5, embed_rows=model.model.embed_tokens.weight.shape[0],
             num_blocks=k_cache.shape[0], max_position=rotary.cos.shape[0], embed=model.model.embed_tokens.weight.data_ptr(),
             cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(), final_norm=model.model.norm.weight.data_ptr(),
-            lm_head=ctypes.pointer(self._lm_head), layers=self._layers, kv_bf16=int(k_cache.dtype == torch.bfloat16),
+            lm_head=ctypes.pointer(self._lm_head), layers=self._layers, kv_dtype=POOL_DTYPES[k_cache.dtype][0],
         )
 
     def set_int8_activations(self, on: bool) -> None:

@@ -117,9 +117,9 @@ class StepPlanner:
         fused_possible = _fused_decode_possible(config, model_config, dtype, device)
         attention = _attention_backend(config, model_config.head_dim, dtype, device)
         fused = fused_possible and attention == "kernel"
-        if config.kv_cache_dtype == "bfloat16" and attention != "kernel":
-            raise ValueError(f"kv_cache_dtype='bfloat16' needs the C attention kernels (CPU, a float32 model); this engine "
-                             f"attends with {attention!r}")
+        if config.kv_cache_dtype != "auto" and attention != "kernel":
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} needs the C attention kernels (CPU, a float32 "
+                             f"model); this engine attends with {attention!r}")
         if fused_possible and not fused and config.decode_backend == "fused":
             raise RuntimeError("decode_backend='fused' needs the C decode attention kernel, which is not in use")
         # Multi-step bursts: one fused C call on CPU; otherwise passes back to back on the device,

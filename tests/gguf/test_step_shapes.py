@@ -121,6 +121,7 @@ PATHS = {
     "modules": dict(decode_backend="torch", **EXACT_ARGS),
     "int8_activations": {},  # the default for block-quantized weights
     "bf16_kv": dict(kv_cache_dtype="bfloat16"),
+    "f16_kv": dict(kv_cache_dtype="float16"),
     "triton_interpreter": dict(attention_backend="triton", **EXACT_ARGS),
     "multi_step": dict(num_scheduler_steps=4, **EXACT_ARGS),
     "async": dict(async_scheduling=True, decode_backend="torch", **EXACT_ARGS),
@@ -147,7 +148,7 @@ def tiny_expected(tiny_q4) -> list[list[int]]:
 @pytest.mark.parametrize("path", list(PATHS))
 def test_prompts_longer_than_the_budget_on_every_path(tiny_q4, tiny_expected, path):
     """Alone on an idle engine (steps that sample nothing), then batched with decodes; exact paths
-    give the modules path's tokens, the others (int8 activations, a bf16 KV cache) serve every
+    give the modules path's tokens, the others (int8 activations, a half KV cache) serve every
     token; a prompt past max_model_len is refused."""
     llm = LLM(tiny_q4, max_model_len=TINY_LEN, max_num_batched_tokens=TINY_BUDGET, kv_cache_memory=8 << 20, **PATHS[path])
     alone = llm.generate([{"prompt_token_ids": TINY_PROMPTS[0]}], TINY_PARAMS, use_tqdm=False)[0].outputs[0]

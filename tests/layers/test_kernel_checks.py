@@ -189,6 +189,19 @@ def test_the_fused_step_refuses_indices_outside_its_tables(decoder, changes, rea
     assert all(torch.equal(c, layer.k_cache) for c, layer in zip(caches, model.attention_layers()))  # no KV written
 
 
+@pytest.mark.parametrize("code", [3, -1])
+def test_the_fused_step_refuses_an_unknown_pool_element_type(decoder, code):
+    fused, _ = decoder
+    kept = fused._struct.kv_dtype
+    fused._struct.kv_dtype = code
+    try:
+        assert run_step(decoder, step_arrays()) == kernels.KERNEL_REFUSED
+        assert f"kv_dtype is {code}, not 0 (float32), 1 (bfloat16) or 2 (float16)".encode() in fused.library.kernel_last_error()
+    finally:
+        fused._struct.kv_dtype = kept
+    assert run_step(decoder, step_arrays()) == kernels.KERNEL_OK
+
+
 def test_the_fused_step_refuses_logits_that_do_not_fit(decoder):
     fused, _ = decoder
     assert run_step(decoder, step_arrays(), logit_floats=2 * fused.vocab_size - 1) == kernels.KERNEL_REFUSED

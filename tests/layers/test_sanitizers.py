@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # (every folded site, the separate down stage included).
 SANITIZED_TESTS = ["tests/layers/test_paged_decode.py", "tests/layers/test_prefill_attention.py",
                    "tests/layers/test_small_matmul.py", "tests/layers/test_int8_activations.py", "tests/layers/test_sampler.py",
-                   "tests/layers/test_kernel_checks.py", "tests/layers/test_kv_bf16.py",
+                   "tests/layers/test_kernel_checks.py", "tests/layers/test_kv_half_pools.py",
                    "tests/models/test_fused_decode.py", "tests/engine/test_differential_fuzz.py",
                    "tests/lora/test_lora_dtype.py::test_bf16_pairs_in_the_fused_step_are_the_fp32_pairs_rounded",
                    "tests/lora/test_mixed_batches.py::test_the_fused_step_folds_every_site_of_a_wide_model"]

@@ -5,6 +5,7 @@ shrinking from 16 rows to 1, speculative verification rows, and the AVX2 build."
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers import kernels
@@ -22,7 +23,7 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True, l
 
 @pytest.fixture
 def run(monkeypatch):
-    """run(folder, **engine_args) -> (outputs, the row count of every fused step)."""
+    """run(folder, **engine_args) -> (outputs, the row count of every fused step); run.last: the engine."""
     calls: list[int] = []
     original = FusedDecoder.__call__
 
@@ -34,7 +35,8 @@ def run(monkeypatch):
 
     def go(folder, prompts=PROMPTS, params=PARAMS, **engine_args):
         calls.clear()
-        outputs = LLM(str(folder), **engine_args).generate(prompts, params, use_tqdm=False)
+        go.last = LLM(str(folder), **engine_args)
+        outputs = go.last.generate(prompts, params, use_tqdm=False)
         return outputs, list(calls)
 
     go.calls = calls
@@ -75,18 +77,29 @@ def test_int8_fused_step_matches_the_int8_modules(model_dir, run):
     assert_same(fused, reference)
 
 
+@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
 @pytest.mark.parametrize("build", [(), kernels.ISA_FLAGS["avx2"]], ids=["native", "avx2"])
-def test_bf16_kv_fused_step_matches_the_bf16_kv_modules(build, model_dir, monkeypatch, run):
-    """A bfloat16 pool: the fused step writes its K/V rounded as torch's .to(bfloat16) does and
-    reads them widened, as the modules' C kernels do. The two paths' fp32 K/V differ in their
-    last bits (summation order), which now and then rounds an element to the next bf16 value:
-    logprobs within 1e-3 (measured: 1.04e-4 at most), tokens equal."""
+def test_half_kv_fused_step_matches_the_half_kv_modules(build, kv, model_dir, monkeypatch, run):
+    """A bfloat16 or float16 pool: the fused step writes its K/V rounded as torch's .to(dtype)
+    does and reads them widened, as the modules' C kernels do. The two paths' fp32 K/V differ in
+    their last bits (summation order), which now and then rounds an element to the next half
+    value: logprobs within 1e-3 (measured: 1.04e-4 at most with bfloat16), tokens equal. The
+    pool the fused step wrote holds the modules' values to within their rounding (a wrong element
+    type would write another type's bits there)."""
     library = kernels.load(build)
     monkeypatch.setattr(kernels, "load", lambda extra_flags=(): library)
-    fused, calls = run(model_dir("llama"), decode_backend="fused", kv_cache_dtype="bfloat16")
-    reference, _ = run(model_dir("llama"), decode_backend="torch", kv_cache_dtype="bfloat16")
+    fused, calls = run(model_dir("llama"), decode_backend="fused", kv_cache_dtype=kv)
+    fused_pool = run.last.llm_engine.runner.kv_cache.k.float()
+    reference, _ = run(model_dir("llama"), decode_backend="torch", kv_cache_dtype=kv)
+    modules_pool = run.last.llm_engine.runner.kv_cache.k.float()
     assert calls
     assert_same(fused, reference, tolerance=1e-3)
+    written = modules_pool != 0
+    assert written.sum() > 1000 and run.last.llm_engine.runner.kv_cache.k.dtype == getattr(torch, kv)
+    # a few last-bit steps of the fp32 values (more in the sanitizer build's summation order), not
+    # another type's bits (1.0 as bfloat16 read as float16 is 1.875)
+    relative = ((fused_pool - modules_pool).abs() / modules_pool.abs().clamp_min(1e-2))[written]
+    assert relative.max() < 2**-5
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen2"])

@@ -89,9 +89,12 @@ static void write_kv(const Model *md, const Layer *ly, const Step *st, float *qk
     if (ly->k_norm != NULL) rmsnorm(k, ly->k_norm, D, md->eps, k);
     rotate(k, cos, sin, D);
     const int64_t at = (st->slots[r] * Hkv + h) * D;
-    if (md->kv_bf16) {
+    if (md->kv_dtype == KV_BF16) {
         uint16_t *kc = (uint16_t *)ly->k_cache + at, *vc = (uint16_t *)ly->v_cache + at;
         for (int64_t d = 0; d < D; d++) kc[d] = float_to_bf16(k[d]), vc[d] = float_to_bf16(v[d]);
+    } else if (md->kv_dtype == KV_F16) {
+        uint16_t *kc = (uint16_t *)ly->k_cache + at, *vc = (uint16_t *)ly->v_cache + at;
+        for (int64_t d = 0; d < D; d++) kc[d] = float_to_f16(k[d]), vc[d] = float_to_f16(v[d]);
     } else {
         memcpy((float *)ly->k_cache + at, k, sizeof(float) * D);
         memcpy((float *)ly->v_cache + at, v, sizeof(float) * D);
@@ -552,7 +555,7 @@ static int layer_step(const Model *md, const Layer *ly, const Matrix *next, cons
                       int pair, int t, int nt) {
     const int64_t R = st->rows, H = md->hidden, D = md->head_dim, Hkv = md->num_kv_heads, G = md->num_heads / Hkv;
     const int64_t q_width = md->num_heads * D;
-    const Shape shape = {md->block_size, Hkv, md->num_heads / Hkv, D, md->kv_bf16 != 0};
+    const Shape shape = {md->block_size, Hkv, md->num_heads / Hkv, D, (int)md->kv_dtype};
     float *norm = sc->norm + t * sc->norm_ld;
     int failed = 0;
 
@@ -682,7 +685,8 @@ int check_model(const Model *md) {
             "decode step: a model with %lld layers, hidden %lld, %lld KV heads, vocab %lld, %lld blocks of %lld",
             (long long)md->num_layers, (long long)H, (long long)md->num_kv_heads, (long long)md->vocab,
             (long long)md->num_blocks, (long long)md->block_size);
-    REQUIRE(md->kv_bf16 == 0 || md->kv_bf16 == 1, "decode step: kv_bf16 is %lld, not 0 or 1", (long long)md->kv_bf16);
+    REQUIRE(md->kv_dtype == KV_F32 || md->kv_dtype == KV_BF16 || md->kv_dtype == KV_F16,
+            "decode step: kv_dtype is %lld, not 0 (float32), 1 (bfloat16) or 2 (float16)", (long long)md->kv_dtype);
     int status = check_shape(md->lm_head, md->vocab, H, "LM head", md->num_layers);
     for (int64_t l = 0; l < md->num_layers && !status; l++) {
         const Layer *ly = &md->layers[l];

@@ -63,7 +63,7 @@ typedef struct {
     Matrix qkv, o, gate_up, down;
     const float *input_norm, *post_norm; /* [hidden] */
     const float *q_norm, *k_norm;        /* [head_dim], or NULL */
-    void *k_cache, *v_cache;             /* [num_blocks, block_size, num_kv_heads, head_dim], Model.kv_bf16's type */
+    void *k_cache, *v_cache;             /* [num_blocks, block_size, num_kv_heads, head_dim], Model.kv_dtype's type */
     int64_t window;                      /* <= 0: no sliding window */
 } Layer;
 
@@ -78,7 +78,8 @@ typedef struct {
     const float *final_norm; /* [hidden] */
     const Matrix *lm_head;
     const Layer *layers;
-    int64_t kv_bf16; /* the KV caches hold bfloat16 (written rounded to nearest even, as torch rounds), else float32 */
+    int64_t kv_dtype; /* the KV caches' element type: 0 float32, 1 bfloat16, 2 float16 (kernels.h KV_*; written
+                       * rounded to nearest even, as torch rounds) */
 } Model;
 
 /* A LoRA adapter's low-rank pair at one projection of one layer (lora/weights.py): the rows that
@@ -163,6 +164,14 @@ int paged_decode_bf16(const float *q, int64_t q_stride, int64_t q_capacity, cons
                       int64_t max_blocks, int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t head_dim,
                       int64_t window, float scale, int num_threads);
 
+/* The same over a pool of float16 K/V (kv_cache_dtype="float16", llama.cpp's default cache type),
+ * each element widened exactly as it is read. */
+int paged_decode_f16(const float *q, int64_t q_stride, int64_t q_capacity, const void *k_cache, const void *v_cache,
+                     int64_t num_blocks, const int64_t *block_tables, int64_t table_capacity, const int64_t *ctx_lens,
+                     int64_t lens_capacity, float *out, int64_t out_stride, int64_t out_capacity, int64_t batch,
+                     int64_t max_blocks, int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                     int64_t window, float scale, int num_threads);
+
 /* Causal attention of one prefill chunk's q_len query rows, the last of a context of ctx_len
  * (prefill_attention.c); max_blocks entries at table. */
 int prefill_attention_f32(const float *q, int64_t q_stride, int64_t q_capacity, const float *k_cache, const float *v_cache,
@@ -173,6 +182,10 @@ int prefill_attention_bf16(const float *q, int64_t q_stride, int64_t q_capacity,
                            int64_t num_blocks, const int64_t *table, int64_t max_blocks, int64_t q_len, int64_t ctx_len,
                            float *out, int64_t out_stride, int64_t out_capacity, int64_t block_size, int64_t num_kv_heads,
                            int64_t group, int64_t head_dim, int64_t window, float scale, int num_threads);
+int prefill_attention_f16(const float *q, int64_t q_stride, int64_t q_capacity, const void *k_cache, const void *v_cache,
+                          int64_t num_blocks, const int64_t *table, int64_t max_blocks, int64_t q_len, int64_t ctx_len,
+                          float *out, int64_t out_stride, int64_t out_capacity, int64_t block_size, int64_t num_kv_heads,
+                          int64_t group, int64_t head_dim, int64_t window, float scale, int num_threads);
 
 /* y = x W^T for m rows, or silu(gate) * up when `swiglu` (small_matmul.c); x_capacity /
  * y_capacity floats at x / y. */

@@ -16,7 +16,7 @@
 #include <string.h>
 
 #include "interface.h"
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -268,11 +268,14 @@ static inline void thread_share(int64_t n, int t, int nt, int64_t *lo, int64_t *
 
 typedef struct {
     int64_t block_size, num_kv_heads, group, head_dim;
-    int kv_bf16; /* the pool holds bfloat16 K/V (a float's upper 16 bits), else float32 */
+    int kv; /* the pool's element type: KV_F32, KV_BF16 or KV_F16 */
 } Shape;
 
-/* A KV pool element: float32, or bfloat16 widened exactly (shifted into a float's upper half). */
-static inline size_t kv_bytes(int bf16) { return bf16 ? 2 : 4; }
+/* A KV pool element type (Model.kv_dtype): float32; bfloat16, widened exactly (shifted into a
+ * float's upper half); float16 (llama.cpp's default cache type), widened exactly (F16C's
+ * vcvtph2ps). Every reader widens as it loads and then runs the float32 arithmetic unchanged. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+static inline size_t kv_bytes(int kv) { return kv == KV_F32 ? 4 : 2; }
 
 static inline float bf16_to_float(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -289,40 +292,69 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* float16 <-> float: exact one way, rounded to nearest even the other, as torch's .to(float16)
+ * rounds (past 65504 to infinity). F16C on x86 (every x86 CPU since 2012); elsewhere the
+ * compiler's _Float16 (GCC >= 12, Clang; native on AArch64). */
+static inline float f16_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    _Float16 x;
+    memcpy(&x, &h, sizeof h);
+    return (float)x;
+#endif
+}
+
+static inline uint16_t float_to_f16(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    const _Float16 x = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &x, sizeof h);
+    return h;
+#endif
+}
+
+/* One K/V element as a float. */
+static inline __attribute__((always_inline)) float kv_at(const void *row, int64_t d, const int kv) {
+    if (kv == KV_F32) return ((const float *)row)[d];
+    const uint16_t h = ((const uint16_t *)row)[d];
+    return kv == KV_BF16 ? bf16_to_float(h) : f16_to_float(h);
+}
+
 /* VW K/V elements at element d of a row, as floats. */
-static inline __attribute__((always_inline)) vf kv_loadv(const void *row, int64_t d, const int bf16) {
-    if (!bf16) return loadv((const float *)row + d);
+static inline __attribute__((always_inline)) vf kv_loadv(const void *row, int64_t d, const int kv) {
+    if (kv == KV_F32) return loadv((const float *)row + d);
     const uint16_t *p = (const uint16_t *)row + d;
 #if defined(__AVX512F__)
-    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-#elif defined(__AVX2__)
-    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)p);
+    return kv == KV_BF16 ? (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16) : (vf)_mm512_cvtph_ps(bits);
+#elif defined(__AVX2__) && defined(__F16C__)
+    const __m128i bits = _mm_loadu_si128((const __m128i *)p);
+    return kv == KV_BF16 ? (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16) : (vf)_mm256_cvtph_ps(bits);
 #else
     vf v;
-    for (int i = 0; i < VW; i++) v[i] = bf16_to_float(p[i]);
+    for (int i = 0; i < VW; i++) v[i] = kv_at(p, i, kv);
     return v;
 #endif
 }
 
 /* 8 K/V elements at element d of a row, as floats. */
-static inline __attribute__((always_inline)) v8 kv_load8(const void *row, int64_t d, const int bf16) {
+static inline __attribute__((always_inline)) v8 kv_load8(const void *row, int64_t d, const int kv) {
     v8 v;
-    if (!bf16) {
+    if (kv == KV_F32) {
         memcpy(&v, (const float *)row + d, sizeof v);
         return v;
     }
     const uint16_t *p = (const uint16_t *)row + d;
-#if defined(__AVX2__)
-    return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#if defined(__AVX2__) && defined(__F16C__)
+    const __m128i bits = _mm_loadu_si128((const __m128i *)p);
+    return kv == KV_BF16 ? (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16) : (v8)_mm256_cvtph_ps(bits);
 #else
-    for (int i = 0; i < 8; i++) v[i] = bf16_to_float(p[i]);
+    for (int i = 0; i < 8; i++) v[i] = kv_at(p, i, kv);
     return v;
 #endif
-}
-
-/* One K/V element as a float. */
-static inline __attribute__((always_inline)) float kv_at(const void *row, int64_t d, const int bf16) {
-    return bf16 ? bf16_to_float(((const uint16_t *)row)[d]) : ((const float *)row)[d];
 }
 
 /* Decode attention of one sequence for KV heads [h0, h1): q and out point at the sequence's

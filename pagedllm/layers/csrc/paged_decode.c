@@ -10,11 +10,11 @@
  * Within a block, rows are taken ROWS at a time (8 with AVX-512, 4 with AVX2) and the arithmetic
  * is register-blocked over the query heads of a KV head, up to QC = 3 of its GQA group at once,
  * in vectors of the library's width (16 floats with AVX-512, 8 with AVX2; GCC/Clang vector
- * extensions, intrinsics only to widen bf16 and round):
- *  - scores: each K chunk (VW elements of a row) is widened once — bf16 with one vpermw — and
- *    multiplied into the accumulators of all QC heads, QC x ROWS vectors in registers; a shuffle
- *    tree then reduces a head's ROWS accumulators to ROWS scores at once (~3 instructions a
- *    score) rather than a horizontal sum per dot product;
+ * extensions, intrinsics only to widen 16-bit elements and round):
+ *  - scores: each K chunk (VW elements of a row) is widened once — bf16 with one vpermw, float16
+ *    with one vcvtph2ps — and multiplied into the accumulators of all QC heads, QC x ROWS vectors
+ *    in registers; a shuffle tree then reduces a head's ROWS accumulators to ROWS scores at once
+ *    (~3 instructions a score) rather than a horizontal sum per dot product;
  *  - exponentials: a head's scores less their largest, in whole vectors (the scores buffer is
  *    padded to them), the 1 / sum kept for the end;
  *  - weighted sum: each V chunk is widened once for all QC heads, and each output chunk gets the
@@ -36,7 +36,7 @@
  *
  * q, out: [B, Hkv, G, D] (query head h*G + g reads KV head h), D a multiple of 8, rows q_stride
  * and out_stride floats apart (q may be a slice of the fused q/k projection); k_cache,
- * v_cache: [num_blocks, block_size, Hkv, D], float32 or bfloat16 (`_bf16`: each element widened
+ * v_cache: [num_blocks, block_size, Hkv, D], float32, bfloat16 or float16 (`_bf16`, `_f16`: each element widened
  * exactly as it is loaded, so the arithmetic is that of a float32 pool holding the same values);
  * block_tables: [B, max_blocks]; ctx_lens: [B];
  * window <= 0: no window.
@@ -107,22 +107,22 @@ static inline vf widen_bf16(__m512i bits) {
 #endif
 
 /* VW K/V elements at element d of a row, as floats. */
-static ALWAYS_INLINE vf kv_chunk(const void *row, int64_t d, const int bf16) {
+static ALWAYS_INLINE vf kv_chunk(const void *row, int64_t d, const int kv) {
 #if defined(__AVX512BW__)
-    if (bf16) return widen_bf16(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d))));
+    if (kv == KV_BF16) return widen_bf16(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d))));
 #endif
-    return kv_loadv(row, d, bf16);
+    return kv_loadv(row, d, kv);
 }
 
 /* VW / 2 K/V elements at element d of a row, as floats, the other lanes 0: the last piece of a
  * head_dim that is an odd number of half vectors (24 with AVX-512; with 8-float vectors there is
  * none). */
-static ALWAYS_INLINE vf kv_half(const void *row, int64_t d, const int bf16) {
+static ALWAYS_INLINE vf kv_half(const void *row, int64_t d, const int kv) {
 #if VW == 16
-    return (vf)_mm512_zextps256_ps512((__m256)kv_load8(row, d, bf16));
+    return (vf)_mm512_zextps256_ps512((__m256)kv_load8(row, d, kv));
 #else
     vf v = {0};
-    for (int i = 0; i < VW / 2; i++) v[i] = kv_at(row, d + i, bf16);
+    for (int i = 0; i < VW / 2; i++) v[i] = kv_at(row, d + i, kv);
     return v;
 #endif
 }
@@ -187,7 +187,7 @@ static inline void prefetch_ahead(Tile *t, int64_t bytes) {
 }
 
 static inline Walk walk(const void *cache, const int64_t *table, int64_t first, int64_t len, Shape s) {
-    return (Walk){cache, table, s.num_kv_heads * s.head_dim * (int64_t)kv_bytes(s.kv_bf16), s.block_size, first, len};
+    return (Walk){cache, table, s.num_kv_heads * s.head_dim * (int64_t)kv_bytes(s.kv), s.block_size, first, len};
 }
 
 /* The walk's next tile into *t, 0 when there is none. */
@@ -211,12 +211,12 @@ static inline int next_tile(Walk *w, Tile *t) {
 /* acc[g][r] += q_g . rows[r] over the elements [d, d + VW) (`half`: [d, d + VW / 2)) for query
  * heads g < qc, D floats apart from q: each K chunk is widened once for all qc heads. */
 static ALWAYS_INLINE void dot_chunk(const float *q, int64_t D, int64_t d, const void *const rows[ROWS], vf acc[QC][ROWS],
-                                    Tile *t, const int qc, const int half, const int bf16) {
-    prefetch_ahead(t, ROWS * (half ? VW / 2 : VW) * (int64_t)kv_bytes(bf16));
+                                    Tile *t, const int qc, const int half, const int kv) {
+    prefetch_ahead(t, ROWS * (half ? VW / 2 : VW) * (int64_t)kv_bytes(kv));
     vf qd[QC];
     for (int g = 0; g < qc; g++) qd[g] = half ? load_half(q + g * D + d) : loadv(q + g * D + d);
     for (int r = 0; r < ROWS; r++) {
-        const vf k = half ? kv_half(rows[r], d, bf16) : kv_chunk(rows[r], d, bf16);
+        const vf k = half ? kv_half(rows[r], d, kv) : kv_chunk(rows[r], d, kv);
         for (int g = 0; g < qc; g++) acc[g][r] = pin(acc[g][r] + qd[g] * k);
     }
 }
@@ -225,12 +225,12 @@ static ALWAYS_INLINE void dot_chunk(const float *q, int64_t D, int64_t d, const 
  * rows r < ROWS (those past a short tile's end are overwritten by the next tile, or lie in the
  * padding): ROWS vector accumulators a head, reduced to ROWS scores at once (sum_rows). */
 static ALWAYS_INLINE void score_heads(const float *q, int64_t D, const void *const rows[ROWS], Tile *t, float scale,
-                                      float *scores, int64_t stride, const int qc, const int bf16) {
+                                      float *scores, int64_t stride, const int qc, const int kv) {
     vf acc[QC][ROWS];
     memset(acc, 0, sizeof acc);
     int64_t d = 0;
-    for (; d + VW <= D; d += VW) dot_chunk(q, D, d, rows, acc, t, qc, 0, bf16);
-    if (d < D) dot_chunk(q, D, d, rows, acc, t, qc, 1, bf16);
+    for (; d + VW <= D; d += VW) dot_chunk(q, D, d, rows, acc, t, qc, 0, kv);
+    if (d < D) dot_chunk(q, D, d, rows, acc, t, qc, 1, kv);
     for (int g = 0; g < qc; g++) {
         const vf dots = sum_rows(acc[g]) * scale;
         memcpy(scores + g * stride, &dots, sizeof(float) * ROWS);
@@ -241,10 +241,10 @@ static ALWAYS_INLINE void score_heads(const float *q, int64_t D, const void *con
  * for query heads g < qc, D floats apart from out: each V chunk widened once for all qc heads,
  * each output chunk loaded and stored once a tile. */
 static ALWAYS_INLINE void weigh_chunk(float *out, int64_t D, int64_t d, const void *const rows[ROWS], const float *w, int64_t ws,
-                                      Tile *t, const int qc, const int half, const int bf16) {
-    prefetch_ahead(t, ROWS * (half ? VW / 2 : VW) * (int64_t)kv_bytes(bf16));
+                                      Tile *t, const int qc, const int half, const int kv) {
+    prefetch_ahead(t, ROWS * (half ? VW / 2 : VW) * (int64_t)kv_bytes(kv));
     vf v[ROWS];
-    for (int r = 0; r < ROWS; r++) v[r] = half ? kv_half(rows[r], d, bf16) : kv_chunk(rows[r], d, bf16);
+    for (int r = 0; r < ROWS; r++) v[r] = half ? kv_half(rows[r], d, kv) : kv_chunk(rows[r], d, kv);
     for (int g = 0; g < qc; g++) {
         const float *wg = w + g * ws;
         /* Read the weights afresh each chunk, as the FMAs' broadcast operands: hoisted out of the
@@ -258,10 +258,10 @@ static ALWAYS_INLINE void weigh_chunk(float *out, int64_t D, int64_t d, const vo
 }
 
 static ALWAYS_INLINE void weigh_heads(float *out, int64_t D, const void *const rows[ROWS], const float *w, int64_t ws, Tile *t,
-                                      const int qc, const int bf16) {
+                                      const int qc, const int kv) {
     int64_t d = 0;
-    for (; d + VW <= D; d += VW) weigh_chunk(out, D, d, rows, w, ws, t, qc, 0, bf16);
-    if (d < D) weigh_chunk(out, D, d, rows, w, ws, t, qc, 1, bf16);
+    for (; d + VW <= D; d += VW) weigh_chunk(out, D, d, rows, w, ws, t, qc, 0, kv);
+    if (d < D) weigh_chunk(out, D, d, rows, w, ws, t, qc, 1, kv);
 }
 
 typedef struct {
@@ -287,8 +287,8 @@ _Static_assert(QC == 3, "BY_QC spells out the counts 1 .. QC");
 
 /* scores[j][qh][t] = scale * q[j][qh] . k[t][qh / G] for the tile's positions, every row j whose
  * context reaches the tile. */
-static ALWAYS_INLINE void score_tile(const Pass *p, Tile *t, const int bf16) {
-    const int64_t D = p->s.head_dim, G = p->s.group, per_row = (p->h1 - p->h0) * G, es = (int64_t)kv_bytes(bf16);
+static ALWAYS_INLINE void score_tile(const Pass *p, Tile *t, const int kv) {
+    const int64_t D = p->s.head_dim, G = p->s.group, per_row = (p->h1 - p->h0) * G, es = (int64_t)kv_bytes(kv);
     for (int64_t j = 0; j < p->rows; j++) {
         if (t->t0 >= p->lens[j]) continue;
         for (int64_t h = p->h0; h < p->h1; h++) {
@@ -297,7 +297,7 @@ static ALWAYS_INLINE void score_tile(const Pass *p, Tile *t, const int bf16) {
             const float *q = p->q + j * p->q_stride + h * G * D;
             float *scores = p->scores + (j * per_row + (h - p->h0) * G) * p->stride + (t->t0 - p->first);
             for (int64_t g0 = 0; g0 < G; g0 += QC) {
-#define SCORE(qc) score_heads(q + g0 * D, D, head, t, p->scale, scores + g0 * p->stride, p->stride, qc, bf16)
+#define SCORE(qc) score_heads(q + g0 * D, D, head, t, p->scale, scores + g0 * p->stride, p->stride, qc, kv)
                 BY_QC(G, g0, SCORE);
 #undef SCORE
             }
@@ -309,7 +309,7 @@ static ALWAYS_INLINE void score_tile(const Pass *p, Tile *t, const int bf16) {
  * (out slices D floats apart, prob rows p->stride apart): a short tile's weights are copied, 0
  * for its repeated rows; a whole one's are read where they lie. */
 static ALWAYS_INLINE void weigh_group(const Pass *p, Tile *t, const void *const head[ROWS], const float *prob, float *out,
-                                      const int qc, const int bf16) {
+                                      const int qc, const int kv) {
     float part[QC * ROWS];
     int64_t ws = p->stride;
     if (t->n < ROWS) {
@@ -317,13 +317,13 @@ static ALWAYS_INLINE void weigh_group(const Pass *p, Tile *t, const void *const 
             for (int r = 0; r < ROWS; r++) part[g * ROWS + r] = r < t->n ? prob[g * ws + r] : 0.0f;
         prob = part, ws = ROWS;
     }
-    weigh_heads(out, p->s.head_dim, head, prob, ws, t, qc, bf16);
+    weigh_heads(out, p->s.head_dim, head, prob, ws, t, qc, kv);
 }
 
 /* out[j][qh] += sum over the tile's positions of p[j][qh][t] * v[t][qh / G], every row j whose
  * context reaches the tile (p is 0 past a row's context). */
-static ALWAYS_INLINE void weigh_tile(const Pass *p, Tile *t, const int bf16) {
-    const int64_t D = p->s.head_dim, G = p->s.group, per_row = (p->h1 - p->h0) * G, es = (int64_t)kv_bytes(bf16);
+static ALWAYS_INLINE void weigh_tile(const Pass *p, Tile *t, const int kv) {
+    const int64_t D = p->s.head_dim, G = p->s.group, per_row = (p->h1 - p->h0) * G, es = (int64_t)kv_bytes(kv);
     for (int64_t j = 0; j < p->rows; j++) {
         if (t->t0 >= p->lens[j]) continue;
         for (int64_t h = p->h0; h < p->h1; h++) {
@@ -332,7 +332,7 @@ static ALWAYS_INLINE void weigh_tile(const Pass *p, Tile *t, const int bf16) {
             const float *prob = p->scores + (j * per_row + (h - p->h0) * G) * p->stride + (t->t0 - p->first);
             float *out = p->out + j * p->out_stride + h * G * D;
             for (int64_t g0 = 0; g0 < G; g0 += QC) {
-#define WEIGH(qc) weigh_group(p, t, head, prob + g0 * p->stride, out + g0 * D, qc, bf16)
+#define WEIGH(qc) weigh_group(p, t, head, prob + g0 * p->stride, out + g0 * D, qc, kv)
                 BY_QC(G, g0, WEIGH);
 #undef WEIGH
             }
@@ -427,15 +427,15 @@ static float exponentiate(float *p, int64_t n, int64_t stride, float *largest) {
     return 1.0f / fold(sum, 1);
 }
 
-/* attend_rows for the pool element type bf16 (a constant after inlining): the scores pass over K,
+/* attend_rows for the pool element type kv (a constant after inlining): the scores pass over K,
  * the exponentials, the weighted-sum pass over V, the normalisation. */
 static ALWAYS_INLINE void attend_passes(const Pass *p, const void *k_cache, const void *v_cache, const int64_t *table,
-                                        const int bf16) {
+                                        const int kv) {
     const Shape s = p->s;
     const int64_t len = p->first + p->n, heads = (p->h1 - p->h0) * s.group, D = s.head_dim;
     Tile t;
-    for (Walk w = walk(k_cache, table, p->first, len, s); next_tile(&w, &t);) score_tile(p, &t, bf16);
-    const int64_t block_bytes = s.block_size * s.num_kv_heads * D * (int64_t)kv_bytes(bf16);
+    for (Walk w = walk(k_cache, table, p->first, len, s); next_tile(&w, &t);) score_tile(p, &t, kv);
+    const int64_t block_bytes = s.block_size * s.num_kv_heads * D * (int64_t)kv_bytes(kv);
     if (p->n > 0) prefetch_rows((const char *)v_cache + table[p->first / s.block_size] * block_bytes, block_bytes); /* meanwhile */
     for (int64_t j = 0; j < p->rows; j++) {
         for (int64_t i = 0; i < heads; i++) {
@@ -448,7 +448,7 @@ static ALWAYS_INLINE void attend_passes(const Pass *p, const void *k_cache, cons
         }
         memset(p->out + j * p->out_stride + p->h0 * s.group * D, 0, sizeof(float) * heads * D);
     }
-    for (Walk w = walk(v_cache, table, p->first, len, s); next_tile(&w, &t);) weigh_tile(p, &t, bf16);
+    for (Walk w = walk(v_cache, table, p->first, len, s); next_tile(&w, &t);) weigh_tile(p, &t, kv);
     for (int64_t j = 0; j < p->rows; j++)
         for (int64_t i = 0; i < heads; i++) {
             float *o = p->out + j * p->out_stride + (p->h0 * s.group + i) * D;
@@ -477,10 +477,12 @@ int attend_part(const float *q, int64_t q_stride, int64_t rows, const int64_t *l
     for (int64_t j = 0; j < rows; j++) clipped[j] = lens[j] < p1 ? lens[j] : p1;
     const Pass pass = {q,  scores,   out,           clipped, first, n,     stride, scores + rows * heads * stride,
                        h0, h1,       rows,          q_stride, out_stride, scale, s, stats, stats_stride};
-    if (s.kv_bf16)
-        attend_passes(&pass, k_cache, v_cache, table, 1);
+    if (s.kv == KV_BF16)
+        attend_passes(&pass, k_cache, v_cache, table, KV_BF16);
+    else if (s.kv == KV_F16)
+        attend_passes(&pass, k_cache, v_cache, table, KV_F16);
     else
-        attend_passes(&pass, k_cache, v_cache, table, 0);
+        attend_passes(&pass, k_cache, v_cache, table, KV_F32);
     free(clipped);
     return KERNEL_OK;
 }
@@ -532,8 +534,8 @@ static int paged_decode(const float *q, int64_t q_stride, int64_t q_capacity, co
                         int64_t num_blocks, const int64_t *block_tables, int64_t table_capacity, const int64_t *ctx_lens,
                         int64_t lens_capacity, float *out, int64_t out_stride, int64_t out_capacity, int64_t batch,
                         int64_t max_blocks, int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t head_dim,
-                        int64_t window, float scale, int num_threads, int kv_bf16) {
-    const Shape s = {block_size, num_kv_heads, group, head_dim, kv_bf16};
+                        int64_t window, float scale, int num_threads, int kv) {
+    const Shape s = {block_size, num_kv_heads, group, head_dim, kv};
     if (head_dim % 8 != 0) return KERNEL_BAD_SHAPE;
     const int64_t width = num_kv_heads * group * head_dim;
     REQUIRE(batch >= 0 && num_kv_heads > 0 && group > 0 && head_dim > 0 && num_threads > 0,
@@ -568,7 +570,7 @@ int paged_decode_f32(const float *q, int64_t q_stride, int64_t q_capacity, const
                      int64_t window, float scale, int num_threads) {
     return paged_decode(q, q_stride, q_capacity, k_cache, v_cache, num_blocks, block_tables, table_capacity, ctx_lens,
                         lens_capacity, out, out_stride, out_capacity, batch, max_blocks, block_size, num_kv_heads, group,
-                        head_dim, window, scale, num_threads, 0);
+                        head_dim, window, scale, num_threads, KV_F32);
 }
 
 int paged_decode_bf16(const float *q, int64_t q_stride, int64_t q_capacity, const void *k_cache, const void *v_cache,
@@ -578,5 +580,15 @@ int paged_decode_bf16(const float *q, int64_t q_stride, int64_t q_capacity, cons
                       int64_t window, float scale, int num_threads) {
     return paged_decode(q, q_stride, q_capacity, k_cache, v_cache, num_blocks, block_tables, table_capacity, ctx_lens,
                         lens_capacity, out, out_stride, out_capacity, batch, max_blocks, block_size, num_kv_heads, group,
-                        head_dim, window, scale, num_threads, 1);
+                        head_dim, window, scale, num_threads, KV_BF16);
+}
+
+int paged_decode_f16(const float *q, int64_t q_stride, int64_t q_capacity, const void *k_cache, const void *v_cache,
+                     int64_t num_blocks, const int64_t *block_tables, int64_t table_capacity, const int64_t *ctx_lens,
+                     int64_t lens_capacity, float *out, int64_t out_stride, int64_t out_capacity, int64_t batch,
+                     int64_t max_blocks, int64_t block_size, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                     int64_t window, float scale, int num_threads) {
+    return paged_decode(q, q_stride, q_capacity, k_cache, v_cache, num_blocks, block_tables, table_capacity, ctx_lens,
+                        lens_capacity, out, out_stride, out_capacity, batch, max_blocks, block_size, num_kv_heads, group,
+                        head_dim, window, scale, num_threads, KV_F16);
 }

@@ -19,8 +19,8 @@
  * table; nothing is gathered or padded.
  *
  * q, out: [q_len, Hkv, G, D] rows q_stride / out_stride floats apart, row r at position
- * ctx_len - q_len + r; caches [num_blocks, block_size, Hkv, D], float32 or bfloat16 (`_bf16`,
- * widened exactly as loaded); D a multiple of 8 (fastest a
+ * ctx_len - q_len + r; caches [num_blocks, block_size, Hkv, D], float32, bfloat16 or float16
+ * (`_bf16`, `_f16`: widened exactly as loaded); D a multiple of 8 (fastest a
  * multiple of VW); window <= 0: no window.
  */
 #include <math.h>
@@ -35,7 +35,7 @@
 #define SB 4 /* output vectors per weighted-sum micro-tile */
 
 typedef struct {
-    const void *k_cache, *v_cache; /* float32, or bfloat16 where s.kv_bf16 */
+    const void *k_cache, *v_cache; /* of the element type s.kv */
     const int64_t *table;
     Shape s;
     int64_t window;
@@ -46,7 +46,7 @@ typedef struct {
 static inline const void *pool_row(const void *cache, const Pool *p, int64_t t, int64_t h) {
     const int64_t bs = p->s.block_size;
     return (const char *)cache + ((p->table[t / bs] * bs + t % bs) * p->s.num_kv_heads + h) * p->s.head_dim *
-                                     (int64_t)kv_bytes(p->s.kv_bf16);
+                                     (int64_t)kv_bytes(p->s.kv);
 }
 
 /* qt[d][j] = q row j's element d, for the tile's n rows (0 for lanes past them). */
@@ -63,7 +63,7 @@ static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b
  * position p0 + j) may not look; lanes past the tile's n rows (q 0) see everything, so that no
  * lane is all -inf. */
 static inline __attribute__((always_inline)) void score(const float *qt, int64_t n_rows, const Pool *p, int64_t h, int64_t p0,
-                                                        int64_t lo, int64_t hi, float *scores, const int bf16) {
+                                                        int64_t lo, int64_t hi, float *scores, const int kv) {
     const int64_t D = p->s.head_dim;
     const vf hidden = (vf){0} - INFINITY;
     vi lane;
@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) void score(const float *qt, int64_t
         vf acc[PB] = {0};
         for (int64_t d = 0; d < D; d++) {
             const vf qd = loadv(qt + d * VW);
-            for (int i = 0; i < PB; i++) acc[i] += kv_at(k[i], d, bf16) * qd;
+            for (int i = 0; i < PB; i++) acc[i] += kv_at(k[i], d, kv) * qd;
         }
         for (int64_t i = 0; i < n; i++) {
             const int32_t back = (int32_t)(t0 + i - p0); /* row j sees position t0 + i when j >= back */
@@ -115,10 +115,10 @@ static inline vf load_part(const float *p, int64_t width) {
 }
 
 /* `width` K/V elements from element d of a row (the rest 0), as floats. */
-static inline __attribute__((always_inline)) vf kv_load_part(const void *row, int64_t d, int64_t width, const int bf16) {
-    if (!bf16) return load_part((const float *)row + d, width);
+static inline __attribute__((always_inline)) vf kv_load_part(const void *row, int64_t d, int64_t width, const int kv) {
+    if (kv == KV_F32) return load_part((const float *)row + d, width);
     vf v = {0};
-    for (int64_t i = 0; i < width; i++) v[i] = bf16_to_float(((const uint16_t *)row)[d + i]);
+    for (int64_t i = 0; i < width; i++) v[i] = kv_at(row, d + i, kv);
     return v;
 }
 
@@ -127,7 +127,7 @@ static inline void store_part(float *p, vf v, int64_t width) { memcpy(p, &v, siz
 /* out rows [j0, j0 + rows) (rows <= RB), floats [f0, f0 + nf) (nf <= SB * VW) of head qh:
  * inv[j] * sum over t in [lo, hi) of probs[t][j] * v_t. */
 static inline __attribute__((always_inline)) void weigh(const float *probs, vf inv, const Pool *p, int64_t h, int64_t lo, int64_t hi, int64_t j0, int64_t rows,
-                  int64_t f0, int64_t nf, float *out, int64_t out_stride, const int bf16) {
+                  int64_t f0, int64_t nf, float *out, int64_t out_stride, const int kv) {
     const int64_t nv = (nf + VW - 1) / VW, tail = nf - (nv - 1) * VW;
     vf acc[RB][SB];
     memset(acc, 0, sizeof acc);
@@ -136,7 +136,7 @@ static inline __attribute__((always_inline)) void weigh(const float *probs, vf i
         const float *w = probs + (t - lo) * VW + j0;
         vf vv[SB];
         for (int s = 0; s < SB; s++)
-            vv[s] = s < nv - 1 ? kv_loadv(v, f0 + s * VW, bf16) : s == nv - 1 ? kv_load_part(v, f0 + s * VW, tail, bf16) : (vf){0};
+            vv[s] = s < nv - 1 ? kv_loadv(v, f0 + s * VW, kv) : s == nv - 1 ? kv_load_part(v, f0 + s * VW, tail, kv) : (vf){0};
         for (int r = 0; r < RB; r++)
             for (int s = 0; s < SB; s++) acc[r][s] += w[r] * vv[s];
     }
@@ -145,10 +145,10 @@ static inline __attribute__((always_inline)) void weigh(const float *probs, vf i
             store_part(out + r * out_stride + f0 + s * VW, acc[r][s] * inv[j0 + r], s < nv - 1 ? VW : tail);
 }
 
-/* One work item, for the pool element type bf16 (a constant after inlining). */
+/* One work item, for the pool element type kv (a constant after inlining). */
 static inline __attribute__((always_inline)) int attend_tile_t(const float *q, int64_t q_stride, int64_t n, int64_t p0,
                                                                int64_t qh, const Pool *p, float *out, int64_t out_stride,
-                                                               const int bf16) {
+                                                               const int kv) {
     const int64_t D = p->s.head_dim, h = qh / p->s.group, hi = p0 + n;
     const int64_t lo = p->window > 0 && p0 + 1 > p->window ? p0 + 1 - p->window : 0;
     const size_t bytes = sizeof(float) * (size_t)((D + hi - lo) * VW);
@@ -157,7 +157,7 @@ static inline __attribute__((always_inline)) int attend_tile_t(const float *q, i
     float *qt = buffer;
     float *scores = buffer + D * VW;
     transpose_tile(q + qh * D, q_stride, n, D, qt);
-    score(qt, n, p, h, p0, lo, hi, scores, bf16);
+    score(qt, n, p, h, p0, lo, hi, scores, kv);
     const vf inv = exponentiate(scores, hi - lo);
     for (int64_t j0 = 0; j0 < n; j0 += RB) {
         const int64_t rows = n - j0 < RB ? n - j0 : RB;
@@ -167,9 +167,9 @@ static inline __attribute__((always_inline)) int attend_tile_t(const float *q, i
         float *o = out + j0 * out_stride + qh * D;
         for (int64_t f0 = 0; f0 < D; f0 += SB * VW) {
             if (D - f0 >= SB * VW) /* a constant width: the loads and FMAs unroll */
-                weigh(probs, inv, p, h, first, p0 + j0 + rows, j0, rows, f0, SB * VW, o, out_stride, bf16);
+                weigh(probs, inv, p, h, first, p0 + j0 + rows, j0, rows, f0, SB * VW, o, out_stride, kv);
             else
-                weigh(probs, inv, p, h, first, p0 + j0 + rows, j0, rows, f0, D - f0, o, out_stride, bf16);
+                weigh(probs, inv, p, h, first, p0 + j0 + rows, j0, rows, f0, D - f0, o, out_stride, kv);
         }
     }
     free(buffer);
@@ -179,8 +179,11 @@ static inline __attribute__((always_inline)) int attend_tile_t(const float *q, i
 /* One work item: the tile of n rows starting at row r0 (position p0), query head qh. */
 static int attend_tile(const float *q, int64_t q_stride, int64_t n, int64_t p0, int64_t qh, const Pool *p, float *out,
                        int64_t out_stride) {
-    return p->s.kv_bf16 ? attend_tile_t(q, q_stride, n, p0, qh, p, out, out_stride, 1)
-                        : attend_tile_t(q, q_stride, n, p0, qh, p, out, out_stride, 0);
+    switch (p->s.kv) {
+    case KV_BF16: return attend_tile_t(q, q_stride, n, p0, qh, p, out, out_stride, KV_BF16);
+    case KV_F16: return attend_tile_t(q, q_stride, n, p0, qh, p, out, out_stride, KV_F16);
+    default: return attend_tile_t(q, q_stride, n, p0, qh, p, out, out_stride, KV_F32);
+    }
 }
 
 /* The exported kernel. Every size is checked against what the caller allocated (q_capacity /
@@ -189,7 +192,7 @@ static int attend_tile(const float *q, int64_t q_stride, int64_t n, int64_t p0, 
 static int prefill_attention(const float *q, int64_t q_stride, int64_t q_capacity, const void *k_cache, const void *v_cache,
                              int64_t num_blocks, const int64_t *table, int64_t max_blocks, int64_t q_len, int64_t ctx_len,
                              float *out, int64_t out_stride, int64_t out_capacity, int64_t block_size, int64_t num_kv_heads,
-                             int64_t group, int64_t head_dim, int64_t window, float scale, int num_threads, int kv_bf16) {
+                             int64_t group, int64_t head_dim, int64_t window, float scale, int num_threads, int kv) {
     if (head_dim % 8 != 0) return KERNEL_BAD_SHAPE;
     const int64_t width = num_kv_heads * group * head_dim;
     REQUIRE(num_kv_heads > 0 && group > 0 && num_threads > 0, "prefill attention: %lld KV heads, group %lld, %d threads",
@@ -203,7 +206,7 @@ static int prefill_attention(const float *q, int64_t q_stride, int64_t q_capacit
             (long long)out_capacity);
     const int status = check_table(table, max_blocks, ctx_len, block_size, num_blocks, "prefill attention: chunk", 0);
     if (status) return status;
-    const Pool p = {k_cache, v_cache, table, {block_size, num_kv_heads, group, head_dim, kv_bf16}, window, scale};
+    const Pool p = {k_cache, v_cache, table, {block_size, num_kv_heads, group, head_dim, kv}, window, scale};
     const int64_t heads = num_kv_heads * group, tiles = (q_len + VW - 1) / VW, items = tiles * heads;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(max : failed)
@@ -221,7 +224,7 @@ int prefill_attention_f32(const float *q, int64_t q_stride, int64_t q_capacity, 
                           float *out, int64_t out_stride, int64_t out_capacity, int64_t block_size, int64_t num_kv_heads,
                           int64_t group, int64_t head_dim, int64_t window, float scale, int num_threads) {
     return prefill_attention(q, q_stride, q_capacity, k_cache, v_cache, num_blocks, table, max_blocks, q_len, ctx_len, out,
-                             out_stride, out_capacity, block_size, num_kv_heads, group, head_dim, window, scale, num_threads, 0);
+                             out_stride, out_capacity, block_size, num_kv_heads, group, head_dim, window, scale, num_threads, KV_F32);
 }
 
 int prefill_attention_bf16(const float *q, int64_t q_stride, int64_t q_capacity, const void *k_cache, const void *v_cache,
@@ -229,5 +232,14 @@ int prefill_attention_bf16(const float *q, int64_t q_stride, int64_t q_capacity,
                            float *out, int64_t out_stride, int64_t out_capacity, int64_t block_size, int64_t num_kv_heads,
                            int64_t group, int64_t head_dim, int64_t window, float scale, int num_threads) {
     return prefill_attention(q, q_stride, q_capacity, k_cache, v_cache, num_blocks, table, max_blocks, q_len, ctx_len, out,
-                             out_stride, out_capacity, block_size, num_kv_heads, group, head_dim, window, scale, num_threads, 1);
+                             out_stride, out_capacity, block_size, num_kv_heads, group, head_dim, window, scale, num_threads, KV_BF16);
+}
+
+int prefill_attention_f16(const float *q, int64_t q_stride, int64_t q_capacity, const void *k_cache, const void *v_cache,
+                          int64_t num_blocks, const int64_t *table, int64_t max_blocks, int64_t q_len, int64_t ctx_len,
+                          float *out, int64_t out_stride, int64_t out_capacity, int64_t block_size, int64_t num_kv_heads,
+                          int64_t group, int64_t head_dim, int64_t window, float scale, int num_threads) {
+    return prefill_attention(q, q_stride, q_capacity, k_cache, v_cache, num_blocks, table, max_blocks, q_len, ctx_len, out,
+                             out_stride, out_capacity, block_size, num_kv_heads, group, head_dim, window, scale, num_threads,
+                             KV_F16);
 }
