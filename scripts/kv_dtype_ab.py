@@ -12,11 +12,11 @@ each engine's median tok/s and the median of the per-round ratios, with their ra
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers.kernels import cpu_model
 from pagedllm.paths import default_model
 from pagedllm.sampling_params import RequestOutputKind
 
@@ -50,7 +50,7 @@ def main() -> None:
             order = list(engines.items()) if r % 2 == 0 else list(reversed(engines.items()))
             for kv, llm in order:
                 runs[(case, kv)].append(rate(llm, batch, kind, args.prompt_len, args.new_tokens))
-    print(f"{platform.processor() or platform.machine()}; prompt {args.prompt_len} tokens, {args.new_tokens} new, "
+    print(f"{cpu_model()}; prompt {args.prompt_len} tokens, {args.new_tokens} new, "
           f"{args.rounds} rounds")
     for case, _, _ in CASES:
         base, half = runs[(case, "auto")], runs[(case, args.kv)]
