@@ -46,6 +46,11 @@ static int64_t walk_block(const float *x, int64_t lo, int64_t hi, float top, flo
     return last;
 }
 
+/* The end of block b (of `block` tokens; the last one ends at the vocabulary's end). */
+static inline int64_t block_end(int64_t b, int64_t block, int64_t vocab) {
+    return b * block + block < vocab ? b * block + block : vocab;
+}
+
 int64_t categorical_row(const float *x, int64_t vocab, float inv_temperature, float min_p, double u) {
     int nan;
     const float top = row_max(x, vocab, &nan);
@@ -56,7 +61,7 @@ int64_t categorical_row(const float *x, int64_t vocab, float inv_temperature, fl
     float part[MAX_BLOCKS];
     double total = 0.0;
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t lo = b * block, hi = lo + block < vocab ? lo + block : vocab;
+        const int64_t lo = b * block, hi = block_end(b, block, vocab);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = lo; i < hi; i++) sum += weight_of(x[i], top, inv_temperature, min_p);
@@ -70,17 +75,15 @@ int64_t categorical_row(const float *x, int64_t vocab, float inv_temperature, fl
     int64_t last = 0;
     for (int64_t b = 0; b < blocks; b++) {
         if (part[b] <= 0.0f) continue;
-        const int64_t lo = b * block, hi = lo + block < vocab ? lo + block : vocab;
         if (cum + part[b] > target) {
-            const int64_t found = walk_block(x, lo, hi, top, inv_temperature, min_p, cum, target);
+            const int64_t found = walk_block(x, b * block, block_end(b, block, vocab), top, inv_temperature, min_p, cum, target);
             if (found >= 0) return found;
         }
         cum += part[b];
         last = b;
     }
     /* the target at or past the total by rounding: the last token of positive weight */
-    const int64_t lo = last * block, hi = lo + block < vocab ? lo + block : vocab;
-    const int64_t found = walk_block(x, lo, hi, top, inv_temperature, min_p, 0.0, INFINITY);
+    const int64_t found = walk_block(x, last * block, block_end(last, block, vocab), top, inv_temperature, min_p, 0.0, INFINITY);
     return found >= 0 ? found : 0;
 }
 
