@@ -12,7 +12,7 @@ import pytest
 from pagedllm.config import EngineConfig, ModelConfig, SpeculativeConfig
 from pagedllm.layers import kernels
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-from pagedllm.step.planner import Burst, StepKind, StepPlanner, plain_greedy_decode
+from pagedllm.step.planner import Burst, StepKind, StepPlanner, plain_greedy_decode, plain_random_decode
 
 needs_kernels = pytest.mark.skipif(kernels.compiler() is None, reason="no C compiler: no C kernels")
 GREEDY = SamplingParams(temperature=0, max_tokens=100)
@@ -107,6 +107,10 @@ def test_by_default_only_bursts_of_outputs_returned_whole_take_four_steps(model_
     for asked in (1, 8):
         chosen = decide(model_dir, num_scheduler_steps=asked)
         assert (chosen.num_scheduler_steps, chosen.final_only_steps) == (asked, asked)
+        # without the fused step, bursts asked for run as passes back to back (device bursts): whole
+        # outputs take them too
+        device = decide(model_dir, num_scheduler_steps=asked, decode_backend="torch")
+        assert (device.num_scheduler_steps, device.final_only_steps) == (asked, asked)
     folder = str(model_dir("llama"))
     for unasked in (dict(enable_lora=True), dict(speculative_config={"model": folder, "num_speculative_tokens": 3}),
                     dict(decode_backend="torch"), dict(attention_backend="sdpa")):
@@ -144,6 +148,8 @@ def test_edges_of_the_greedy_rule_and_of_tokens_left():
     assert plain_greedy_decode(Decoding(params=SamplingParams(temperature=0, logprobs=0)))
     assert not plain_greedy_decode(Decoding(params=SamplingParams(temperature=0, logprobs=1)))
     assert plain_greedy_decode(Decoding(params=SamplingParams(temperature=0, min_tokens=1)))  # 1 output token: met
+    assert plain_random_decode(Decoding(params=SamplingParams(temperature=0.7, min_tokens=1)))  # the same edge, drawn
+    assert not plain_random_decode(Decoding(params=SamplingParams(temperature=0.7, min_tokens=2)))
     assert tokens_left(Decoding(params=SamplingParams(max_tokens=5), num_tokens=11, num_output_tokens=2), 100) == 3
     assert tokens_left(Decoding(params=SamplingParams(max_tokens=50), num_tokens=90, num_output_tokens=2), 100) == 10
     assert tokens_left(Decoding(params=SamplingParams(max_tokens=None), num_tokens=90, num_output_tokens=2), 100) == 10
@@ -223,6 +229,13 @@ def test_multi_step_without_a_backend_for_it_runs_single_steps_and_says_why(mode
 def test_fused_decode_asked_for_where_it_cannot_run_is_refused_naming_why(model_dir):
     with pytest.raises(ValueError, match=r"^decode_backend='fused' cannot be used: it runs on CPUs in float32$"):
         decide(model_dir, decode_backend="fused", dtype="bfloat16")
+    # EngineConfig refuses 'fused' with 'sdpa' first; the planner names it too, for a config built otherwise
+    folder = str(model_dir("llama"))
+    config = EngineConfig.from_kwargs(folder, decode_backend="fused")
+    config.attention_backend = "sdpa"
+    with pytest.raises(ValueError, match=r"^decode_backend='fused' cannot be used: it attends with the C decode kernel "
+                                         r"\(attention_backend auto or kernel\)$"):
+        StepPlanner.decide(config, ModelConfig.from_pretrained(folder), 512)
     assert not decide(model_dir, decode_backend="torch").fused_decode
 
 
@@ -417,6 +430,16 @@ def test_the_fused_step_refused_with_sdpa_or_two_ranks_names_why(model_dir):
     with pytest.raises(ValueError, match=r"^decode_backend='fused' cannot be used: it runs the whole model over KV pools "
                                          r"bound once \(no tensor parallelism, no KV offload\)$"):
         decide(model_dir, decode_backend="fused", tensor_parallel_size=2)
+
+
+@needs_kernels
+def test_prompt_rows_take_the_fused_step_only_without_int8_activations(model_dir):
+    """A short prompt's rows ride a fused step with the exact path's fp32 activations; with int8
+    activations they stay off it (a prompt's first-token logprobs would depend on its split)."""
+    exact, int8 = decide(model_dir, quantization="q4", int8_activations=False), decide(model_dir, quantization="q4")
+    assert exact.fused_decode and int8.fused_decode
+    assert exact.prompt_rows_fused is True and exact.decode_rows_fit(4)
+    assert int8.prompt_rows_fused is False and not int8.decode_rows_fit(4)
 
 
 def test_the_planner_keeps_what_the_runner_asks_it(model_dir):
