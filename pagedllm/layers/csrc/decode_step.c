@@ -89,15 +89,12 @@ static void write_kv(const Model *md, const Layer *ly, const Step *st, float *qk
     if (ly->k_norm != NULL) rmsnorm(k, ly->k_norm, D, md->eps, k);
     rotate(k, cos, sin, D);
     const int64_t at = (st->slots[r] * Hkv + h) * D;
-    if (md->kv_dtype == KV_BF16) {
-        uint16_t *kc = (uint16_t *)ly->k_cache + at, *vc = (uint16_t *)ly->v_cache + at;
-        for (int64_t d = 0; d < D; d++) kc[d] = float_to_bf16(k[d]), vc[d] = float_to_bf16(v[d]);
-    } else if (md->kv_dtype == KV_F16) {
-        uint16_t *kc = (uint16_t *)ly->k_cache + at, *vc = (uint16_t *)ly->v_cache + at;
-        for (int64_t d = 0; d < D; d++) kc[d] = float_to_f16(k[d]), vc[d] = float_to_f16(v[d]);
-    } else {
+    if (md->kv_dtype == KV_F32) {
         memcpy((float *)ly->k_cache + at, k, sizeof(float) * D);
         memcpy((float *)ly->v_cache + at, v, sizeof(float) * D);
+    } else {
+        uint16_t *kc = (uint16_t *)ly->k_cache + at, *vc = (uint16_t *)ly->v_cache + at;
+        for (int64_t d = 0; d < D; d++) kc[d] = kv_half_of(k[d], md->kv_dtype), vc[d] = kv_half_of(v[d], md->kv_dtype);
     }
 }
 

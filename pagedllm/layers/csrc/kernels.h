@@ -316,6 +316,9 @@ static inline uint16_t float_to_f16(float f) {
 #endif
 }
 
+/* A float as a 16-bit pool element (KV_BF16 or KV_F16), rounded as torch rounds: kv_at's inverse. */
+static inline uint16_t kv_half_of(float f, int kv) { return kv == KV_BF16 ? float_to_bf16(f) : float_to_f16(f); }
+
 /* One K/V element as a float. */
 static inline __attribute__((always_inline)) float kv_at(const void *row, int64_t d, const int kv) {
     if (kv == KV_F32) return ((const float *)row)[d];
