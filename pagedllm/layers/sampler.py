@@ -282,18 +282,18 @@ class Sampler:
         """The random rows' tokens from float32 CPU logits by inverse transform sampling of their
         uniform numbers in one kernel call (csrc/categorical.c: three passes over a row where
         torch's softmax, division and argmax each took one, ~1.4 ms a token over greedy on a Zen 3
-        with the race's noise). Temperature and min_p are applied in the kernel; top-k / top-p rows
-        are scaled and filtered first (the nucleus kernel), then drawn at temperature 1."""
-        rows, inverse = meta.random_rows, meta.temperature.to(torch.float32).reciprocal()
-        if meta.top_k is not None or meta.top_p is not None:
-            scaled = logits.index_select(0, rows) / meta.temperature.to(logits.dtype).unsqueeze(1)
-            logits = nucleus_filter(scaled, meta.top_k, meta.top_p, self.library)
-            rows, inverse = torch.arange(logits.shape[0], device=logits.device), torch.ones_like(inverse)
-        rows, inverse = rows.to(torch.int64).contiguous(), inverse.contiguous()
-        min_p = None if meta.min_p is None else meta.min_p.to(torch.float32).contiguous()
+        with the race's noise). Temperature and min_p are applied in the kernel; a row with top-k or
+        top-p is divided by its temperature and filtered there too (the nucleus kernel's selection),
+        then drawn at temperature 1 — each row by its own rule, whatever the others ask for."""
+        rows = meta.random_rows.to(torch.int64).contiguous()
+        temperature = meta.temperature.to(torch.float32).contiguous()
+        inverse = temperature.reciprocal()
+        rule = [None if t is None else t.to(dtype).contiguous()
+                for t, dtype in ((meta.min_p, torch.float32), (meta.top_k, torch.int64), (meta.top_p, torch.float32))]
         tokens = torch.empty(rows.numel(), dtype=torch.int64, device=logits.device)
         status = self.library.sample_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.numel(), rows.data_ptr(),
-                                          inverse.data_ptr(), None if min_p is None else min_p.data_ptr(), uniform.data_ptr(),
+                                          inverse.data_ptr(), temperature.data_ptr(),
+                                          *(None if t is None else t.data_ptr() for t in rule), uniform.data_ptr(),
                                           rows.numel(), tokens.data_ptr(), tokens.numel(), torch.get_num_threads())
         kernels.check_status(status, self.library, "sample rows")
         return tokens

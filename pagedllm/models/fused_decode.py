@@ -137,24 +137,28 @@ def _set_int8(matrix, on: bool) -> None:
 @dataclass
 class RowDraws:
     """How a burst's rows draw their tokens, in logit-row order (the sampler's rule, in the C
-    call): each row's 1 / temperature (0: its argmax), min_p (0: off) and one uniform number in
-    [0, 1) a step, [num_steps, rows]."""
+    call): each row's 1 / temperature (0: its argmax), temperature (what a filtered row is divided
+    by), min_p (0: off), top_k (>= vocab: off), top_p (1: off) and one uniform number in [0, 1) a
+    step, [num_steps, rows]; top_k and top_p None where no row filters."""
 
     inv_temperature: np.ndarray  # float32 [rows]
+    temperature: np.ndarray  # float32 [rows]
     min_p: np.ndarray  # float32 [rows]
     uniform: np.ndarray  # float64 [num_steps, rows]
+    top_k: np.ndarray | None = None  # int64 [rows]
+    top_p: np.ndarray | None = None  # float32 [rows]
 
     def struct(self, num_rows: int, num_steps: int) -> DrawsStruct:
         """The C description (pointing into these arrays, which must outlive the call)."""
-        if self.inv_temperature.shape != (num_rows,) or self.min_p.shape != (num_rows,) \
-                or self.uniform.shape != (num_steps, num_rows):
-            raise ValueError(f"draws for {num_steps} steps of {num_rows} rows: {self.inv_temperature.shape}, "
-                             f"{self.min_p.shape}, {self.uniform.shape}")
-        for array, dtype in ((self.inv_temperature, np.float32), (self.min_p, np.float32), (self.uniform, np.float64)):
-            if array.dtype != dtype or not array.flags.c_contiguous:
-                raise ValueError(f"draws: {array.dtype} arrays, {dtype.__name__} and C order expected")
-        return DrawsStruct(inv_temperature=self.inv_temperature.ctypes.data, min_p=self.min_p.ctypes.data,
-                           uniform=self.uniform.ctypes.data, uniform_capacity=self.uniform.size)
+        rows = {"inv_temperature": (self.inv_temperature, np.float32), "temperature": (self.temperature, np.float32),
+                "min_p": (self.min_p, np.float32), "top_k": (self.top_k, np.int64), "top_p": (self.top_p, np.float32)}
+        for name, (array, dtype) in rows.items():
+            if array is not None and (array.shape != (num_rows,) or array.dtype != dtype or not array.flags.c_contiguous):
+                raise ValueError(f"draws: {name} {array.dtype} {array.shape}, {dtype.__name__} [{num_rows}] in C order expected")
+        if self.uniform.shape != (num_steps, num_rows) or self.uniform.dtype != np.float64 or not self.uniform.flags.c_contiguous:
+            raise ValueError(f"draws: uniform {self.uniform.dtype} {self.uniform.shape}, float64 [{num_steps}, {num_rows}] expected")
+        pointers = {name: None if array is None else array.ctypes.data for name, (array, _) in rows.items()}
+        return DrawsStruct(**pointers, uniform=self.uniform.ctypes.data, uniform_capacity=self.uniform.size)
 
 
 @dataclass

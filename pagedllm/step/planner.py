@@ -284,14 +284,12 @@ def plain_greedy_decode(seq: PlannedSequence) -> bool:
 
 def plain_random_decode(seq: PlannedSequence) -> bool:
     """A random decode whose token the fused call can draw itself: from the raw logits at its
-    temperature and min_p, with no top-k or top-p (the nucleus kernel is the sampler's), and
+    temperature, top-k, top-p and min_p (the sampler's kernels, called in the C loop), and
     nothing else a greedy burst would lose (plain_greedy_decode's other conditions)."""
     params = seq.params
     return (
         seq.num_tokens - seq.num_computed_tokens == 1
         and not params.greedy
-        and params.top_k == -1
-        and params.top_p == 1.0
         and params.logprobs is None  # a drawn token's rank is not the call's to give
         and params.repetition_penalty == 1.0
         and not params.presence_penalty

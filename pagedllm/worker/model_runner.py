@@ -43,7 +43,7 @@ from pagedllm.worker.kv_cache import KVCache, bytes_per_block, bytes_per_layer_b
 from pagedllm.worker.kv_offload import LayerwiseKVOffload
 from pagedllm.worker.malloc import keep_freed_memory, release_freed_memory
 from pagedllm.worker.pooler import pool
-from pagedllm.worker.sampling_inputs import SampleRow, sampling_metadata, stage_sampling
+from pagedllm.worker.sampling_inputs import NO_TOP_K, SampleRow, sampling_metadata, stage_sampling
 from pagedllm.worker.sequence_state import SequenceStates
 from pagedllm.worker.staging import Staging
 from pagedllm.worker.step_results import (PackedResults, ReadyResults, StepResults, pack_results, score_prompt_tokens,
@@ -433,9 +433,14 @@ class ModelRunner:
             if rows[i].params.seed is not None:
                 generator = self._generator(rows[i])
                 uniform[:, i] = torch.rand(num_steps, dtype=torch.float64, device=self.device, generator=generator).numpy()
-        temperature = np.array([1.0 if row.params.greedy else row.params.temperature for row in rows], dtype=np.float32)
-        inverse = np.where([row.params.greedy for row in rows], np.float32(0.0), np.reciprocal(temperature)).astype(np.float32)
-        return RowDraws(inverse, np.array([row.params.min_p for row in rows], dtype=np.float32), uniform)
+        params = [row.params for row in rows]
+        temperature = np.array([1.0 if p.greedy else p.temperature for p in params], dtype=np.float32)
+        inverse = np.where([p.greedy for p in params], np.float32(0.0), np.reciprocal(temperature)).astype(np.float32)
+        draws = RowDraws(inverse, temperature, np.array([p.min_p for p in params], dtype=np.float32), uniform)
+        if any(p.top_k != -1 or p.top_p < 1.0 for p in params if not p.greedy):
+            draws.top_k = np.array([p.top_k if p.top_k != -1 and not p.greedy else NO_TOP_K for p in params], dtype=np.int64)
+            draws.top_p = np.array([1.0 if p.greedy else p.top_p for p in params], dtype=np.float32)
+        return draws
 
     def _device_greedy_steps(self, sched: SchedulerOutput, chunks: list[BatchChunk], rows: list[SampleRow],
                              staging: Staging, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from pagedllm.layers.sampler import Penalties, SamplingMetadata, TokenChoices
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.staging import Staging
 
-_NO_TOP_K = np.iinfo(np.int64).max
+NO_TOP_K = np.iinfo(np.int64).max  # a row without top-k (the kernels read >= vocab as off)
 
 
 @dataclass(slots=True)
@@ -85,7 +85,7 @@ def _stage_random(plan: SamplingPlan, rows: list[SampleRow], staging: Staging) -
     staging.add(prefix + "temperature", [p.temperature for p in params], np.float32)
     plan.filters = (any(p.top_k != -1 for p in params), any(p.top_p < 1.0 for p in params), any(p.min_p > 0 for p in params))
     if plan.filters[0]:
-        staging.add(prefix + "top_k", [p.top_k if p.top_k != -1 else _NO_TOP_K for p in params])
+        staging.add(prefix + "top_k", [p.top_k if p.top_k != -1 else NO_TOP_K for p in params])
     if plan.filters[1]:
         staging.add(prefix + "top_p", [p.top_p for p in params], np.float32)
     if plan.filters[2]:

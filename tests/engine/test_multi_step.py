@@ -144,7 +144,7 @@ def test_by_default_outputs_returned_whole_take_bursts_of_four_and_streamed_ones
 
 def test_requests_that_are_not_plain_greedy_take_single_steps(model_dir, bursts):
     params = [
-        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, presence_penalty=0.5),
         SamplingParams(temperature=0.8, seed=7, max_tokens=12, logprobs=0),
         SamplingParams(temperature=0, max_tokens=12, logprobs=2),
         SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
@@ -159,17 +159,20 @@ def test_requests_that_are_not_plain_greedy_take_single_steps(model_dir, bursts)
 
 
 def test_plain_random_requests_are_drawn_in_the_call_with_the_samplers_tokens(model_dir, bursts, monkeypatch):
-    """Sampling at a temperature (and min_p) with nothing else: the fused call draws the tokens
-    itself, in single steps (bursts of one) and in bursts of 8, and they are the tokens the
-    sampler draws (its path forced by taking the rule away) — seeded rows from their own
-    generators, an unseeded one from the engine's, greedy rows beside them their argmax."""
+    """Sampling at a temperature, min_p, top-k and top-p with nothing else: the fused call draws
+    the tokens itself, in single steps (bursts of one) and in bursts of 8, and they are the tokens
+    the sampler draws (its path forced by taking the rule away) — seeded rows from their own
+    generators, an unseeded one from the engine's, each row by its own filters, greedy rows beside
+    them their argmax."""
     import pagedllm.step.planner as planner_module
 
     folder = str(model_dir("llama"))
     params = [SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=1.3, min_p=0.05, seed=8, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
-    prompts = PROMPTS[:2] + PROMPTS[:2]
+              SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_p=0.6, seed=9, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=3, top_p=0.95, min_p=0.05, seed=10, max_tokens=12, ignore_eos=True)]
+    prompts = PROMPTS[:2] * 3
     drawn = {steps: LLM(folder, num_scheduler_steps=steps, seed=3).generate(prompts, params, use_tqdm=False) for steps in (1, 8)}
     assert 8 in bursts and 1 in bursts
     bursts.clear()

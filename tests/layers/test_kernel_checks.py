@@ -225,13 +225,21 @@ def test_multi_step_calls_refuse_steps_past_the_table_or_rows_sampled_twice(deco
                                           None if drawn is None else ctypes.byref(drawn), tokens.data_ptr(), logprobs.data_ptr(),
                                           capacity)
 
-    def draws(inverse=(1.0, 0.0), min_p=(0.0, 0.0), u=0.5, num_steps: int = 2) -> RowDraws:
+    def draws(inverse=(1.0, 0.0), min_p=(0.0, 0.0), u=0.5, num_steps: int = 2, temperature=(1.0, 1.0), top_k=None,
+              top_p=None) -> RowDraws:
         uniform = np.full((num_steps, 2), u)
-        return RowDraws(np.array(inverse, dtype=np.float32), np.array(min_p, dtype=np.float32), uniform)
+        f32 = lambda values: None if values is None else np.array(values, dtype=np.float32)  # noqa: E731
+        return RowDraws(f32(inverse), f32(temperature), f32(min_p), uniform,
+                        None if top_k is None else np.array(top_k, dtype=np.int64), f32(top_p))
 
     assert steps(2, a["which"], draws=draws()) == kernels.KERNEL_OK  # row 0 draws, row 1 takes its argmax
+    assert steps(2, a["which"], draws=draws(top_k=(5, 0), top_p=(0.9, 0.0))) == kernels.KERNEL_OK  # filtered; row 1 greedy
     for bad, said in ((dict(inverse=(-1.0, 0.0)), b"row 0 at 1 / temperature -1"), (dict(inverse=(1.0, np.inf)), b"row 1 at 1 / temperature inf"),
-                      (dict(min_p=(0.0, 2.0)), b"row 1 with min_p 2"), (dict(u=1.0), b"row 0's uniform number 1 at step 0, outside")):
+                      (dict(min_p=(2.0, 0.0)), b"row 0 with min_p 2"), (dict(u=1.0), b"row 0's uniform number 1 at step 0, outside"),
+                      (dict(top_k=(0, 5)), b"row 0 with top_k 0, top_p 1"), (dict(top_p=(0.0, 1.0)), b"row 0 with top_k"),
+                      (dict(top_p=(np.nan, 1.0)), b"top_p nan"), (dict(top_p=(1.5, 1.0)), b"top_p 1.5"),
+                      (dict(top_k=(5, 5), temperature=(0.0, 1.0)), b"row 0 filtered (top_k 5, top_p 1) at temperature 0"),
+                      (dict(top_p=(0.5, 1.0), temperature=(np.inf, 1.0)), b"at temperature inf")):
         assert steps(2, a["which"], draws=draws(**bad)) == kernels.KERNEL_REFUSED, bad
         assert said in fused.library.kernel_last_error(), fused.library.kernel_last_error()
     assert steps(2, a["which"], draws=draws(inverse=(0.0, 0.0), u=1.0)) == kernels.KERNEL_OK  # greedy rows' numbers unread

@@ -407,13 +407,15 @@ def inverse_transform(logits: torch.Tensor, temperature: float, min_p: float, un
             for t, u in zip(tokens, uniform)]
 
 
-def draw(library, logits: torch.Tensor, rows, inverse, min_p, uniform) -> torch.Tensor:
-    """The categorical kernel's tokens for draws (row, 1 / temperature, min_p, u)."""
-    rows, inverse = torch.tensor(rows, dtype=torch.int64), torch.tensor(inverse, dtype=torch.float32)
-    min_p, uniform = None if min_p is None else torch.tensor(min_p, dtype=torch.float32), torch.tensor(uniform, dtype=torch.float64)
+def draw(library, logits: torch.Tensor, rows, inverse, min_p, uniform, temperature=None, top_k=None, top_p=None) -> torch.Tensor:
+    """The categorical kernel's tokens for draws (row, 1 / temperature, min_p, u; and where given
+    the temperature, top_k and top_p a filtered draw reads)."""
+    rows, uniform = torch.tensor(rows, dtype=torch.int64), torch.tensor(uniform, dtype=torch.float64)
+    tensor = lambda values, dtype=torch.float32: None if values is None else torch.tensor(values, dtype=dtype)  # noqa: E731
+    rule = [tensor(inverse), tensor(temperature), tensor(min_p), tensor(top_k, torch.int64), tensor(top_p)]
     tokens = torch.full((rows.numel(),), -1, dtype=torch.int64)
     status = library.sample_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.numel(), rows.data_ptr(),
-                                 inverse.data_ptr(), None if min_p is None else min_p.data_ptr(), uniform.data_ptr(), rows.numel(),
+                                 *(None if t is None else t.data_ptr() for t in rule), uniform.data_ptr(), rows.numel(),
                                  tokens.data_ptr(), tokens.numel(), 2)
     from pagedllm.layers import kernels
 
@@ -473,19 +475,22 @@ def test_the_categorical_kernel_gives_undefined_rows_token_0_and_takes_each_draw
 
 
 def test_random_rows_on_the_cpu_take_the_kernels_and_seeded_rows_draw_their_generators_numbers():
-    """Random float32 CPU rows are drawn in one categorical kernel call, top-k / top-p rows filtered
-    by the nucleus kernel first (no sort); a seeded row's token is inverse transform sampling of its
-    generator's first float64 number on the filtered row at temperature 1 — every draw the same,
-    and the torch path's token (no boundary within rounding in these rows)."""
+    """Random float32 CPU rows are drawn in one categorical kernel call, top-k / top-p rows divided
+    by their temperature and filtered in it by the nucleus selection (no sort); a seeded row's token
+    is inverse transform sampling of its generator's first float64 number on the filtered row at
+    temperature 1 — every draw the same, the same drawn alone as beside other rules, and the torch
+    path's token (no boundary within rounding in these rows)."""
     counting = CountingLibrary(kernel_library())
     logits = torch.randn(4, 5000, generator=torch.Generator().manual_seed(2)) * 3
     params = [SamplingParams(temperature=0.7, top_p=0.9, seed=5), SamplingParams(temperature=1.0, top_k=40, seed=6),
               SamplingParams(temperature=0.9, top_k=100, top_p=0.8, min_p=0.01, seed=7), SamplingParams(temperature=0)]
     rows = [row_with(p) for p in params]
     tokens = [sample(Sampler(0, CPU, counting), logits, rows) for _ in range(20)]
-    assert counting.nucleus_calls == 20 and counting.sample_calls == 20
+    assert counting.nucleus_calls == 0 and counting.sample_calls == 20  # filtered in the draws' own call
     assert sample(Sampler(0, CPU), logits, rows) == tokens[0]  # torch's sorts and inverse transform: the same tokens
     assert len({tuple(t) for t in tokens}) == 1 and tokens[0][3] == int(logits[3].argmax())  # seeded: every draw the same
+    alone = [sample(Sampler(0, CPU, counting), logits[r : r + 1], [rows[r]])[0] for r in range(3)]
+    assert alone == tokens[0][:3]  # a row's rule is its own: the others' filters do not touch it
     filtered, _ = exact_filter(logits[:3] / torch.tensor([[0.7], [1.0], [0.9]]), torch.tensor([5000, 40, 100]),
                                torch.tensor([0.9, 1.0, 0.8]), 0.0)
     checked = 0
@@ -512,14 +517,14 @@ def test_random_rows_on_the_cpu_take_the_kernels_and_seeded_rows_draw_their_gene
     sampler(logits.double(), metadata(rows))  # not float32: torch's rule, no kernel
     sampler(logits[3:], metadata(rows[3:]))  # greedy alone: the greedy kernel
     assert counting.sample_calls == 0 and counting.nucleus_calls == 0
-    for alone, calls in ((SamplingParams(temperature=0.7, top_p=0.9), 1), (SamplingParams(temperature=0.7, top_k=9), 2),
-                         (SamplingParams(temperature=0.7), 2), (SamplingParams(temperature=0.7, min_p=0.2), 2)):
-        sample(sampler, logits[:1], [row_with(alone)])  # one filter in the step, or none (no nucleus call)
-        assert counting.nucleus_calls == calls, alone
-        meta = metadata([row_with(alone)])  # the distribution speculative decoding reads: the same kernel choice
+    for alone in (SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.7, top_k=9),
+                  SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, min_p=0.2)):
+        sample(sampler, logits[:1], [row_with(alone)])  # a filter or none: one sample_rows call, no nucleus call
+        assert counting.nucleus_calls == 0, alone
+        meta = metadata([row_with(alone)])  # the distribution speculative decoding reads: the nucleus kernel where it filters
         torch.testing.assert_close(sampler.probs(logits[:1], meta), Sampler(0, CPU).probs(logits[:1], meta), rtol=0, atol=1e-6)
-        assert counting.nucleus_calls == calls + (alone.top_p < 1 or alone.top_k > 0), alone
-        counting.nucleus_calls = calls
+        assert counting.nucleus_calls == (alone.top_p < 1 or alone.top_k > 0), alone
+        counting.nucleus_calls = 0
     assert counting.sample_calls == 4
 
 
@@ -564,6 +569,13 @@ def test_random_rows_on_the_cpu_return_their_tokens_raw_logprobs_and_the_kernels
                                     (1.0, 0.0, -0.1, "of uniform -0.1, outside")):
         with pytest.raises(kernels.KernelRefused, match=f"sample rows: draw 0 {re.escape(said)}"):
             draw(counting.library, logits, [0], [inverse], [min_p], [u])
+    for temperature, top_k, top_p, said in ((1.0, 0, 1.0, "with top_k 0, top_p 1"), (1.0, 5, 0.0, "with top_k 5, top_p 0"),
+                                            (1.0, 5, float("nan"), "with top_k 5, top_p nan"),
+                                            (0.0, 5, 1.0, "filtered (top_k 5, top_p 1) at temperature 0"),
+                                            (float("nan"), 10**9, 0.5, "filtered (top_k 1000000000, top_p 0.5) at temperature nan")):
+        with pytest.raises(kernels.KernelRefused, match=f"sample rows: draw 0 {re.escape(said)}"):
+            draw(counting.library, logits, [0], [1.0], None, [0.5], [temperature], [top_k], [top_p])
+    assert draw(counting.library, logits, [0], [1.0], None, [0.5], [0.0], [10**9], [1.0]).tolist()[0] >= 0  # unfiltered: unread
 
 
 def test_torchs_inverse_transform_draws_the_kernels_tokens():

@@ -80,7 +80,9 @@ def test_bursts_and_their_budgets():
     assert one.burst([Decoding()] * 3, fusing=False) == Burst(1, 1, 0)  # a greedy burst of one step
     warm = SamplingParams(temperature=0.5, min_p=0.1, seed=3)
     assert one.burst([Decoding(params=warm), Decoding()], fusing=False) == Burst(1, 1, 0)  # the call draws too
-    for sampler_only in (dict(top_p=0.9), dict(top_k=40), dict(logprobs=0), dict(repetition_penalty=1.1),
+    chat = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05)
+    assert one.burst([Decoding(params=chat), Decoding(params=warm)], fusing=False) == Burst(1, 1, 0)  # filters too
+    for sampler_only in (dict(logprobs=0), dict(top_p=0.9, logprobs=0), dict(repetition_penalty=1.1),
                          dict(presence_penalty=0.5), dict(logit_bias={3: 1.0}), dict(min_tokens=4)):
         params = SamplingParams(temperature=0.5, **sampler_only)
         assert one.burst([Decoding(params=params)], fusing=False) is None, sampler_only  # the sampler samples

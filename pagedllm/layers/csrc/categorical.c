@@ -19,6 +19,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -87,29 +89,84 @@ int64_t categorical_row(const float *x, int64_t vocab, float inv_temperature, fl
     return found >= 0 ? found : 0;
 }
 
+/* x, unchanged, as a value the compiler cannot see through: a division by it stays a division.
+ * Under -ffast-math GCC rewrites x[i] / t in a loop as x[i] * (1 / t), which rounds differently
+ * from torch's `logits / temperature`; a filtered row must be the one the sampler's tensors gave. */
+static inline vf opaque(vf t) {
+#if defined(__AVX__)
+    __asm__("" : "+v"(t));
+#else
+    __asm__("" : "+m"(t));
+#endif
+    return t;
+}
+
+/* y = x / t element by element, each quotient rounded as IEEE division rounds it. */
+static void divide_row(const float *x, int64_t n, float t, float *y) {
+    const vf divisor = (vf){0} + t;
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) storev(y + i, loadv(x + i) / opaque(divisor));
+    if (i < n) { /* the tail in one vector, its unused lanes 1 / t */
+        vf tail = (vf){0} + 1.0f;
+        memcpy(&tail, x + i, sizeof(float) * (size_t)(n - i));
+        tail = tail / opaque(divisor);
+        memcpy(y + i, &tail, sizeof(float) * (size_t)(n - i));
+    }
+}
+
+int64_t draw_row(const float *x, int64_t vocab, RowDraw d, double u, float *scratch) {
+    if (!draw_filters(d, vocab)) return categorical_row(x, vocab, d.inv_temperature, d.min_p, u);
+    divide_row(x, vocab, d.temperature, scratch);
+    nucleus_row(scratch, vocab, d.top_k, d.top_p, (uint32_t *)(scratch + vocab));
+    return categorical_row(scratch, vocab, 1.0f, d.min_p, u);
+}
+
+int check_row_draw(RowDraw d, int64_t vocab, const char *what, int64_t i) {
+    REQUIRE(d.inv_temperature > 0.0f && isfinite(d.inv_temperature), "%s %lld at 1 / temperature %g", what, (long long)i,
+            (double)d.inv_temperature);
+    REQUIRE(d.min_p >= 0.0f && d.min_p <= 1.0f, "%s %lld with min_p %g", what, (long long)i, (double)d.min_p);
+    REQUIRE(d.top_k >= 1 && d.top_p > 0.0f && d.top_p <= 1.0f, "%s %lld with top_k %lld, top_p %g", what, (long long)i,
+            (long long)d.top_k, (double)d.top_p);
+    REQUIRE(!draw_filters(d, vocab) || (d.temperature > 0.0f && isfinite(d.temperature)),
+            "%s %lld filtered (top_k %lld, top_p %g) at temperature %g", what, (long long)i, (long long)d.top_k,
+            (double)d.top_p, (double)d.temperature);
+    return KERNEL_OK;
+}
+
 /* The exported kernel (the sampler's random rows on the CPU): draw i samples row row_of[i] of
- * `logits` (`rows` rows of `vocab` floats within `logits_capacity`) at 1 / inv_temperature[i],
- * min_p[i] (0: off; min_p may be NULL: off for all) and uniform[i] in [0, 1), into tokens[i]
+ * `logits` (`rows` rows of `vocab` floats within `logits_capacity`) by draw_row's rule — its
+ * 1 / temperature, temperature, min_p, top_k and top_p (the last three may be NULL: off for every
+ * draw; temperature NULL where no draw filters) — and uniform[i] in [0, 1), into tokens[i]
  * (`count` draws within `out_capacity`). Draws are shared among `num_threads` threads, each by
- * one thread (its token depends on its row and number alone). */
+ * one thread (its token depends on its row, its rule and its number alone). */
 int sample_rows(const float *logits, int64_t rows, int64_t vocab, int64_t logits_capacity, const int64_t *row_of,
-                const float *inv_temperature, const float *min_p, const double *uniform, int64_t count, int64_t *tokens,
-                int64_t out_capacity, int num_threads) {
+                const float *inv_temperature, const float *temperature, const float *min_p, const int64_t *top_k,
+                const float *top_p, const double *uniform, int64_t count, int64_t *tokens, int64_t out_capacity, int num_threads) {
     REQUIRE(rows >= 0 && vocab >= 1 && rows <= logits_capacity / vocab && count >= 0 && count <= out_capacity && num_threads >= 1,
             "sample rows: %lld rows of %lld logits do not fit %lld floats, or %lld draws %lld outputs (%d threads)", (long long)rows,
             (long long)vocab, (long long)logits_capacity, (long long)count, (long long)out_capacity, num_threads);
+    int filters = 0;
     for (int64_t i = 0; i < count; i++) {
         REQUIRE(row_of[i] >= 0 && row_of[i] < rows, "sample rows: draw %lld reads row %lld of %lld", (long long)i,
                 (long long)row_of[i], (long long)rows);
-        REQUIRE(inv_temperature[i] > 0.0f && isfinite(inv_temperature[i]), "sample rows: draw %lld at 1 / temperature %g",
-                (long long)i, (double)inv_temperature[i]);
-        REQUIRE(min_p == NULL || (min_p[i] >= 0.0f && min_p[i] <= 1.0f), "sample rows: draw %lld with min_p %g", (long long)i,
-                (double)min_p[i]);
+        const RowDraw d = row_draw(inv_temperature, temperature, min_p, top_k, top_p, i);
+        const int status = check_row_draw(d, vocab, "sample rows: draw", i);
+        if (status) return status;
         REQUIRE(uniform[i] >= 0.0 && uniform[i] < 1.0, "sample rows: draw %lld of uniform %g, outside [0, 1)", (long long)i,
                 uniform[i]);
+        filters |= draw_filters(d, vocab);
     }
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (count > 1)
-    for (int64_t i = 0; i < count; i++)
-        tokens[i] = categorical_row(logits + row_of[i] * vocab, vocab, inv_temperature[i], min_p ? min_p[i] : 0.0f, uniform[i]);
-    return KERNEL_OK;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (count > 1) reduction(| : failed)
+    {
+        float *scratch = filters ? malloc(sizeof(float) * DRAW_SCRATCH * (size_t)vocab) : NULL;
+        failed |= filters && scratch == NULL;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < count; i++)
+            if (!filters || scratch != NULL)
+                tokens[i] = draw_row(logits + row_of[i] * vocab, vocab, row_draw(inv_temperature, temperature, min_p, top_k, top_p, i),
+                                     uniform[i], scratch);
+        free(scratch);
+    }
+    return failed ? KERNEL_NO_MEMORY : KERNEL_OK;
 }

@@ -863,18 +863,28 @@ int decode_step(const Model *md, const Step *st, int num_threads) {
     return failed;
 }
 
-/* Refuses draws outside their buffer or the sampler's ranges: a temperature's inverse >= 0 and
- * finite, min_p in [0, 1], every uniform number of a sampling row in [0, 1). */
-static int check_draws(const Draws *draws, int64_t rows, int64_t num_steps) {
+/* Row i's rule in `draws`. */
+static inline RowDraw draw_of(const Draws *draws, int64_t i) {
+    return row_draw(draws->inv_temperature, draws->temperature, draws->min_p, draws->top_k, draws->top_p, i);
+}
+
+/* Refuses draws outside their buffer or the sampler's ranges (check_row_draw; a temperature's
+ * inverse 0: the row's argmax), every uniform number of a sampling row in [0, 1); *filters: whether
+ * any row filters its logits (and needs draw_row's scratch). */
+static int check_draws(const Draws *draws, int64_t rows, int64_t num_steps, int64_t vocab, int *filters) {
     REQUIRE(num_steps * rows <= draws->uniform_capacity, "fused decode steps: %lld steps of %lld rows draw from %lld numbers",
             (long long)num_steps, (long long)rows, (long long)draws->uniform_capacity);
+    *filters = 0;
     for (int64_t i = 0; i < rows; i++) {
         const float inverse = draws->inv_temperature[i];
         REQUIRE(inverse >= 0.0f && isfinite(inverse), "fused decode steps: row %lld at 1 / temperature %g", (long long)i,
                 (double)inverse);
-        REQUIRE(draws->min_p == NULL || (draws->min_p[i] >= 0.0f && draws->min_p[i] <= 1.0f),
-                "fused decode steps: row %lld with min_p %g", (long long)i, (double)draws->min_p[i]);
-        for (int64_t s = 0; s < num_steps && inverse > 0.0f; s++)
+        if (inverse == 0.0f) continue;
+        const RowDraw d = draw_of(draws, i);
+        const int status = check_row_draw(d, vocab, "fused decode steps: row", i);
+        if (status) return status;
+        *filters |= draw_filters(d, vocab);
+        for (int64_t s = 0; s < num_steps; s++)
             REQUIRE(draws->uniform[s * rows + i] >= 0.0 && draws->uniform[s * rows + i] < 1.0,
                     "fused decode steps: row %lld's uniform number %g at step %lld, outside [0, 1)", (long long)i,
                     draws->uniform[s * rows + i], (long long)s);
@@ -882,10 +892,17 @@ static int check_draws(const Draws *draws, int64_t rows, int64_t num_steps) {
     return KERNEL_OK;
 }
 
+/* The most threads any of the steps runs on. */
+static int most_threads(const int *threads, int64_t num_steps) {
+    int most = 1;
+    for (int64_t s = 0; s < num_steps; s++) most = threads[s] > most ? threads[s] : most;
+    return most;
+}
+
 /* `num_steps` decode steps of the same rows, each row's token fed back as its next input
  * (multi-step scheduling): its argmax, or where `draws` gives the row a temperature a draw by
- * inverse transform sampling of its uniform number for the step (categorical.c), the sampler's
- * rule; tokens and logprobs are [num_steps, rows] in logit-row order; step s runs on threads[s]
+ * inverse transform sampling of its uniform number for the step, top-k and top-p included
+ * (categorical.c's draw_row: the sampler's rule); tokens and logprobs are [num_steps, rows] in logit-row order; step s runs on threads[s]
  * threads and its time is written to seconds[s] (the thread count is tuned per step). Every row
  * samples (num_logits == rows, logit_rows a permutation), and each row's block table must
  * already cover its last position, position + num_steps - 1. Why here rather than one Python
@@ -899,15 +916,23 @@ int decode_steps(const Model *md, const Step *st, int64_t num_steps, const int *
     REQUIRE(num_steps >= 1 && st->num_logits == R && num_steps * R <= out_capacity,
             "fused greedy steps: %lld steps of %lld rows (%lld sampling) into %lld tokens; every row must sample",
             (long long)num_steps, (long long)R, (long long)st->num_logits, (long long)out_capacity);
+    int filters = 0;
     int status = check_step(md, st, num_steps - 1);
-    if (!status && draws != NULL) status = check_draws(draws, R, num_steps);
+    if (!status && draws != NULL) status = check_draws(draws, R, num_steps, md->vocab, &filters);
     if (status) return status;
     for (int64_t i = 0; i < R; i++)
         for (int64_t j = 0; j < i; j++)
             REQUIRE(st->logit_rows[i] != st->logit_rows[j], "fused greedy steps: row %lld samples twice",
                     (long long)st->logit_rows[i]);
     int64_t *state = malloc(sizeof(int64_t) * 4 * R);
-    if (state == NULL) return KERNEL_NO_MEMORY;
+    /* a filtered draw's scratch, one per thread */
+    const size_t scratch_floats = (size_t)DRAW_SCRATCH * (size_t)md->vocab;
+    float *scratch = filters ? malloc(sizeof(float) * scratch_floats * (size_t)most_threads(threads, num_steps)) : NULL;
+    if (state == NULL || (filters && scratch == NULL)) {
+        free(state);
+        free(scratch);
+        return KERNEL_NO_MEMORY;
+    }
     int64_t *ids = state, *pos = state + R, *slots = state + 2 * R, *lens = state + 3 * R;
     memcpy(ids, st->token_ids, sizeof(int64_t) * R);
     memcpy(pos, st->positions, sizeof(int64_t) * R);
@@ -927,8 +952,8 @@ int decode_steps(const Model *md, const Step *st, int64_t num_steps, const int *
             const float *x = st->logits + i * md->vocab;
             const int64_t at = s * R + i;
             if (draws != NULL && draws->inv_temperature[i] > 0.0f) {
-                tokens[at] = categorical_row(x, md->vocab, draws->inv_temperature[i], draws->min_p ? draws->min_p[i] : 0.0f,
-                                             draws->uniform[at]);
+                float *mine = scratch == NULL ? NULL : scratch + scratch_floats * (size_t)omp_get_thread_num();
+                tokens[at] = draw_row(x, md->vocab, draw_of(draws, i), draws->uniform[at], mine);
                 logprobs[at] = token_logprob(x, md->vocab, tokens[at]);
             } else {
                 argmax_rows(x, 1, md->vocab, tokens + at, logprobs + at);
@@ -942,6 +967,7 @@ int decode_steps(const Model *md, const Step *st, int64_t num_steps, const int *
         }
     }
     free(state);
+    free(scratch);
     return failed;
 }
 

@@ -206,11 +206,16 @@ int lora_delta(const Lora *lora, int64_t num_layers, int64_t layer, int64_t firs
                int num_threads);
 
 /* How decode_steps draws each logit row's token: row i at 1 / inv_temperature[i] (0: its argmax)
- * and min_p[i] (NULL: off), by inverse transform sampling of uniform[s * rows + i] at step s
+ * and min_p[i], or with top_k[i] < vocab or top_p[i] < 1 from the row divided by temperature[i]
+ * and filtered (sample_rows' rule; min_p, top_k, top_p NULL: off for every row, temperature NULL
+ * where no row filters), by inverse transform sampling of uniform[s * rows + i] at step s
  * (uniform_capacity entries). */
 typedef struct {
     const float *inv_temperature;
+    const float *temperature;
     const float *min_p;
+    const int64_t *top_k;
+    const float *top_p;
     const double *uniform;
     int64_t uniform_capacity;
 } Draws;
@@ -245,12 +250,14 @@ int nucleus_filter(const float *logits, int64_t rows, int64_t vocab, int64_t log
                    const float *top_p, float *out, int64_t out_capacity, int num_threads);
 
 /* `count` tokens drawn by inverse transform sampling (categorical.c): draw i from row row_of[i] of
- * `rows` rows of logits (logits_capacity floats) at 1 / inv_temperature[i] (> 0), min_p[i] (0:
- * off; min_p NULL: off for all) and uniform[i] in [0, 1), into tokens (out_capacity entries);
- * draws shared among num_threads. */
+ * `rows` rows of logits (logits_capacity floats) at 1 / inv_temperature[i] (> 0) and min_p[i] (0:
+ * off), or where top_k[i] < vocab or top_p[i] < 1 from the row divided by temperature[i] and
+ * filtered to its top-k, then top-p nucleus, at temperature 1 (min_p, top_k, top_p NULL: off for
+ * all; temperature NULL where no draw filters), by uniform[i] in [0, 1), into tokens
+ * (out_capacity entries); draws shared among num_threads. */
 int sample_rows(const float *logits, int64_t rows, int64_t vocab, int64_t logits_capacity, const int64_t *row_of,
-                const float *inv_temperature, const float *min_p, const double *uniform, int64_t count, int64_t *tokens,
-                int64_t out_capacity, int num_threads);
+                const float *inv_temperature, const float *temperature, const float *min_p, const int64_t *top_k,
+                const float *top_p, const double *uniform, int64_t count, int64_t *tokens, int64_t out_capacity, int num_threads);
 
 /* A STREAM-like read of n floats by num_threads threads: the best of `repeats` passes, in bytes
  * per second (small_matmul.c; the decode benchmark's limit). */

@@ -393,6 +393,41 @@ void argmax_rows(const float *logits, int64_t rows, int64_t vocab, int64_t *toke
 int64_t categorical_row(const float *x, int64_t vocab, float inv_temperature, float min_p, double u);
 float token_logprob(const float *x, int64_t vocab, int64_t token);
 
+/* A row of logits filtered in place to its top-k, then its top-p nucleus (nucleus.c; top_k >=
+ * vocab or top_p >= 1: that filter off); scratch: NUCLEUS_SCRATCH * vocab 32-bit words. */
+enum { NUCLEUS_SCRATCH = 4 };
+void nucleus_row(float *x, int64_t vocab, int64_t top_k, float top_p, uint32_t *scratch);
+
+/* One random row's rule, as the sampler applies it (categorical.c, draw_row). */
+typedef struct {
+    float inv_temperature, temperature, min_p, top_p;
+    int64_t top_k;
+} RowDraw;
+
+/* Floats of scratch a draw with top-k or top-p takes per token of the vocabulary: the row divided
+ * by its temperature, and the nucleus filter's words. */
+enum { DRAW_SCRATCH = 1 + NUCLEUS_SCRATCH };
+
+/* Whether a row's draw filters its logits (top-k below the vocabulary, or top-p below 1). */
+static inline int draw_filters(RowDraw d, int64_t vocab) { return d.top_k < vocab || d.top_p < 1.0f; }
+
+/* Row i's rule from the arrays of an exported call (min_p, top_k, top_p NULL: off for every row). */
+static inline RowDraw row_draw(const float *inv_temperature, const float *temperature, const float *min_p, const int64_t *top_k,
+                               const float *top_p, int64_t i) {
+    return (RowDraw){inv_temperature[i], temperature ? temperature[i] : 0.0f, min_p ? min_p[i] : 0.0f,
+                     top_p ? top_p[i] : 1.0f, top_k ? top_k[i] : INT64_MAX};
+}
+
+/* The sampler's draw of one random row (categorical.c): unfiltered, categorical_row at the row's
+ * 1 / temperature; with top-k or top-p, the logits divided by the temperature into scratch
+ * (DRAW_SCRATCH * vocab floats), filtered there and drawn at temperature 1. */
+int64_t draw_row(const float *x, int64_t vocab, RowDraw d, double u, float *scratch);
+
+/* Refuses a rule outside the sampler's ranges (1 / temperature > 0 and finite, min_p in [0, 1],
+ * top_k >= 1, top_p in (0, 1], a filtered row's temperature > 0 and finite), naming the row as
+ * `what` ("sample rows: draw") and its index. */
+int check_row_draw(RowDraw d, int64_t vocab, const char *what, int64_t i);
+
 /* Cephes' expf, shared by exp_nonpositive and paged_decode.c's vector exp_lanes (c, n, r and p a
  * float or a vector of floats, so both expand to the same arithmetic): the exponent n =
  * floor(c log2(e) + 1/2), the reduced argument r = c - n ln2 (ln2 in two parts), and the

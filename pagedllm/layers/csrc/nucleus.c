@@ -101,6 +101,23 @@ static float row_threshold(const float *x, int64_t vocab, int64_t top_k, float t
     return threshold;
 }
 
+/* A row's scratch space from NUCLEUS_SCRATCH * vocab 32-bit words at `words`. */
+static Scratch scratch_in(uint32_t *words, int64_t vocab) {
+    return (Scratch){words, words + vocab, (float *)(words + 2 * vocab), (float *)(words + 3 * vocab)};
+}
+
+/* x's logits below the threshold of top_k and top_p as -inf, into y (which may be x). */
+static void filter_row(const float *x, float *y, int64_t vocab, int64_t top_k, float top_p, const Scratch *s) {
+    const float threshold = row_threshold(x, vocab, top_k, top_p, s);
+#pragma omp simd
+    for (int64_t i = 0; i < vocab; i++) y[i] = x[i] < threshold ? -INFINITY : x[i];
+}
+
+void nucleus_row(float *x, int64_t vocab, int64_t top_k, float top_p, uint32_t *scratch) {
+    const Scratch s = scratch_in(scratch, vocab);
+    filter_row(x, x, vocab, top_k, top_p, &s);
+}
+
 /* The exported kernel (the sampler's top-k / top-p): `rows` rows of `vocab` logits (within
  * `logits_capacity` floats) written to `out` (within `out_capacity` floats; it may be `logits`)
  * with the logits below each row's threshold set to -inf. top_k (>= vocab: off) or top_p (>= 1:
@@ -113,23 +130,14 @@ int nucleus_filter(const float *logits, int64_t rows, int64_t vocab, int64_t log
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (rows > 1) reduction(| : failed)
     {
-        Scratch s = {malloc((size_t)vocab * sizeof(uint32_t)), malloc((size_t)vocab * sizeof(uint32_t)),
-                     malloc((size_t)vocab * sizeof(float)), malloc((size_t)vocab * sizeof(float))};
-        const int have = s.keys && s.candidate_keys && s.weights && s.candidate_weights;
-        failed |= !have;
+        uint32_t *words = malloc((size_t)vocab * NUCLEUS_SCRATCH * sizeof(uint32_t));
+        failed |= words == NULL;
+        const Scratch s = scratch_in(words, vocab);
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            if (!have) continue;
-            const float *x = logits + r * vocab;
-            float *y = out + r * vocab;
-            const float threshold = row_threshold(x, vocab, top_k ? top_k[r] : INT64_MAX, top_p ? top_p[r] : 1.0f, &s);
-#pragma omp simd
-            for (int64_t i = 0; i < vocab; i++) y[i] = x[i] < threshold ? -INFINITY : x[i];
-        }
-        free(s.keys);
-        free(s.candidate_keys);
-        free(s.weights);
-        free(s.candidate_weights);
+        for (int64_t r = 0; r < rows; r++)
+            if (words != NULL)
+                filter_row(logits + r * vocab, out + r * vocab, vocab, top_k ? top_k[r] : INT64_MAX, top_p ? top_p[r] : 1.0f, &s);
+        free(words);
     }
     return failed ? KERNEL_NO_MEMORY : KERNEL_OK;
 }
