@@ -179,8 +179,8 @@ static int64_t weigh(const Scratch *s, int64_t n, float top, float floor, double
 }
 
 /* One row's threshold (-inf: nothing filtered); keys and weights are the row's scratch space.
- * Each selection runs over the tokens above a ladder bound (or, where the bound's sums fall short
- * of the target by rounding, over every token: the selection then finds no key and is rerun). */
+ * Each selection runs over the tokens above a ladder bound (top-p: where the bound's float sums
+ * overstated its mass by rounding, the selection finds no key and is rerun over every token). */
 static float row_threshold(const float *x, int64_t vocab, int64_t top_k, float top_p, const Scratch *s) {
     int nan;
     const float top = row_max(x, vocab, &nan);
@@ -192,14 +192,8 @@ static float row_threshold(const float *x, int64_t vocab, int64_t top_k, float t
     if (top_k < vocab) {
         const double k = (double)(top_k < 1 ? 1 : top_k);
         ladder(x, vocab, top, 0, above);
-        bound = ladder_bound(above, top, k);
-        n = gather(x, vocab, bound, s);
-        int found = select_key(s, n, 0, k, &key);
-        if (!found && bound > -INFINITY) { /* not expected: the counts are exact */
-            n = gather(x, vocab, -INFINITY, s);
-            found = select_key(s, n, 0, k, &key);
-        }
-        if (found) threshold = value_of(key);
+        n = gather(x, vocab, ladder_bound(above, top, k), s); /* at least k of them: the counts are exact */
+        if (select_key(s, n, 0, k, &key)) threshold = value_of(key);
     }
     if (top_p < 1.0f) {
         double mass, total;
@@ -209,7 +203,8 @@ static float row_threshold(const float *x, int64_t vocab, int64_t top_k, float t
         } else {
             ladder(x, vocab, top, 1, above);
             total = above[LADDER];
-            n = weigh(s, gather(x, vocab, bound = ladder_bound(above, top, (double)top_p * total), s), top, -INFINITY, &mass);
+            bound = ladder_bound(above, top, (double)top_p * total);
+            n = weigh(s, gather(x, vocab, bound, s), top, -INFINITY, &mass);
         }
         /* a positive target: the most likely token is always kept */
         const double target = fmax((double)top_p * total, DBL_MIN);
