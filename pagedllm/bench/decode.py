@@ -21,6 +21,10 @@ engine serves it by default) against llama.cpp on the same file through llama-cp
 optional, bench-only dependency, bench/llama_cpp.py) with the same thread count: single-stream
 decode (first to last token, the engines taking turns) and a 512-token prefill.
 
+`--temperature T` (with `--top-k`, `--top-p`, `--min-p`) samples instead: every engine with the
+same temperature and filters (a chat client's request), each by its own sampler — pagedllm's
+in its fused call, llama.cpp's sampler chain, transformers' logits warpers — seeded by `--seed`.
+
 The read bandwidth of a shared VM is not a constant: other tenants of the host take a share of
 the memory system that changes from one second to the next (1 GiB reads of the same buffer a few
 seconds apart have given 38 and 77 GB/s). A limit from the best bandwidth seen at any moment of
@@ -79,6 +83,51 @@ class Rate:
         return f"{self.tok_s:7.1f}"
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How every engine of the run picks its tokens: greedy (temperature 0), or sampled with the
+    same temperature, top-k (-1: off), top-p and min-p — a chat client's request rather than the
+    parity tests' — each engine by its own sampler and random numbers (seeded), so the tokens
+    differ while the work a token does not."""
+
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def params(self, new_tokens: int, seed: int):
+        """pagedllm's SamplingParams: `new_tokens` tokens whatever is sampled (no EOS)."""
+        from pagedllm import SamplingParams
+
+        if self.greedy:
+            return SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=seed,
+                              max_tokens=new_tokens, ignore_eos=True)
+
+    def llama_cpp(self) -> dict:
+        """llama-cpp-python's generate() arguments (top_k 0: off; its chain filters before the
+        temperature, ours after: the same filters, a slightly different distribution)."""
+        if self.greedy:
+            return {"temp": 0.0, "top_k": 1}
+        return {"temp": self.temperature, "top_k": max(self.top_k, 0), "top_p": self.top_p, "min_p": self.min_p}
+
+    def transformers(self) -> dict:
+        """transformers' generate() arguments (top_k 0: off; its default is 50)."""
+        if self.greedy:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_k": max(self.top_k, 0), "top_p": self.top_p,
+                "min_p": self.min_p or None}
+
+    def __str__(self) -> str:
+        if self.greedy:
+            return "greedy"
+        return f"sampled (temperature {self.temperature:g}, top_k {self.top_k}, top_p {self.top_p:g}, min_p {self.min_p:g})"
+
+
 def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(batch)]
@@ -108,10 +157,8 @@ def kv_bytes_per_token(llm) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * runner.kv_dtype.itemsize
 
 
-def run_pagedllm(llm, batch: int, prompt_len: int, new_tokens: int, seed: int) -> Rate:
-    from pagedllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+def run_pagedllm(llm, batch: int, prompt_len: int, new_tokens: int, seed: int, sampling: Sampling = Sampling()) -> Rate:
+    params = sampling.params(new_tokens, seed)
     vocab = llm.llm_engine.model_config.vocab_size
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(batch, prompt_len, vocab, seed)], params, use_tqdm=False)
     first = min(o.metrics.first_token_time for o in outputs)
@@ -135,12 +182,13 @@ class _TokenClock:
         pass
 
 
-def run_transformers(model, batch: int, prompt_len: int, new_tokens: int, seed: int) -> Rate:
+def run_transformers(model, batch: int, prompt_len: int, new_tokens: int, seed: int, sampling: Sampling = Sampling()) -> Rate:
     ids = torch.tensor(prompts(batch, prompt_len, SMOLLM2_135M["vocab_size"], seed))
     clock = _TokenClock()
+    torch.manual_seed(seed)
     with torch.inference_mode():
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=0, streamer=clock)
+                       pad_token_id=0, streamer=clock, **sampling.transformers())
     return Rate(batch * (len(clock.times) - 1) / (clock.times[-1] - clock.times[0]))
 
 
@@ -181,6 +229,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-cache", type=Path, default=Path(tempfile.gettempdir()) / "pagedllm-bench-smollm2-135m-random", help='where the random SmolLM2-shaped model is written once and reused (default: %(default)s)')
     parser.add_argument("--skip-transformers", action="store_true", help="the same as --against none")
     parser.add_argument("--prefill-len", type=int, default=512, help="--against llama.cpp: prompt tokens of the prefill measurement")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample instead of decoding greedily (0, the default: greedy), every engine with the same temperature "
+                             "and filters below, seeded by --seed; llama.cpp then runs batch 1 only (its parallel loop is greedy)")
+    parser.add_argument("--top-k", type=int, default=-1, help="with --temperature: top-k (-1, the default: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: top-p (default: %(default)s, off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="with --temperature: min-p (default: %(default)s, off)")
+
+
+def sampling_of(args: argparse.Namespace) -> Sampling:
+    """The run's Sampling; filters without a temperature are refused (greedy would ignore them)."""
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
+    if sampling.greedy and sampling != Sampling():
+        raise SystemExit("--top-k, --top-p and --min-p filter a sampled decode: give --temperature too")
+    return sampling
 
 
 @dataclass
@@ -261,11 +323,12 @@ def run(args: argparse.Namespace) -> int:
     from pagedllm import LLM
 
     resolve_defaults(args)
+    sampling = sampling_of(args)
     folder = args.model or build_model(args.model_cache)
     against = "none" if args.skip_transformers else args.against
     batches = [int(b) for b in args.batch_sizes.split(",")]
     library = kernels.load()
-    print(f"model: {args.model or 'random SmolLM2-135M shape'}; prompt {args.prompt_len} tokens, {args.new_tokens} greedy tokens; "
+    print(f"model: {args.model or 'random SmolLM2-135M shape'}; prompt {args.prompt_len} tokens, {args.new_tokens} tokens {sampling}; "
           f"{torch.get_num_threads()} threads; kernels: {kernels.isa(library) if library else 'none (no compiler)'}; "
           f"CPU: {kernels.cpu_model() or 'unknown'}")
     bandwidth, peaks = read_bandwidth(), {int8: measure_cpu_peak(int8) for int8 in (False, True)}
@@ -281,19 +344,21 @@ def run(args: argparse.Namespace) -> int:
         weights, elements = weight_bytes_per_step(llm), weight_elements(llm)
         kv = kv_bytes_per_token(llm) * (args.prompt_len + args.new_tokens / 2)  # a sequence's K/V at its mean context
         for batch in batches:  # warm-up, long enough for the fused step to have tried both thread counts at each size
-            run_pagedllm(llm, batch, args.prompt_len, 64, args.seed)
+            run_pagedllm(llm, batch, args.prompt_len, 64, args.seed, sampling)
         weights_kind = (llm.llm_engine.config.quantization or "fp32") + (", int8 activations" if int8 else "")
         name = f"pagedllm ({weights_kind}, {args.decode_backend}, {_steps_label(llm, steps)})"
         int8_of[name] = bool(int8)
-        engines.append((name, functools.partial(lambda llm, b: run_pagedllm(llm, b, args.prompt_len, args.new_tokens, args.seed), llm)))
+        engines.append((name, functools.partial(
+            lambda llm, b: run_pagedllm(llm, b, args.prompt_len, args.new_tokens, args.seed, sampling), llm)))
     if against == "llama.cpp":
-        engines.append(_llama_cpp_engine(args, llm))
+        engines.append(_llama_cpp_engine(args, llm, sampling))
     if against == "transformers":
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        run_transformers(model, 1, 8, 4, args.seed)  # warm-up
-        engines.append(("transformers (fp32)", lambda b: run_transformers(model, b, args.prompt_len, args.new_tokens, args.seed)))
+        run_transformers(model, 1, 8, 4, args.seed, sampling)  # warm-up
+        engines.append(("transformers (fp32)",
+                        lambda b: run_transformers(model, b, args.prompt_len, args.new_tokens, args.seed, sampling)))
     results = list(_measure(engines, batches, args.repeats).items())
     if against == "llama.cpp":
         _prefill(args, llm, engines[-1][1].llama)
@@ -321,11 +386,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _LlamaCpp:
-    """llama.cpp's decode as an engine of `_measure`: one sequence through its own generate loop,
-    a batch as parallel sequences in one context (llama_cpp.ParallelDecoder, one per batch size)."""
+    """llama.cpp's decode as an engine of `_measure`: one sequence through its own generate loop
+    (greedy or sampled by its sampler chain), a greedy batch as parallel sequences in one context
+    (llama_cpp.ParallelDecoder, one per batch size; a sampled batch is not run)."""
 
-    def __init__(self, llama, args: argparse.Namespace, vocab: int):
-        self.llama, self.args, self.vocab = llama, args, vocab
+    def __init__(self, llama, args: argparse.Namespace, vocab: int, sampling: Sampling):
+        self.llama, self.args, self.vocab, self.sampling = llama, args, vocab, sampling
         self.parallel = {}
 
     def __call__(self, batch: int) -> Rate | None:
@@ -333,7 +399,10 @@ class _LlamaCpp:
 
         requests = prompts(batch, self.args.prompt_len, self.vocab, self.args.seed)
         if batch == 1:
-            return Rate(llama_cpp.decode_rate(self.llama, requests[0], self.args.new_tokens))
+            return Rate(llama_cpp.decode_rate(self.llama, requests[0], self.args.new_tokens, self.sampling.llama_cpp(),
+                                              self.args.seed))
+        if not self.sampling.greedy:
+            return None
         if batch not in self.parallel:
             context = batch * (self.args.prompt_len + self.args.new_tokens + 16)
             self.parallel[batch] = llama_cpp.ParallelDecoder(self.llama, batch, context, torch.get_num_threads())
@@ -341,14 +410,14 @@ class _LlamaCpp:
         return Rate(self.parallel[batch].rate(requests, self.args.new_tokens))
 
 
-def _llama_cpp_engine(args: argparse.Namespace, llm) -> tuple[str, _LlamaCpp]:
+def _llama_cpp_engine(args: argparse.Namespace, llm, sampling: Sampling) -> tuple[str, _LlamaCpp]:
     from pagedllm.bench import llama_cpp
     from pagedllm.gguf import is_gguf
 
     if not is_gguf(args.model or ""):
         raise SystemExit("--against llama.cpp needs --model FILE.gguf (llama.cpp reads the same file)")
     llama = llama_cpp.load(str(args.model), torch.get_num_threads(), max(args.prompt_len + args.new_tokens, args.prefill_len) + 16)
-    engine = _LlamaCpp(llama, args, llm.llm_engine.model_config.vocab_size)
+    engine = _LlamaCpp(llama, args, llm.llm_engine.model_config.vocab_size, sampling)
     engine(1)  # warm-up
     return f"llama.cpp ({Path(args.model).name}, {torch.get_num_threads()} threads, {llama_cpp.build_features()})", engine
 
