@@ -491,6 +491,11 @@ def test_random_rows_on_the_cpu_take_the_kernels_and_seeded_rows_draw_their_gene
     assert len({tuple(t) for t in tokens}) == 1 and tokens[0][3] == int(logits[3].argmax())  # seeded: every draw the same
     alone = [sample(Sampler(0, CPU, counting), logits[r : r + 1], [rows[r]])[0] for r in range(3)]
     assert alone == tokens[0][:3]  # a row's rule is its own: the others' filters do not touch it
+    # the kernel gets int64 k and float32 temperatures, p and min_p whatever the metadata's dtypes (k off: >= vocab)
+    meta = metadata(rows)
+    wide = replace(meta, temperature=meta.temperature.double(), top_k=meta.top_k.clamp(max=5000).int(),
+                   top_p=meta.top_p.double(), min_p=meta.min_p.double())
+    assert Sampler(0, CPU, counting)(logits, wide).token_ids.tolist() == tokens[0]
     filtered, _ = exact_filter(logits[:3] / torch.tensor([[0.7], [1.0], [0.9]]), torch.tensor([5000, 40, 100]),
                                torch.tensor([0.9, 1.0, 0.8]), 0.0)
     checked = 0
