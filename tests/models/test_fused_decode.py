@@ -386,3 +386,28 @@ def test_more_logit_rows_than_rows_in_a_fused_step(model_dir, run, prompt_len):
     assert prompt_len in calls["fused"] and not calls["torch"]  # the prompt ran as one fused step
     for mine, theirs in zip(outputs["fused"], outputs["torch"]):
         assert [c.token_ids for c in mine.outputs] == [c.token_ids for c in theirs.outputs]
+
+
+def test_row_draws_point_the_call_at_their_arrays_and_refuse_the_wrong_ones():
+    """RowDraws' C description points at its own arrays (NULL for the filters no row uses), and an
+    array of the wrong dtype, shape or order is refused by name before the C call reads it."""
+    import numpy as np
+
+    from pagedllm.models.fused_decode import RowDraws
+
+    f32 = lambda *v: np.array(v, dtype=np.float32)  # noqa: E731
+    draws = RowDraws(f32(1.25, 0.0), f32(0.8, 1.0), f32(0.05, 0.0), np.zeros((3, 2)))
+    struct = draws.struct(2, 3)
+    assert struct.inv_temperature == draws.inv_temperature.ctypes.data and struct.temperature == draws.temperature.ctypes.data
+    assert struct.min_p == draws.min_p.ctypes.data and struct.uniform == draws.uniform.ctypes.data and struct.uniform_capacity == 6
+    assert struct.top_k is None and struct.top_p is None
+    draws.top_k, draws.top_p = np.array([40, 2**62], dtype=np.int64), f32(0.9, 1.0)
+    struct = draws.struct(2, 3)
+    assert struct.top_k == draws.top_k.ctypes.data and struct.top_p == draws.top_p.ctypes.data
+    for field, bad in (("top_k", np.array([40, 1], dtype=np.int32)), ("top_p", f32(0.9)), ("temperature", np.array([0.8, 1.0])),
+                       ("min_p", f32(0.0, 0.1, 0.2)[::2])):
+        wrong = RowDraws(**{**draws.__dict__, field: bad})
+        with pytest.raises(ValueError, match=f"draws: {field} "):
+            wrong.struct(2, 3)
+    with pytest.raises(ValueError, match=r"draws: uniform float64 \(3, 2\), float64 \[2, 2\] expected"):
+        draws.struct(2, 2)
