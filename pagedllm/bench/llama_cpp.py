@@ -44,13 +44,14 @@ def build_features() -> str:
     return " ".join(flag for flag in flags if flag.startswith(("AVX", "AMX")))
 
 
-def decode_rate(llm, prompt: list[int], new_tokens: int, sampling: dict | None = None, seed: int = 0) -> float:
-    """Tokens/s from the first generated token to the last: greedy, or sampled by llama.cpp's
-    sampler chain with `sampling` (generate()'s temp, top_k, top_p, min_p), seeded."""
+def decode_rate(llm, prompt: list[int], new_tokens: int, sampling: dict, seed: int) -> float:
+    """Tokens/s from the first generated token to the last, each token picked by llama.cpp's
+    sampler chain as `sampling` says (generate()'s temp, top_k, top_p, min_p: decode.Sampling),
+    seeded."""
     llm.reset()
     llm.set_seed(seed)
     times = []
-    for _ in llm.generate(prompt, reset=True, **(sampling or {"temp": 0.0, "top_k": 1})):
+    for _ in llm.generate(prompt, reset=True, **sampling):
         times.append(time.perf_counter())
         if len(times) == new_tokens:
             break

@@ -902,8 +902,9 @@ static int most_threads(const int *threads, int64_t num_steps) {
 /* `num_steps` decode steps of the same rows, each row's token fed back as its next input
  * (multi-step scheduling): its argmax, or where `draws` gives the row a temperature a draw by
  * inverse transform sampling of its uniform number for the step, top-k and top-p included
- * (categorical.c's draw_row: the sampler's rule); tokens and logprobs are [num_steps, rows] in logit-row order; step s runs on threads[s]
- * threads and its time is written to seconds[s] (the thread count is tuned per step). Every row
+ * (categorical.c's draw_row: the sampler's rule); tokens and logprobs are [num_steps, rows] in
+ * logit-row order; step s runs on threads[s] threads and its time is written to seconds[s] (the
+ * thread count is tuned per step). Every row
  * samples (num_logits == rows, logit_rows a permutation), and each row's block table must
  * already cover its last position, position + num_steps - 1. Why here rather than one Python
  * step per token: between two steps the engine's per-step Python runs on caches the step's
